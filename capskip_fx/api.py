@@ -1,0 +1,152 @@
+"""The one entry point: ``capskip_fx.compile(model, *, rule="capskip", budget=0.1, **options)``."""
+from __future__ import annotations
+
+import inspect
+import math
+from typing import Any, Optional, Union
+
+import torch
+from torch import Tensor, nn
+
+from . import ops
+from .backend import CapskipBackend
+from .config import CapskipConfig
+from .rules import RULES, Rule, make_rule
+from .runtime.state import RuntimeState, StepStats
+
+_CONFIG_FIELDS = set(CapskipConfig.__dataclass_fields__)
+_RULE_STATE_KEY = "_capskip"
+
+
+class CapskipModule(nn.Module):
+    """The compiled model.  Call it like the original; optional keyword inputs:
+
+    ``capskip_targets``: (N,) int labels (needed for losses other than cross-entropy, and
+    recommended with label smoothing); ``capskip_index``: (N,) dataset indices (rules with
+    per-example histories).  ``state_dict()`` is the original model's plus the rule's state.
+    """
+
+    def __init__(self, model: nn.Module, state: RuntimeState, config: CapskipConfig, logits_index=None):
+        super().__init__()
+        self.model = model
+        self.config = config
+        self._state = state
+        key = ops.register_state(state)
+        self._backend = CapskipBackend(config, state, key, logits_index)
+        self._eager_head: Optional[nn.Linear] = None
+        if config.backend == "eager":
+            self._compiled = model
+            self._eager_h: Optional[Tensor] = None
+            self._eager_head = _last_linear(model)
+            self._eager_head.register_forward_hook(self._capture_h)
+        else:
+            self._compiled = torch.compile(model, backend=self._backend)
+
+    @property
+    def rule(self) -> Rule:
+        return self._state.rule
+
+    @property
+    def backend(self) -> CapskipBackend:
+        return self._backend
+
+    def forward(self, *args, capskip_targets: Optional[Tensor] = None, capskip_index: Optional[Tensor] = None,
+                **kwargs):
+        self._state.set_step_inputs(capskip_targets, capskip_index)
+        if self.config.backend == "eager":
+            return self._eager_forward(*args, **kwargs)
+        if self.config.dynamic_batch:
+            for a in args:
+                if isinstance(a, Tensor) and a.dim() > 0 and a.shape[0] >= 2:
+                    torch._dynamo.mark_dynamic(a, 0)
+        return self._compiled(*args, **kwargs)
+
+    # -- backend="eager": the reference semantics, dense cost ---------------------------
+    def _capture_h(self, mod, inp, out):
+        self._eager_h = inp[0]
+
+    def _eager_forward(self, *args, **kwargs):
+        z = self.model(*args, **kwargs)
+        if torch.is_grad_enabled() and isinstance(z, Tensor) and z.requires_grad:
+            h = self._eager_h.detach()
+            zd = z.detach()
+            state = self._state
+            state.head_bias = self._eager_head.bias is not None
+
+            def mask(g):
+                w, _ = state.select(h.reshape(-1, h.shape[-1]), zd, g)
+                return g * w.view(-1, *([1] * (g.dim() - 1)))
+
+            z.register_hook(mask)
+        return z
+
+    # -- checkpointing: the model's keys, plus the rule's state ----------------------------
+    def state_dict(self, *args, **kwargs):
+        sd = self.model.state_dict(*args, **kwargs)
+        sd[_RULE_STATE_KEY] = self._state.state_dict()
+        return sd
+
+    def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
+        sd = dict(state_dict)
+        extra = sd.pop(_RULE_STATE_KEY, None)
+        if extra is not None:
+            self._state.load_state_dict(extra)
+        return self.model.load_state_dict(sd, strict=strict, assign=assign)
+
+
+def _last_linear(model: nn.Module) -> nn.Linear:
+    lin = [m for m in model.modules() if isinstance(m, nn.Linear)]
+    if not lin:
+        raise ValueError("capskip_fx: the model has no nn.Linear head; the selection needs the logits "
+                         "to come from a final Linear layer")
+    return lin[-1]
+
+
+def compile(model: nn.Module, *, rule: Union[str, Rule] = "capskip", budget: Optional[float] = 0.1,
+            seed: int = 0, logits_index: Optional[int] = None, **options: Any) -> CapskipModule:
+    """Compile ``model`` so that its backward runs on the rows the rule keeps.
+
+    ``rule``: a name (``capskip_fx.rules.RULES``) or a Rule object.  ``budget``: CAPSkip's
+    relative budget b in [0, 1] (ignored by rules that don't take one).  Other ``options`` go
+    to :class:`CapskipConfig` (``backend``, ``granule``, ...) or to the rule (``keep``, ...).
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"capskip_fx.compile expects an nn.Module, got {type(model).__name__}")
+    cfg_opts = {k: options.pop(k) for k in list(options) if k in _CONFIG_FIELDS}
+    config = CapskipConfig(**cfg_opts)
+    if isinstance(rule, Rule):
+        rule_obj = make_rule(rule, **options)
+    else:
+        if not isinstance(rule, str) or rule not in RULES:
+            raise ValueError(f"unknown rule {rule!r}; valid names: {', '.join(sorted(RULES))}")
+        cls = RULES[rule]
+        params = inspect.signature(cls).parameters
+        if "budget" in params:
+            if budget is None or not isinstance(budget, (int, float)) or math.isnan(budget) or not 0 <= budget <= 1:
+                raise ValueError(f"budget must be a number in [0, 1], got {budget!r}")
+            options["budget"] = budget
+        rule_obj = make_rule(rule, **options)
+    _check_device(model)
+    state = RuntimeState(rule_obj, seed=seed)
+    return CapskipModule(model, state, config, logits_index)
+
+
+def _check_device(model: nn.Module) -> None:
+    devs = {p.device.type for p in model.parameters()}
+    bad = devs - {"cpu", "cuda", "xpu"}
+    if bad:
+        raise ValueError(f"capskip_fx supports models on cpu/cuda/xpu; got parameters on {sorted(bad)}")
+
+
+def stats(model: CapskipModule) -> StepStats:
+    """The last step's statistics (no device sync unless ``.bound`` is read)."""
+    if not isinstance(model, CapskipModule):
+        raise TypeError("capskip_fx.stats expects the module returned by capskip_fx.compile")
+    s = model._state.last
+    s.variants = model._state.variants
+    return s
+
+
+def report(model: CapskipModule) -> list[dict]:
+    """One row per graph the backend received: how its backward runs and why."""
+    return [r.as_dict() for r in model.backend.records]

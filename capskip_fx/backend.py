@@ -1,0 +1,144 @@
+"""The torch.compile backend object: Inductor's ``compile_fx`` with capskip's two passes.
+
+One backend per ``capskip_fx.compile`` call (Dynamo matches compiled entries by backend
+object, so configs must not share one).  It remembers every graph it received, what it
+rewrote and why it refused (``records``), like Thunder's backend.
+"""
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+import torch
+from torch import fx
+
+from .config import CapskipConfig
+from .passes.batch import Refused
+from .passes.insert_select import SELECT, InsertSelectPass
+from .passes.selected_rows import BackwardPlan, SelectedRowBackward, check_not_specialised, plan_backward
+from .runtime.state import RuntimeState
+
+_MATMULS = ("mm", "addmm", "bmm", "baddbmm")
+
+
+@dataclass
+class GraphRecord:
+    """What happened to one Dynamo graph."""
+
+    index: int
+    nodes: int
+    selected: bool = False  # the joint pass inserted the selection node
+    coupled: bool = False
+    head_bias: bool = True
+    masked_tangents: int = 0
+    backward: str = "not compiled yet"  # "selected rows" | "dense-masked" | "dense"
+    reason: Optional[str] = None  # why this graph runs dense, if it does
+    plan: Optional[BackwardPlan] = None
+    backward_graph: Optional[fx.GraphModule] = None  # the rewritten graph, before Inductor
+    row_counts: set = field(default_factory=set)  # distinct gathered row counts seen
+    matmul_rows: list = field(default_factory=list)  # aot_eager: (op, rows) of the last backward's matmuls
+
+    def refuse(self, reason: str) -> None:
+        if self.reason is None:
+            self.reason = reason
+
+    def as_dict(self) -> dict:
+        return {"graph": self.index, "nodes": self.nodes, "backward": self.backward,
+                "reason": self.reason, "gathered_inputs": self.plan.gathered_inputs if self.plan else 0,
+                "row_counts": sorted(self.row_counts)}
+
+
+class _Interpreted:
+    """aot_eager's 'compiled' graph: an FX interpreter that records matmul row counts."""
+
+    def __init__(self, gm: fx.GraphModule, record: Optional[GraphRecord] = None):
+        self._boxed_call = True
+        self.gm = gm
+        self.record = record
+
+    def __call__(self, args: list) -> Any:
+        rows = []
+        record = self.record
+
+        class _I(fx.Interpreter):
+            def run_node(self, n):
+                out = super().run_node(n)
+                if record is not None and n.op == "call_function" and getattr(n.target, "__name__", "").split(".")[0] in _MATMULS:
+                    rows.append((str(n.target), out.shape[0]))
+                return out
+
+        out = _I(self.gm).run(*args)
+        args.clear()
+        if record is not None:
+            record.matmul_rows = rows
+        return out
+
+
+def _eager_inner(gm: fx.GraphModule, example_inputs, record: Optional[GraphRecord] = None, **kwargs):
+    return _Interpreted(gm, record if kwargs.get("is_backward") else None)
+
+
+class CapskipBackend:
+    def __init__(self, config: CapskipConfig, state: RuntimeState, key: int, logits_index: Optional[int] = None):
+        self.config = config
+        self.state = state
+        self.key = key
+        self.logits_index = logits_index
+        self.records: list[GraphRecord] = []
+        self._current: Optional[GraphRecord] = None
+
+    def current_record(self) -> GraphRecord:
+        assert self._current is not None
+        return self._current
+
+    def on_refused(self, reason: str) -> None:
+        self.state.warn_once(f"{reason} -> dense backward for this graph")
+
+    def __call__(self, gm: fx.GraphModule, example_inputs, **kwargs):
+        from torch._inductor.compile_fx import compile_fx
+
+        rec = GraphRecord(index=len(self.records), nodes=len(gm.graph.nodes))
+        self.records.append(rec)
+        self._current = rec
+        patches = {"joint_custom_pre_pass": InsertSelectPass(self)}
+        # AOTAutogradCache keys on graph + Inductor config, not on inner_compile: it once served
+        # a dense backward from another config.  Our joint pass and backward must always run.
+        with torch._functorch.config.patch(enable_autograd_cache=False):
+            return compile_fx(gm, example_inputs, inner_compile=functools.partial(self._inner, rec),
+                              config_patches=patches)
+
+    def _base(self, rec: GraphRecord):
+        if self.config.backend == "inductor":
+            from torch._inductor.compile_fx import compile_fx_inner
+            return compile_fx_inner
+        return functools.partial(_eager_inner, record=rec)
+
+    def _inner(self, rec: GraphRecord, gm: fx.GraphModule, example_inputs, **kwargs):
+        base = self._base(rec)
+        if not kwargs.get("is_backward", False):
+            return base(gm, example_inputs, **kwargs)
+        if not any(n.target == SELECT for n in gm.graph.nodes):
+            rec.backward = "dense"
+            return base(gm, example_inputs, **kwargs)
+        try:
+            gm, plan, w_val = plan_backward(gm, example_inputs)
+        except Refused as e:
+            rec.refuse(str(e))
+            rec.backward = "dense-masked"
+            self.on_refused(str(e))
+            return base(gm, example_inputs, **kwargs)
+        rec.plan = plan
+        rec.backward_graph = fx.GraphModule(gm, gm.graph)  # snapshot before Inductor's post-grad passes
+        compiled = base(gm, list(example_inputs) + [w_val], **kwargs)
+        try:
+            check_not_specialised(example_inputs, plan.sym)
+            rec.backward = "selected rows"
+        except Refused as e:
+            # the rewritten graph at N rows is the dense-masked backward: still exact
+            rec.refuse(str(e))
+            rec.backward = "dense-masked"
+            self.on_refused(str(e))
+        self.state.variants += 1
+        return SelectedRowBackward(compiled, plan, self.state, self.config, rec,
+                                   dense_only=rec.backward != "selected rows")

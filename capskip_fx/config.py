@@ -1,0 +1,44 @@
+"""Frozen configuration of one ``capskip_fx.compile`` call."""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+BACKENDS = ("inductor", "aot_eager", "eager")
+
+
+@dataclass(frozen=True)
+class CapskipConfig:
+    """Options that shape the graphs (the rule itself lives on the runtime state).
+
+    backend:    "inductor" (default; everything compiled), "aot_eager" (same graph passes, graphs run
+                as FX interpreters: fast to build, for tests and debugging), "eager" (no compile:
+                the rule's selection is applied by masking the logits' gradient; dense-cost reference).
+    granule:    kept-row counts are rounded up to a multiple of this (pad rows carry weight 0,
+                which is exact).  One symbolic-batch backward serves every count, so this only
+                trades padding for fewer distinct shapes (useful for CUDA graphs / autotuning).
+    min_rows:   the selected-row backward runs on at least this many rows (the symbolic batch was
+                traced with size >= 2, so 1 row is padded to 2).
+    verify:     on each graph's first step also run the dense-masked backward and compare.
+    on_coupling: "dense" (warn once, run the exact dense backward, record why) or "error".
+    """
+
+    backend: str = "inductor"
+    granule: int = 1
+    min_rows: int = 2
+    verify: bool = False
+    on_coupling: str = "dense"
+    dynamic_batch: bool = True
+
+    def __post_init__(self):
+        if self.backend not in BACKENDS:
+            raise ValueError(f"backend must be one of {BACKENDS}, got {self.backend!r}")
+        if not (isinstance(self.granule, int) and self.granule >= 1):
+            raise ValueError(f"granule must be a positive int, got {self.granule!r}")
+        if self.on_coupling not in ("dense", "error"):
+            raise ValueError(f"on_coupling must be 'dense' or 'error', got {self.on_coupling!r}")
+
+    def bucket(self, k: int, n: int) -> int:
+        """Rows the backward runs on for k kept rows out of n (k <= kb <= n)."""
+        kb = max(self.min_rows, math.ceil(k / self.granule) * self.granule)
+        return min(n, kb)

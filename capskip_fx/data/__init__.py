@@ -1,0 +1,1 @@
+"""Data side of the training harness: dataset loaders (:mod:`.datasets`) and stale-statistics stores."""

@@ -1,0 +1,255 @@
+"""Image-classification datasets for the training harness, offline first.
+
+Every dataset is held in memory as uint8 ``(N, C, H, W)`` images plus int64 labels and served
+by :class:`ImageDataset`, whose items are ``(image, label, index)``: the index is the row's
+position in the (sub-sampled) training set, which rules with per-example history need
+(``capskip_index=``).
+
+Sources, in order (the one used is printed):
+  * fashion-mnist: IDX files under ``data_dir``, else Debian's
+    ``/usr/share/datasets/fashion-mnist``, else a torchvision download into ``data_dir``.
+  * cifar10 / cifar100: the standard python-pickle folders (``cifar-10-batches-py``,
+    ``cifar-100-python``) under ``data_dir``, else a torchvision download.
+  * digits: scikit-learn's bundled 8x8 digits (1797 images), for seconds-long smoke runs.
+"""
+from __future__ import annotations
+
+import gzip
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Optional
+
+import numpy as np
+import torch
+from torch import Tensor
+from torch.utils.data import Dataset
+from torchvision.datasets import CIFAR10, CIFAR100, FashionMNIST
+from torchvision.transforms import v2
+
+DATASETS = ("fashion-mnist", "cifar10", "cifar100", "digits")
+DEBIAN_FASHION_MNIST = "/usr/share/datasets/fashion-mnist"
+DEFAULT_ROOT = "data"  # relative to the working directory; git-ignored
+NATIVE_SIZE = {"fashion-mnist": 28, "cifar10": 32, "cifar100": 32, "digits": 8}
+DEFAULT_IMG_SIZE = {"fashion-mnist": 28, "cifar10": 32, "cifar100": 32, "digits": 16}
+NORM = {
+    "fashion-mnist": ((0.2860,), (0.3530,)),
+    "cifar10": ((0.4914, 0.4822, 0.4465), (0.2470, 0.2435, 0.2616)),
+    "cifar100": ((0.5071, 0.4865, 0.4409), (0.2673, 0.2564, 0.2762)),
+}
+# flips change a digit's meaning; clothes and CIFAR objects are mirror-symmetric classes
+FLIP = {"fashion-mnist": True, "cifar10": True, "cifar100": True, "digits": False}
+
+
+@dataclass
+class Split:
+    images: Tensor  # (N, C, H, W) uint8
+    labels: Tensor  # (N,) int64
+
+    def __len__(self) -> int:
+        return self.labels.shape[0]
+
+    def subset(self, k: Optional[int], seed: int = 0) -> "Split":
+        """A fixed random subset of k rows (same for every run seed, so runs are comparable)."""
+        if k is None or k >= len(self):
+            return self
+        if k <= 0:
+            raise ValueError(f"subset size must be positive, got {k}")
+        idx = torch.randperm(len(self), generator=torch.Generator().manual_seed(seed))[:k].sort().values
+        return Split(self.images[idx], self.labels[idx])
+
+
+class ImageDataset(Dataset):
+    """uint8 images in memory; items are ``(transform(image), label, index)``."""
+
+    def __init__(self, split: Split, transform: Callable[[Tensor], Tensor]):
+        self.split = split
+        self.transform = transform
+
+    def __len__(self) -> int:
+        return len(self.split)
+
+    def __getitem__(self, i: int):
+        return self.transform(self.split.images[i]), int(self.split.labels[i]), i
+
+
+@dataclass
+class DataBundle:
+    train: ImageDataset
+    test: ImageDataset
+    num_classes: int
+    in_chans: int  # channels the model sees (after any grey -> RGB repeat)
+    img_size: int
+    source: str
+
+
+# ---------------------------------------------------------------- Fashion-MNIST (IDX files)
+
+_IDX_DTYPES = {0x08: np.uint8, 0x09: np.int8, 0x0B: ">i2", 0x0C: ">i4", 0x0D: ">f4", 0x0E: ">f8"}
+_FMNIST = {"train": ("train-images-idx3-ubyte", "train-labels-idx1-ubyte"),
+           "test": ("t10k-images-idx3-ubyte", "t10k-labels-idx1-ubyte")}
+
+
+def read_idx(path: str | os.PathLike) -> np.ndarray:
+    """Read an IDX file (plain or .gz).  torchvision's reader needs an uncompressed path."""
+    opener = gzip.open if str(path).endswith(".gz") else open
+    with opener(path, "rb") as f:
+        data = f.read()
+    if data[0] != 0 or data[1] != 0:
+        raise ValueError(f"{path}: not an IDX file (bad magic {data[:4].hex()})")
+    dtype, nd = np.dtype(_IDX_DTYPES[data[2]]), data[3]
+    shape = tuple(int.from_bytes(data[4 + 4 * i: 8 + 4 * i], "big") for i in range(nd))
+    return np.frombuffer(data, dtype=dtype, offset=4 + 4 * nd).reshape(shape)
+
+
+def _find_file(root: Path, stem: str) -> Optional[Path]:
+    for sub in ("", "FashionMNIST/raw", "fashion-mnist"):
+        for suffix in (".gz", ""):
+            p = root / sub / (stem + suffix)
+            if p.is_file():
+                return p
+    return None
+
+
+def _idx_split(root: Path, which: str) -> Optional[Split]:
+    paths = [_find_file(root, stem) for stem in _FMNIST[which]]
+    if None in paths:
+        return None
+    images = torch.from_numpy(read_idx(paths[0]).copy())[:, None]  # (N, 1, 28, 28)
+    labels = torch.from_numpy(read_idx(paths[1]).astype(np.int64))
+    if images.shape[0] != labels.shape[0]:
+        raise ValueError(f"{paths[0]} has {images.shape[0]} images but {paths[1]} has {labels.shape[0]} labels")
+    return Split(images, labels)
+
+
+def load_fashion_mnist(data_dir: Optional[str] = None, download: bool = True, log=print):
+    tried = []
+    for root in ([data_dir] if data_dir else []) + [DEBIAN_FASHION_MNIST]:
+        train, test = _idx_split(Path(root), "train"), _idx_split(Path(root), "test")
+        if train is not None and test is not None:
+            log(f"[data] fashion-mnist: IDX files from {root}")
+            return train, test, f"idx:{root}"
+        tried.append(root)
+    if not download:
+        raise FileNotFoundError(f"Fashion-MNIST IDX files not found in {tried} and download disabled")
+    root = data_dir or DEFAULT_ROOT
+    log(f"[data] fashion-mnist: no IDX files in {tried}; downloading with torchvision into {root}")
+    try:
+        tr, te = (FashionMNIST(root, train=t, download=True) for t in (True, False))
+    except Exception as e:  # no network here is the usual cause
+        raise RuntimeError(f"Fashion-MNIST not found in {tried} and the download failed ({e}); "
+                           "pass --data-dir with the IDX files") from e
+    return (Split(tr.data[:, None].clone(), tr.targets.long()), Split(te.data[:, None].clone(), te.targets.long()),
+            f"torchvision-download:{root}")
+
+
+# ---------------------------------------------------------------- CIFAR (python pickles)
+
+class _LocalCIFAR10(CIFAR10):
+    """Existing files, no md5 check: lets copies and small fixtures in the real format load."""
+    train_list = [(f, None) for f, _ in CIFAR10.train_list]
+    test_list = [(f, None) for f, _ in CIFAR10.test_list]
+    meta = {**CIFAR10.meta, "md5": None}
+
+
+class _LocalCIFAR100(CIFAR100):
+    train_list = [(f, None) for f, _ in CIFAR100.train_list]
+    test_list = [(f, None) for f, _ in CIFAR100.test_list]
+    meta = {**CIFAR100.meta, "md5": None}
+
+
+def _cifar_split(ds) -> Split:
+    images = torch.from_numpy(np.ascontiguousarray(ds.data.transpose(0, 3, 1, 2)))  # HWC -> CHW
+    return Split(images, torch.as_tensor(ds.targets, dtype=torch.long))
+
+
+def load_cifar(name: str, data_dir: Optional[str] = None, download: bool = True, log=print):
+    base, local = (CIFAR10, _LocalCIFAR10) if name == "cifar10" else (CIFAR100, _LocalCIFAR100)
+    roots = [Path(data_dir)] if data_dir else [Path(DEFAULT_ROOT)]
+    if data_dir and Path(data_dir).name == base.base_folder:  # the batches folder itself was given
+        roots.insert(0, Path(data_dir).parent)
+    for root in roots:
+        folder = root / base.base_folder
+        if all((folder / f).is_file() for f, _ in base.train_list + base.test_list + [(base.meta["filename"], 0)]):
+            log(f"[data] {name}: python-format files from {folder} (md5 not verified)")
+            return (_cifar_split(local(str(root), train=True)), _cifar_split(local(str(root), train=False)),
+                    f"pickle:{folder}")
+    if not download:
+        raise FileNotFoundError(f"{name}: no {base.base_folder} under {[str(r) for r in roots]} and download disabled")
+    root = str(roots[-1])
+    log(f"[data] {name}: no local files; downloading with torchvision into {root}")
+    try:
+        tr, te = (base(root, train=t, download=True) for t in (True, False))
+    except Exception as e:
+        raise RuntimeError(f"{name}: no local {base.base_folder} and the download failed ({e}); "
+                           f"pass --data-dir containing {base.base_folder}/") from e
+    return _cifar_split(tr), _cifar_split(te), f"torchvision-download:{root}"
+
+
+# ---------------------------------------------------------------- digits (scikit-learn)
+
+def load_digits_data(log=print):
+    from sklearn.datasets import load_digits
+
+    d = load_digits()
+    images = torch.from_numpy(np.round(d.images * (255.0 / 16.0)).astype(np.uint8))[:, None]  # (1797, 1, 8, 8)
+    labels = torch.from_numpy(d.target.astype(np.int64))
+    perm = torch.randperm(len(labels), generator=torch.Generator().manual_seed(0))
+    n_test = len(labels) // 5
+    te, tr = perm[:n_test].sort().values, perm[n_test:].sort().values
+    log("[data] digits: scikit-learn load_digits (bundled, 8x8)")
+    return Split(images[tr], labels[tr]), Split(images[te], labels[te]), "sklearn:load_digits"
+
+
+# ---------------------------------------------------------------- transforms and entry point
+
+def _to_three_channels(x: Tensor) -> Tensor:
+    return x.expand(3, -1, -1)
+
+
+def build_transform(dataset: str, img_size: int, mean, std, train: bool, repeat_rgb: bool = False):
+    """Fine-tuning style: resize to the model size, pad-and-crop + flip when training, normalise."""
+    steps = []
+    if img_size != NATIVE_SIZE[dataset]:
+        steps.append(v2.Resize((img_size, img_size), antialias=True))
+    if train:
+        steps.append(v2.RandomCrop(img_size, padding=max(1, img_size // 8)))
+        if FLIP[dataset]:
+            steps.append(v2.RandomHorizontalFlip())
+    steps += [v2.ToDtype(torch.float32, scale=True), v2.Normalize(mean, std)]
+    if repeat_rgb:
+        steps.append(v2.Lambda(_to_three_channels))
+    return v2.Compose(steps)
+
+
+def load_dataset(name: str, data_dir: Optional[str] = None, img_size: Optional[int] = None,
+                 in_chans: Optional[int] = None, train_subset: Optional[int] = None,
+                 eval_subset: Optional[int] = None, augment: bool = True, download: bool = True,
+                 log=print) -> DataBundle:
+    """Load ``name`` and wrap it for training.  ``in_chans=3`` on grey data repeats the channel."""
+    if name == "fashion-mnist":
+        train, test, source = load_fashion_mnist(data_dir, download, log)
+    elif name in ("cifar10", "cifar100"):
+        train, test, source = load_cifar(name, data_dir, download, log)
+    elif name == "digits":
+        train, test, source = load_digits_data(log)
+    else:
+        raise ValueError(f"unknown dataset {name!r}; choose from {', '.join(DATASETS)}")
+    num_classes = {"cifar100": 100}.get(name, 10)
+    train, test = train.subset(train_subset), test.subset(eval_subset)
+    data_chans = train.images.shape[1]
+    in_chans = in_chans or data_chans
+    if in_chans != data_chans and not (data_chans == 1 and in_chans == 3):
+        raise ValueError(f"{name} has {data_chans} channel(s); in_chans={in_chans} is not supported")
+    if name in NORM:
+        mean, std = NORM[name]
+    else:  # digits: statistics of its own training split
+        x = train.images.float() / 255
+        mean, std = (x.mean().item(),), (x.std().item(),)
+    size = img_size or DEFAULT_IMG_SIZE[name]
+    rgb = in_chans == 3 and data_chans == 1
+    tf_train = build_transform(name, size, mean, std, train=augment, repeat_rgb=rgb)
+    tf_test = build_transform(name, size, mean, std, train=False, repeat_rgb=rgb)
+    log(f"[data] {name}: {len(train)} train / {len(test)} eval images, {num_classes} classes, "
+        f"{in_chans}x{size}x{size}")
+    return DataBundle(ImageDataset(train, tf_train), ImageDataset(test, tf_test), num_classes, in_chans, size, source)

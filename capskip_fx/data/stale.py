@@ -1,0 +1,128 @@
+"""Data side of Stale-SB: decide which examples to forward at all, from the rule's loss cache.
+
+:class:`StaleBatchFilter` takes a batch's dataset indices and the epoch and returns a bool mask of
+the rows to forward (see :mod:`capskip_fx.rules.stale_sb` for the rule): rows whose cached loss
+is fresh and whose draw says "skip" are dropped before the forward; the others are forwarded.  It
+counts the forwards saved.  Apply the mask to the batch in the main process, after the loader::
+
+    keep = filt(index, epoch)
+    x, y, index = x[keep], y[keep], index[keep]
+
+That gives variable batch sizes.  :class:`StaleBatchSampler` instead wraps a sampler and refills:
+it yields fixed-size batches of forwarded indices (the authors' queue), which suits compiled
+models.  Both must run in the main process (they read and write the rule's cache); a batch
+sampler does (DataLoader workers only receive its index lists).  With prefetching the sampler
+runs a few batches ahead of training, so decisions use slightly older losses.
+"""
+from __future__ import annotations
+
+from typing import Any, Iterable, Iterator, Optional
+
+import torch
+from torch import Tensor
+
+from ..rules.stale_sb import StaleSB
+
+
+class StaleBatchFilter:
+    """Forward mask for a batch of dataset indices, drawn from ``rule``'s cache."""
+
+    def __init__(self, rule: StaleSB, seed: int = 0):
+        if not isinstance(rule, StaleSB):
+            raise TypeError(f"StaleBatchFilter needs a StaleSB rule, got {type(rule).__name__}")
+        self.rule = rule
+        self.seed = int(seed)
+        self._generator: Optional[torch.Generator] = None
+        self.n_seen = 0
+        self.n_forwarded = 0
+
+    @property
+    def n_saved(self) -> int:
+        """Forwards skipped so far."""
+        return self.n_seen - self.n_forwarded
+
+    def _uniform(self, n: int, device: torch.device, dtype: torch.dtype) -> Tensor:
+        g = self._generator
+        if g is None or g.device.type != device.type:
+            g = torch.Generator(device=device)
+            g.manual_seed(self.seed)
+            self._generator = g
+        return torch.rand(n, generator=g, device=device, dtype=dtype)
+
+    def __call__(self, index: Tensor, epoch: int) -> Tensor:
+        """(n,) bool on ``index``'s device: True = forward this row."""
+        index = torch.as_tensor(index)
+        n = index.shape[0]
+        if self.rule.cache_loss is None:  # the rule has seen nothing yet
+            forward = torch.ones(n, dtype=torch.bool, device=index.device)
+        else:
+            c = self.rule.cache_loss
+            forward, _ = self.rule.plan_forward(index, epoch, self._uniform(n, c.device, c.dtype))
+            forward = forward.to(index.device)
+        self.n_seen += n
+        self.n_forwarded += int(forward.sum())  # the loader needs the mask on the host anyway
+        return forward
+
+    def state_dict(self) -> dict[str, Any]:
+        g = self._generator
+        return {"n_seen": self.n_seen, "n_forwarded": self.n_forwarded,
+                "generator_state": None if g is None else {"device": str(g.device), "state": g.get_state()}}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.n_seen = int(state.get("n_seen", 0))
+        self.n_forwarded = int(state.get("n_forwarded", 0))
+        gs = state.get("generator_state")
+        if gs is None:
+            self._generator = None
+        else:
+            g = torch.Generator(device=gs["device"])
+            g.set_state(gs["state"].clone())
+            self._generator = g
+
+    def __repr__(self) -> str:
+        return f"StaleBatchFilter(rule={self.rule!r}, seed={self.seed}, saved={self.n_saved}/{self.n_seen})"
+
+
+class StaleBatchSampler:
+    """Batch sampler: pulls indices from ``sampler`` in chunks of ``batch_size``, filters them, and
+    yields batches of exactly ``batch_size`` forwarded indices (the last one shorter unless
+    ``drop_last``).  ``epoch`` advances by one after each full pass; ``set_epoch`` sets it."""
+
+    def __init__(self, sampler: Iterable[int], filt: StaleBatchFilter, batch_size: int,
+                 drop_last: bool = False, epoch: int = 0):
+        if int(batch_size) < 1:
+            raise ValueError(f"batch_size must be >= 1, got {batch_size!r}")
+        self.sampler = sampler
+        self.filter = filt
+        self.batch_size = int(batch_size)
+        self.drop_last = bool(drop_last)
+        self.epoch = int(epoch)
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = int(epoch)
+        if hasattr(self.sampler, "set_epoch"):
+            self.sampler.set_epoch(epoch)
+
+    def _filtered(self, chunk: list[int]) -> list[int]:
+        keep = self.filter(torch.tensor(chunk, dtype=torch.long), self.epoch)
+        return [i for i, k in zip(chunk, keep.tolist()) if k]
+
+    def __iter__(self) -> Iterator[list[int]]:
+        out: list[int] = []
+        chunk: list[int] = []
+        for i in self.sampler:
+            chunk.append(int(i))
+            if len(chunk) == self.batch_size:
+                out.extend(self._filtered(chunk))
+                chunk = []
+                while len(out) >= self.batch_size:
+                    yield out[: self.batch_size]
+                    out = out[self.batch_size:]
+        if chunk:
+            out.extend(self._filtered(chunk))
+        while len(out) >= self.batch_size:
+            yield out[: self.batch_size]
+            out = out[self.batch_size:]
+        if out and not self.drop_last:
+            yield out
+        self.epoch += 1

@@ -1,0 +1,44 @@
+"""The selection node: ``capskip::select(h, z, g, key) -> w``.
+
+Inserted by the joint-graph pass; opaque to AOTAutograd/Inductor (a custom op with a fake
+implementation), so the partitioner saves ``h`` and ``z`` for the backward because the node
+uses them.  The selected-row backward pass replaces it by a graph input; where that rewrite
+is refused, Inductor calls this eager implementation and the backward runs dense-masked
+(exact, no speed-up).  ``key`` names the :class:`RuntimeState` of the compiled model.
+"""
+from __future__ import annotations
+
+import itertools
+import weakref
+
+import torch
+from torch import Tensor
+
+from .runtime.state import RuntimeState
+
+_STATES: "weakref.WeakValueDictionary[int, RuntimeState]" = weakref.WeakValueDictionary()
+_KEYS = itertools.count(1)
+
+
+def register_state(state: RuntimeState) -> int:
+    key = next(_KEYS)
+    _STATES[key] = state
+    return key
+
+
+def state_for(key: int) -> RuntimeState:
+    try:
+        return _STATES[key]
+    except KeyError:
+        raise RuntimeError(f"capskip_fx: no runtime state for key {key} (compiled model was freed)") from None
+
+
+@torch.library.custom_op("capskip::select", mutates_args=())
+def select(h: Tensor, z: Tensor, g: Tensor, key: int) -> Tensor:
+    weight, _ = state_for(key).select(h, z, g)
+    return weight.clone()
+
+
+@select.register_fake
+def _select_fake(h: Tensor, z: Tensor, g: Tensor, key: int) -> Tensor:
+    return g.new_empty(g.shape[0])

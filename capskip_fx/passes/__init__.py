@@ -1,0 +1,12 @@
+"""Graph passes, in data-path order.
+
+joint graph (AOTAutograd, before partitioning):
+  find_head.py     -- locate the logits output, its tangent and the head input h
+  coupling.py      -- refuse graphs whose forward mixes examples (BatchNorm in train mode, ...)
+  insert_select.py -- insert ``capskip::select`` and mask every batch-shaped tangent (exact semantics)
+backward graph (Inductor ``inner_compile``):
+  selected_rows.py -- cut at the selection node and run the backward on the kept rows only
+"""
+from .batch import Refused
+
+__all__ = ["Refused"]

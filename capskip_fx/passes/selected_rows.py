@@ -1,0 +1,188 @@
+"""Backward-graph pass: run the backward on the kept rows only, reusing the forward's activations.
+
+Given the partitioned backward (symbolic batch ``s``) that contains ``w = capskip::select(h, z, g)``:
+  1. ``h``, ``z``, ``g`` must be backward inputs (saved activations / the logits' tangent);
+     the select node is replaced by a new last input ``capskip_w``.
+  2. Every input is classified from its *example input* (real strides from the compiled
+     forward, not node meta): no batch / SymInt expression of ``s`` / tensor with one batch dim
+     of size ``a*s`` (flattened batch-major when a > 1).  Anything else is refused.
+  3. The rewritten graph is compiled ONCE (symbolic batch).  At run time the rule picks the rows,
+     the kept rows are moved to the front, ``kb = bucket(k)`` rows are gathered (the pad rows are
+     skipped rows with weight 0: exact), SymInt inputs are evaluated at ``kb``, and batch-shaped
+     outputs (input gradients) are scattered back to N rows.
+Invariants: outputs equal the dense-masked backward's (exact semantics, see insert_select.py);
+the compiled graph must not specialise ``s`` (checked after compiling; refused otherwise);
+k == N runs ungathered; k == 0 runs on ``min_rows`` zero-weight rows (zero gradients, not None).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Optional
+
+import sympy
+import torch
+from torch import fx
+
+from .batch import Refused, batch_dim, batch_symbol_of, evaluate, expr_of
+
+SELECT = torch.ops.capskip.select.default
+
+
+@dataclass
+class Spec:
+    kind: str  # "static" | "symint" | "batch"
+    expr: Optional[sympy.Expr] = None
+    dim: int = 0
+    factor: int = 1
+    sizes: tuple = ()
+    strides: tuple = ()
+
+
+def _spec(v: Any, sym: sympy.Symbol) -> Spec:
+    if isinstance(v, torch.SymInt):
+        e = v.node.expr
+        if not e.free_symbols:
+            return Spec("static")
+        if e.free_symbols != {sym}:
+            raise Refused(f"backward input size {e} depends on symbols other than the batch {sym}")
+        return Spec("symint", expr=e)
+    if isinstance(v, torch.Tensor):
+        free = set().union(*(expr_of(s).free_symbols for s in (*v.shape, *v.stride())))
+        if not free:
+            return Spec("static")
+        if free != {sym}:
+            raise Refused(f"backward input of shape {tuple(v.shape)} has dynamic dims other than the batch")
+        bd = batch_dim(v.shape, sym)
+        if bd is None:
+            raise Refused(f"backward input of shape {tuple(v.shape)} has the batch only in its strides")
+        return Spec("batch", dim=bd[0], factor=bd[1], sizes=tuple(expr_of(s) for s in v.shape),
+                    strides=tuple(expr_of(s) for s in v.stride()))
+    return Spec("static")
+
+
+def _gather(x: torch.Tensor, spec: Spec, idx: torch.Tensor, n: int, sym, kb: int) -> torch.Tensor:
+    if spec.factor == 1:
+        y = x.index_select(spec.dim, idx)
+    else:
+        y = x.unflatten(spec.dim, (n, spec.factor)).index_select(spec.dim, idx).flatten(spec.dim, spec.dim + 1)
+    sizes = [evaluate(e, sym, kb) for e in spec.sizes]
+    strides = [evaluate(e, sym, kb) for e in spec.strides]
+    if list(y.stride()) != strides:  # Inductor asserts input strides
+        out = torch.empty_strided(sizes, strides, dtype=y.dtype, device=y.device)
+        out.copy_(y)
+        y = out
+    return y
+
+
+def _scatter(y: torch.Tensor, spec: Spec, idx: torch.Tensor, n: int) -> torch.Tensor:
+    shape = list(y.shape)
+    shape[spec.dim] = n * spec.factor
+    full = y.new_zeros(shape)
+    if spec.factor == 1:
+        full.index_copy_(spec.dim, idx, y)
+    else:
+        full.unflatten(spec.dim, (n, spec.factor)).index_copy_(
+            spec.dim, idx, y.unflatten(spec.dim, (y.shape[spec.dim] // spec.factor, spec.factor)))
+    return full
+
+
+@dataclass
+class BackwardPlan:
+    """What the rewrite found; kept in the backend's graph record."""
+
+    select_args: tuple[int, int, int]  # input positions of h, z, g
+    specs: list[Spec]
+    out_specs: list[Optional[Spec]]
+    sym: sympy.Symbol
+
+    @property
+    def gathered_inputs(self) -> int:
+        return sum(s.kind == "batch" for s in self.specs)
+
+
+def plan_backward(gm: fx.GraphModule, example_inputs) -> tuple[fx.GraphModule, BackwardPlan, Any]:
+    """Rewrite ``gm`` in place (select -> input).  Returns the graph, its plan and the w example."""
+    sel = [n for n in gm.graph.nodes if n.target == SELECT]
+    if len(sel) != 1:
+        raise Refused(f"expected one selection node in the backward, found {len(sel)}")
+    sel = sel[0]
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    pos = {n: i for i, n in enumerate(placeholders)}
+    h, z, g, _key = sel.args
+    if not all(a in pos for a in (h, z, g)):
+        raise Refused("the selection's inputs are computed inside the backward (not saved activations)")
+    sym = batch_symbol_of(example_inputs[pos[z]])
+    specs = [_spec(v, sym) for v in example_inputs]
+    for name, a in (("h", h), ("z", z), ("g", g)):
+        if specs[pos[a]].kind != "batch" or specs[pos[a]].factor != 1 or specs[pos[a]].dim != 0:
+            raise Refused(f"head tensor {name} does not carry the batch in dim 0")
+    out_vals = list(gm.graph.find_nodes(op="output"))[0].args[0]
+    out_specs = []
+    for o in out_vals:
+        v = o.meta.get("val") if isinstance(o, fx.Node) else None
+        out_specs.append(_spec(v, sym) if isinstance(v, torch.Tensor) else None)
+        if out_specs[-1] is not None and out_specs[-1].kind == "static":
+            out_specs[-1] = None
+    w_val = sel.meta["val"]
+    with gm.graph.inserting_after(placeholders[-1]):
+        w = gm.graph.placeholder("capskip_w")
+    w.meta["val"] = w_val
+    sel.replace_all_uses_with(w)
+    gm.graph.erase_node(sel)
+    gm.graph.lint()
+    gm.recompile()
+    return gm, BackwardPlan((pos[h], pos[z], pos[g]), specs, out_specs, sym), w_val
+
+
+def check_not_specialised(example_inputs, sym: sympy.Symbol) -> None:
+    """Refuse if compiling fixed the batch symbol (the graph would be wrong at other sizes)."""
+    fm = next((getattr(v, "fake_mode", None) for v in example_inputs if getattr(v, "fake_mode", None)), None)
+    env = getattr(fm, "shape_env", None)
+    if env is None:
+        return
+    rep = env.replacements.get(sym)
+    if rep is not None and not rep.free_symbols:
+        raise Refused(f"compiling the backward specialised the batch size to {rep}")
+
+
+class SelectedRowBackward:
+    """The boxed callable AOTAutograd calls as the backward."""
+
+    def __init__(self, compiled: Callable, plan: BackwardPlan, state, config, record, dense_only: bool = False):
+        self._boxed_call = True  # instance attr: survives the wrappers AOT puts around us
+        self.compiled = compiled
+        self.dense_only = dense_only
+        self.plan = plan
+        self.state = state
+        self.config = config
+        self.record = record
+
+    def __call__(self, args: list) -> list:
+        p = self.plan
+        ih, iz, ig = p.select_args
+        weight, k = self.state.select(args[ih], args[iz], args[ig])
+        n = weight.shape[0]
+        if k == n or self.dense_only:
+            self.state.last.rows = n
+            out = self.compiled(list(args) + [weight])
+            args.clear()
+            return out
+        kb = self.config.bucket(k, n)
+        # kept rows first; the pad rows are skipped rows and carry weight 0
+        idx = torch.argsort((weight == 0).to(torch.int8), stable=True)[:kb]
+        w_kb = weight.index_select(0, idx)
+        new_args = []
+        for a, s in zip(args, p.specs):
+            if s.kind == "batch":
+                new_args.append(_gather(a, s, idx, n, p.sym, kb))
+            elif s.kind == "symint":
+                new_args.append(evaluate(s.expr, p.sym, kb))
+            else:
+                new_args.append(a)
+        args.clear()
+        new_args.append(w_kb)
+        self.state.last.rows = kb
+        self.record.row_counts.add(kb)
+        outs = self.compiled(new_args)
+        return [(_scatter(o, s, idx, n) if (s is not None and s.kind == "batch" and o is not None) else o)
+                for o, s in zip(outs, p.out_specs)]

@@ -1,0 +1,76 @@
+"""The one interface every selection rule implements.
+
+A rule sees what the classifier head saw in one step (a :class:`HeadView`) and returns a
+:class:`Selection`: one weight per example.  ``weight == 0`` means the row is skipped (its
+backward is not run); a kept row's incoming gradient is scaled by its weight (1 for
+unweighted rules, ``1/pi`` for Horvitz-Thompson rules).  The loss keeps its ``1/N``: the
+applied gradient is ``sum_i w_i * grad(l_i) / N``.
+
+Rules run in the backward runtime, after the forward.  Their tensors live on the model's
+device; selection math is done in float32 (or float64 when the model is float64).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+import torch
+from torch import Tensor
+
+
+@dataclass
+class HeadView:
+    """What the head saw in one step.  All row-indexed tensors have N rows."""
+
+    delta: Tensor  # (N, C) dL/dz: the logits' incoming gradient (includes 1/N and any loss scale)
+    h: Tensor  # (N, d) head input (penultimate features)
+    z: Tensor  # (N, C) logits
+    targets: Optional[Tensor] = None  # (N,) int64 labels: explicit, or inferred from delta; -1 = unknown
+    index: Optional[Tensor] = None  # (N,) dataset indices when the data side provides them
+    step: int = 0
+    epoch: int = 0
+    generator: Optional[torch.Generator] = None
+    head_bias: bool = True  # the head Linear has a bias (CAPSkip's Gram gets the +1)
+
+    @property
+    def n(self) -> int:
+        return self.delta.shape[0]
+
+
+@dataclass
+class Selection:
+    """A rule's decision: ``weight[i] == 0`` skips row i."""
+
+    weight: Tensor  # (N,) float, finite, >= 0
+    bound: Optional[Tensor] = None  # scalar tensor; for capskip ||S_k|| / ||G||
+    info: dict[str, Any] = field(default_factory=dict)
+
+
+class Rule:
+    """Base class: subclasses set ``name`` and implement :meth:`select`.
+
+    Rules with state (histories, controllers, counters) keep it in plain attributes listed
+    in ``_state_keys`` so that ``state_dict()`` round-trips it.
+    """
+
+    name: str = "rule"
+    _state_keys: tuple[str, ...] = ()
+
+    def select(self, view: HeadView) -> Selection:  # pragma: no cover - interface
+        raise NotImplementedError
+
+    def state_dict(self) -> dict[str, Any]:
+        out = {}
+        for k in self._state_keys:
+            v = getattr(self, k)
+            out[k] = v.clone() if isinstance(v, Tensor) else v
+        return out
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        for k in self._state_keys:
+            if k in state:
+                v = state[k]
+                setattr(self, k, v.clone() if isinstance(v, Tensor) else v)
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}()"

@@ -1,0 +1,98 @@
+"""CAPSkip: cancellation-aware prefix skipping.
+
+Among the correctly classified rows, ordered by increasing last-layer gradient norm, skip the
+LONGEST prefix P_k whose summed last-layer gradient satisfies ``||S_k|| <= b * ||G||``
+(G = sum over all rows).  Per-example last-layer gradients are rank one,
+``g_i = delta_i (x) [h_i; 1]``, so ``<g_i, g_j> = (delta_i . delta_j)(h_i . h_j + 1)``: the Gram
+``K = (D D^T) * (H H^T + 1)`` gives every prefix norm as the leading blocks of the permuted K,
+i.e. the diagonal of its 2-D cumulative sum.  All prefixes are scanned because ``||S_k||`` is
+not monotone in k (off-diagonal K entries can be negative).
+
+Invariants (tested in tests/test_rule_capskip.py against explicit per-example gradients):
+  * the skip set is a prefix of the correct rows in increasing-norm order (ties: batch order);
+  * ``||S_k|| <= b ||G||`` holds for it and fails for every longer prefix;
+  * misclassified rows (and rows with unknown label) are never skipped;
+  * b = 0 skips exactly the rows whose gradient is zero (they are free);
+  * b = 1 with every row correct skips all rows (S_N = G).
+The budget is scale invariant: 1/N, loss scaling and accumulation factors cancel.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor
+
+from .base import HeadView, Rule, Selection
+from .labels import correct_mask
+
+
+def _selection_dtype(t: Tensor) -> torch.dtype:
+    return torch.float64 if t.dtype == torch.float64 else torch.float32
+
+
+def capskip_weights(delta: Tensor, h: Tensor, correct: Tensor, budget: float, bias: bool = True):
+    """Pure tensor core of CAPSkip (no host sync).  Returns ``(weight, bound, n_skip)``.
+
+    ``weight``: (N,) 1 for kept rows, 0 for skipped.  ``bound``: ``||S_k|| / ||G||`` of the
+    chosen prefix (0 when nothing is skipped; 0 when G = 0).  ``n_skip``: 0-dim int64.
+    """
+    dt = _selection_dtype(delta)
+    d = delta.to(dt)
+    x = h.to(dt)
+    n = d.shape[0]
+    gram_h = x @ x.T
+    if bias:
+        gram_h = gram_h + 1
+    K = (d @ d.T) * gram_h
+    total = K.sum().clamp_min(0)
+    diag = K.diagonal()
+    # correct rows first, by increasing ||g_i||^2; stable sort keeps batch order for ties
+    key = torch.where(correct, diag, torch.full_like(diag, math.inf))
+    order = torch.argsort(key, stable=True)
+    Ks = K.index_select(0, order).index_select(1, order)
+    prefix_sq = Ks.cumsum(0).cumsum(1).diagonal().clamp_min(0)  # ||S_k||^2, k = 1..N
+    ks = torch.arange(1, n + 1, device=d.device)
+    m = correct.sum()
+    if budget == 0:
+        ok = prefix_sq == 0  # b = 0: only rows that contribute nothing are free
+        ok = ok & (diag.index_select(0, order) == 0).cumprod(0).bool()
+    else:
+        ok = prefix_sq <= (budget * budget) * total
+    ok = ok & (ks <= m)
+    n_skip = (ks * ok).max() if n > 0 else torch.zeros((), dtype=torch.long, device=d.device)
+    skip_sorted = ks <= n_skip
+    skip = torch.zeros(n, dtype=torch.bool, device=d.device).index_put((order,), skip_sorted)
+    weight = (~skip).to(dt)
+    chosen_sq = torch.where(n_skip > 0, prefix_sq[(n_skip - 1).clamp_min(0)], prefix_sq.new_zeros(()))
+    bound = torch.where(total > 0, chosen_sq.sqrt() / total.sqrt().clamp_min(torch.finfo(dt).tiny),
+                        prefix_sq.new_zeros(()))
+    return weight, bound, n_skip
+
+
+class CAPSkip(Rule):
+    """Skip the longest low-norm prefix of correct rows within relative budget ``b``.
+
+    ``budget`` must lie in [0, 1]: at b = 1 the applied head gradient may differ from the
+    dense one by up to its own norm (with every row correct, everything is skipped).
+    ``bias=False`` drops the head-bias term (the ``+1``) when the head has no bias.
+    """
+
+    name = "capskip"
+
+    def __init__(self, budget: float = 0.1, bias: bool = True):
+        budget = float(budget)
+        if not (0.0 <= budget <= 1.0):  # also rejects NaN
+            raise ValueError(f"capskip budget must be in [0, 1], got {budget!r}; "
+                             "b is the allowed relative change of the last-layer gradient")
+        self.budget = budget
+        self.bias = bias
+
+    def select(self, view: HeadView) -> Selection:
+        correct = correct_mask(view.delta, view.z, view.targets)
+        weight, bound, n_skip = capskip_weights(view.delta, view.h, correct, self.budget,
+                                                 self.bias and view.head_bias)
+        return Selection(weight=weight, bound=bound, info={"n_correct": correct.sum()})
+
+    def __repr__(self) -> str:
+        return f"CAPSkip(budget={self.budget}, bias={self.bias})"

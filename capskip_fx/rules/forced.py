@@ -1,0 +1,37 @@
+"""Keep a given set of rows: for tests, benchmarks and externally decided selections.
+
+``keep`` is either a fraction in (0, 1] (the first ``round(keep * N)`` rows are kept, at least
+one) or a callable ``(N) -> index tensor or bool mask``.
+"""
+from __future__ import annotations
+
+from typing import Callable, Union
+
+import torch
+
+from .base import HeadView, Rule, Selection
+
+
+class Forced(Rule):
+    name = "forced"
+
+    def __init__(self, keep: Union[float, Callable[[int], torch.Tensor]] = 1.0):
+        if not callable(keep) and not (0.0 < float(keep) <= 1.0):
+            raise ValueError(f"forced keep fraction must be in (0, 1], got {keep!r}")
+        self.keep = keep
+
+    def select(self, view: HeadView) -> Selection:
+        n = view.n
+        w = view.delta.new_zeros(n)
+        if callable(self.keep):
+            sel = torch.as_tensor(self.keep(n), device=w.device)
+            if sel.dtype == torch.bool:
+                w[sel] = 1
+            else:
+                w[sel.long()] = 1
+        else:
+            w[: max(1, round(float(self.keep) * n))] = 1
+        return Selection(weight=w)
+
+    def __repr__(self) -> str:
+        return f"Forced(keep={self.keep!r})"

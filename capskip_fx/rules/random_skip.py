@@ -1,0 +1,134 @@
+"""Random skipping: the "does the rule beat chance?" baseline (arXiv 2312.05021).
+
+``RandomSkip(keep=f)`` keeps exactly ``max(1, round(f * N))`` rows, a uniformly random subset.
+``RandomSkip(match=rule)`` runs ``rule`` on the same view and keeps a uniformly random subset of
+the SAME size as ``rule`` kept (0 included), so a rule and its random twin skip equally many rows
+on every step.  Kept rows weigh 1 (like CAPSkip and SB: no renormalisation), or ``N / k`` with
+``unbiased=True`` (Horvitz-Thompson for inclusion probability ``k / N``).
+
+Invariants (tests/test_rules_literature.py):
+  * the kept count is exact (``match=``: equal to the matched rule's count, step by step);
+  * every subset of that size is equally likely; the count does not depend on the batch order;
+  * with the same generator state the decision is the same.
+
+Also home of :class:`SeededRule`, the generator handling shared by the randomised rules: draws use
+``view.generator`` when the runtime passes one, else the rule's own generator, seeded with ``seed``
+and created lazily on the tensors' device; its state is part of ``state_dict()``.
+"""
+from __future__ import annotations
+
+import warnings
+from typing import Any, Optional, Union
+
+import torch
+from torch import Tensor
+
+from .base import HeadView, Rule, Selection
+
+
+def selection_dtype(t: Tensor) -> torch.dtype:
+    return torch.float64 if t.dtype == torch.float64 else torch.float32
+
+
+class SeededRule(Rule):
+    """A rule that draws random numbers; list ``"generator_state"`` in ``_state_keys``."""
+
+    def __init__(self, seed: int = 0):
+        self.seed = int(seed)
+        self._generator: Optional[torch.Generator] = None
+
+    def generator(self, view: HeadView) -> torch.Generator:
+        if view.generator is not None:
+            return view.generator
+        dev = view.delta.device
+        g = self._generator
+        if g is None or g.device.type != dev.type:
+            g = torch.Generator(device=dev)
+            g.manual_seed(self.seed)
+            self._generator = g
+        return g
+
+    def uniform(self, view: HeadView, n: int, dtype: torch.dtype) -> Tensor:
+        """``n`` U[0, 1) draws on the view's device (drawn where the generator lives)."""
+        g = self.generator(view)
+        u = torch.rand(n, generator=g, device=g.device, dtype=dtype)
+        return u.to(view.delta.device)
+
+    @property
+    def generator_state(self) -> Optional[dict[str, Any]]:
+        g = self._generator
+        return None if g is None else {"device": str(g.device), "state": g.get_state()}
+
+    @generator_state.setter
+    def generator_state(self, value: Optional[dict[str, Any]]) -> None:
+        if value is None:
+            self._generator = None  # the next draw reseeds with ``seed``, as a fresh rule would
+            return
+        try:
+            g = torch.Generator(device=value["device"])
+            g.set_state(value["state"].clone())
+        except RuntimeError as e:  # e.g. a CUDA state loaded where no CUDA exists
+            warnings.warn(f"{type(self).__name__}: cannot restore generator state ({e}); reseeding")
+            g = None
+        self._generator = g
+
+
+def random_ranks(u: Tensor) -> Tensor:
+    """Rank of each key among ``u`` (0 = smallest): a uniformly random permutation for iid keys."""
+    return torch.argsort(torch.argsort(u))
+
+
+class RandomSkip(SeededRule):
+    """Keep a uniformly random subset: ``keep`` fraction, or as many rows as ``match`` keeps."""
+
+    name = "random"
+    _state_keys = ("generator_state", "match_state")
+
+    def __init__(self, keep: Optional[float] = None, match: Union[None, str, Rule] = None,
+                 unbiased: bool = False, seed: int = 0):
+        super().__init__(seed)
+        if match is not None and keep is not None:
+            raise ValueError("random: give either keep= or match=, not both")
+        if match is None:
+            keep = 0.5 if keep is None else float(keep)
+            if not (0.0 < keep <= 1.0):
+                raise ValueError(f"random keep fraction must be in (0, 1], got {keep!r}")
+        elif isinstance(match, str):
+            from . import make_rule  # late: the registry imports this module
+            match = make_rule(match)
+        elif not isinstance(match, Rule):
+            raise TypeError(f"random match= must be a Rule or a rule name, got {type(match).__name__}")
+        self.keep = keep
+        self.match = match
+        self.unbiased = bool(unbiased)
+
+    @property
+    def match_state(self) -> Optional[dict[str, Any]]:
+        return None if self.match is None else self.match.state_dict()
+
+    @match_state.setter
+    def match_state(self, value: Optional[dict[str, Any]]) -> None:
+        if self.match is not None and value is not None:
+            self.match.load_state_dict(value)
+
+    def select(self, view: HeadView) -> Selection:
+        n = view.n
+        dt = selection_dtype(view.delta)
+        info: dict[str, Any] = {}
+        if self.match is None:
+            k = torch.tensor(max(1, round(self.keep * n)), device=view.delta.device)
+        else:
+            other = self.match.select(view)
+            k = (other.weight > 0).sum()  # stays on the device: no host sync
+            info["matched"] = other
+        keep = random_ranks(self.uniform(view, n, dt)) < k
+        w = keep.to(dt)
+        if self.unbiased:
+            w = w * (n / k.clamp_min(1).to(dt))
+        info["n_keep"] = k
+        info["prob"] = (k.to(dt) / max(n, 1)).expand(n)
+        return Selection(weight=w, info=info)
+
+    def __repr__(self) -> str:
+        what = f"match={self.match!r}" if self.match is not None else f"keep={self.keep}"
+        return f"RandomSkip({what}, unbiased={self.unbiased}, seed={self.seed})"

@@ -1,0 +1,147 @@
+"""Stale-SB (Jiang et al. 2019, arXiv 1910.00762 §Stale-SB): Selective-Backprop that also skips
+forwards, by deciding on a cached loss while that loss is fresh enough.
+
+The rule keeps, per dataset index (``view.index``), the last loss it saw and the epoch it was seen
+in.  A cached loss is *fresh* at epoch ``e`` when ``0 <= e - cached_epoch < staleness``
+(``staleness=2``: a loss seen in epoch e is reused in epoch e+1 and refreshed in e+2; ``1``: never
+reused, i.e. plain SB).  The data side (:class:`capskip_fx.data.stale.StaleBatchFilter`) looks
+at each incoming example BEFORE its forward:
+  * stale or never seen: forward it; the rule decides on its fresh loss as SB does;
+  * fresh: draw ``u < F_R(L_cached) ** beta`` (percentile against the history plus the batch's
+    cached losses); on "skip" the example is not forwarded at all (the forward saved) and its
+    cached loss goes into the SB history; on "keep" it is forwarded and marked pre-selected, and
+    the rule keeps it with weight 1 (no second draw, which would keep it with probability ``p**2``).
+Every example's loss enters the history exactly once per pass (dropped rows' cached losses by the
+filter, forwarded rows' fresh losses by the rule), and every fresh loss refreshes the cache.  Losses
+are paired with examples through ``view.index``, never by position (the defect of the authors'
+``forward_pass``, algorithms.md §2.5).
+
+Without ``view.index`` the rule is plain SB.  Pass ``num_examples`` (the dataset size) to
+preallocate the cache; otherwise it grows on demand, which reads ``index.max()`` (a host sync when
+the index lives on an accelerator).
+"""
+from __future__ import annotations
+
+import math
+import warnings
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from .base import HeadView, Selection
+from .random_skip import selection_dtype
+from .selective_backprop import SelectiveBackprop, sb_keep_prob, view_losses
+
+#: ``cache_epoch`` of an index never seen (far enough below any epoch to never be fresh)
+NEVER = -(2 ** 62)
+
+
+class StaleSB(SelectiveBackprop):
+    """SB with a per-index loss cache reused for ``staleness`` epochs (see module docstring)."""
+
+    name = "stale_sb"
+    _state_keys = ("history", "hist_pos", "generator_state", "cache_loss", "cache_epoch", "presel")
+
+    def __init__(self, beta: float = 2.0, history: int = 1024, staleness: int = 2,
+                 num_examples: Optional[int] = None, p_min: float = 0.0, prime_epochs: int = 0,
+                 seed: int = 0):
+        super().__init__(beta=beta, history=history, p_min=p_min, prime_epochs=prime_epochs, seed=seed)
+        if int(staleness) < 0:
+            raise ValueError(f"stale_sb staleness must be >= 0 epochs, got {staleness!r}")
+        self.staleness = int(staleness)
+        self.num_examples = None if num_examples is None else int(num_examples)
+        self.cache_loss: Optional[Tensor] = None  # (M,) last loss seen per dataset index
+        self.cache_epoch: Optional[Tensor] = None  # (M,) int64 epoch of that loss, NEVER if none
+        self.presel: Optional[Tensor] = None  # (M,) int64: epoch + 1 if pre-selected by the filter, else 0
+        self._warned_no_index = False
+
+    # -- cache ------------------------------------------------------------------------------
+    def _ensure_cache(self, idx: Tensor, like: Tensor) -> None:
+        if self.cache_loss is None:
+            if self.num_examples is not None:
+                size = self.num_examples
+            else:
+                size = int(idx.max()) + 1 if idx.numel() else 1
+            self.cache_loss = torch.full((size,), math.nan, dtype=like.dtype, device=like.device)
+            self.cache_epoch = torch.full((size,), NEVER, dtype=torch.long, device=like.device)
+            self.presel = torch.zeros(size, dtype=torch.long, device=like.device)
+        elif self.cache_loss.device != like.device or self.cache_loss.dtype != like.dtype:
+            self.cache_loss = self.cache_loss.to(device=like.device, dtype=like.dtype)
+            self.cache_epoch = self.cache_epoch.to(like.device)
+            self.presel = self.presel.to(like.device)
+        if self.num_examples is None and idx.numel():
+            need = int(idx.max()) + 1
+            size = self.cache_loss.shape[0]
+            if need > size:
+                extra = max(need, 2 * size) - size  # doubling: amortised O(1) growth
+                self.cache_loss = torch.cat([self.cache_loss, self.cache_loss.new_full((extra,), math.nan)])
+                self.cache_epoch = torch.cat([self.cache_epoch, self.cache_epoch.new_full((extra,), NEVER)])
+                self.presel = torch.cat([self.presel, self.presel.new_zeros(extra)])
+
+    @property
+    def cache_device(self) -> Optional[torch.device]:
+        return None if self.cache_loss is None else self.cache_loss.device
+
+    def fresh(self, idx: Tensor, epoch: int) -> Tensor:
+        """(n,) bool: the cached loss of each index is fresh at ``epoch``."""
+        if self.cache_loss is None:
+            return torch.zeros(idx.shape, dtype=torch.bool, device=idx.device)
+        size = self.cache_loss.shape[0]
+        inside = (idx >= 0) & (idx < size)
+        age = epoch - self.cache_epoch[idx.clamp(0, size - 1)]
+        return inside & (age >= 0) & (age < self.staleness)
+
+    def plan_forward(self, index: Tensor, epoch: int, u: Tensor) -> tuple[Tensor, Tensor]:
+        """Data-side decision for a batch of dataset indices, BEFORE its forward.
+
+        ``u``: (n,) U[0,1) draws on the cache device.  Returns ``(forward, fresh)``, (n,) bool on the
+        cache device.  Records the dropped rows' cached losses in the history and marks the fresh
+        rows that drew "keep" as pre-selected for :meth:`select`.
+        """
+        if self.cache_loss is None:  # nothing cached yet: forward everything
+            ones = torch.ones(index.shape, dtype=torch.bool, device=index.device)
+            return ones, ~ones
+        idx = index.to(self.cache_loss.device).long()
+        self._ensure_cache(idx, self.cache_loss)  # grow now: clamped out-of-range rows would alias
+        fresh = self.fresh(idx, epoch)
+        if epoch < self.prime_epochs:
+            fresh = torch.zeros_like(fresh)
+        safe = idx.clamp(0, self.cache_loss.shape[0] - 1)
+        cached = torch.where(fresh, self.cache_loss[safe], torch.full_like(self.cache_loss[safe], math.nan))
+        # percentiles against history + this batch's cached losses (SB appends before ranking)
+        hist = torch.cat([self._history(cached), cached])
+        chosen = fresh & (u.to(cached.device) < sb_keep_prob(cached, hist, self.beta, self.p_min))
+        # only the dropped rows are recorded here; forwarded ones are recorded (fresh) by select()
+        self.record(cached[fresh & ~chosen])
+        self.presel[safe] = torch.where(chosen, torch.full_like(safe, epoch + 1), self.presel[safe])
+        return ~fresh | chosen, fresh
+
+    # -- rule -------------------------------------------------------------------------------
+    def select(self, view: HeadView) -> Selection:
+        if view.index is None:
+            if not self._warned_no_index:
+                warnings.warn("stale_sb: view.index is None (no dataset indices): acting as plain sb")
+                self._warned_no_index = True
+            return super().select(view)
+        n = view.n
+        dt = selection_dtype(view.delta)
+        loss = view_losses(view, dt)
+        idx = view.index.to(loss.device).long()
+        self._ensure_cache(idx, loss)
+        pre = self.presel[idx] == view.epoch + 1
+        self.record(loss)
+        p = torch.where(pre, torch.ones_like(loss), self.keep_prob(loss))
+        u = self.uniform(view, n, dt)
+        if view.epoch < self.prime_epochs:
+            p = torch.ones_like(p)
+        seen = ~torch.isnan(loss)
+        self.cache_loss[idx] = torch.where(seen, loss.to(self.cache_loss.dtype), self.cache_loss[idx])
+        self.cache_epoch[idx] = torch.where(seen, torch.full_like(idx, view.epoch), self.cache_epoch[idx])
+        self.presel[idx] = 0
+        return Selection(weight=(u < p).to(dt), info={"prob": p, "loss": loss, "preselected": pre})
+
+    def __repr__(self) -> str:
+        return (f"StaleSB(beta={self.beta}, history={self.R}, staleness={self.staleness}, "
+                f"num_examples={self.num_examples}, p_min={self.p_min}, "
+                f"prime_epochs={self.prime_epochs}, seed={self.seed})")
