@@ -46,6 +46,11 @@ class CapskipModule(nn.Module):
     def rule(self) -> Rule:
         return self._state.rule
 
+    @rule.setter
+    def rule(self, rule: Rule) -> None:
+        """Swap the rule without recompiling (the graphs don't depend on it)."""
+        self._state.rule = make_rule(rule)
+
     @property
     def backend(self) -> CapskipBackend:
         return self._backend

@@ -37,7 +37,7 @@ class GraphRecord:
     plan: Optional[BackwardPlan] = None
     backward_graph: Optional[fx.GraphModule] = None  # the rewritten graph, before Inductor
     row_counts: set = field(default_factory=set)  # distinct gathered row counts seen
-    matmul_rows: list = field(default_factory=list)  # aot_eager: (op, rows) of the last backward's matmuls
+    matmul_shapes: list = field(default_factory=list)  # aot_eager: (op, operand shapes) of the last backward's matmuls
 
     def refuse(self, reason: str) -> None:
         if self.reason is None:
@@ -65,13 +65,14 @@ class _Interpreted:
             def run_node(self, n):
                 out = super().run_node(n)
                 if record is not None and n.op == "call_function" and getattr(n.target, "__name__", "").split(".")[0] in _MATMULS:
-                    rows.append((str(n.target), out.shape[0]))
+                    args = [a for a in self.fetch_args_kwargs_from_env(n)[0] if isinstance(a, torch.Tensor)]
+                    rows.append((str(n.target), [tuple(a.shape) for a in args]))
                 return out
 
         out = _I(self.gm).run(*args)
         args.clear()
         if record is not None:
-            record.matmul_rows = rows
+            record.matmul_shapes = rows
         return out
 
 

@@ -44,7 +44,7 @@ import yaml
 from torch import nn
 
 import capskip_fx
-from capskip_fx import report
+import capskip_fx.report as report  # not `from capskip_fx import report`: that is the core's function
 from capskip_fx.data.datasets import DATASETS, DEFAULT_IMG_SIZE, load_dataset
 
 BACKENDS = ("inductor", "aot_eager", "eager")
@@ -287,8 +287,18 @@ def rule_options(cfg: TrainConfig) -> dict[str, Any]:
     if cfg.keep is not None:
         opts["keep"] = cfg.keep
     if cfg.match is not None:
-        opts["match"] = cfg.match
+        # compile() hands budget only to the outer rule; a matched capskip would fall back to its default b
+        opts["match"] = (capskip_fx.make_rule(cfg.match, budget=cfg.budget) if report.rule_takes_budget(cfg.match)
+                         else cfg.match)
     return opts
+
+
+def set_epoch(cm: nn.Module, epoch: int) -> None:
+    """Tell the rule the (0-based) epoch: SB priming and stale_sb's staleness count epochs."""
+    if hasattr(cm, "set_epoch"):
+        cm.set_epoch(epoch)
+    elif hasattr(cm, "_state"):  # no public setter in the core yet
+        cm._state.epoch = epoch
 
 
 def build_model(cfg: TrainConfig, num_classes: int) -> tuple[nn.Module, TrainConfig]:
@@ -451,7 +461,8 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
 
     model.to(device)
     head = find_head(model)
-    cm = capskip_fx.compile(model, rule=cfg.rule, budget=cfg.budget, backend=cfg.backend, **rule_options(cfg))
+    cm = capskip_fx.compile(model, rule=cfg.rule, budget=cfg.budget, backend=cfg.backend, seed=cfg.seed,
+                            **rule_options(cfg))
     cm.train()
     from timm.optim import create_optimizer_v2  # AdamW without decay on biases/norms/tokens
 
@@ -484,6 +495,7 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
     with open(out / "steps.jsonl", "w") as steps_f, open(out / "checks.jsonl", "w") as checks_f:
         for epoch in range(1, cfg.epochs + 1):
             ep_loss, ep_kept_frac, ep_steps, ep_rows, ep_wall0 = 0.0, 0.0, 0, 0, clock.wall_s
+            set_epoch(cm, epoch - 1)
             bar = tqdm(train_loader, desc=f"epoch {epoch}/{cfg.epochs}", disable=None, leave=True, dynamic_ncols=True)
             t_prev = time.perf_counter()
             lr = lr_at(cfg, 0.0)
@@ -545,7 +557,7 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
                 ep_rows += n
                 steps_f.write(json.dumps({
                     "step": step, "epoch": epoch, "loss": loss_v, "kept": kept, "n": n, "bound": bound,
-                    "lr": lr, "step_time_s": step_s, "data_time_s": data_s, "compile_step": is_compile,
+                    "rows_run": getattr(st, "rows", None), "lr": lr, "step_time_s": step_s, "data_time_s": data_s, "compile_step": is_compile,
                     "variants": variants, "fallback": fallback,
                     "selection_ms": _finite(getattr(st, "selection_ms", None))}) + "\n")
                 step += 1

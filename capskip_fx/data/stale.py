@@ -53,12 +53,9 @@ class StaleBatchFilter:
         """(n,) bool on ``index``'s device: True = forward this row."""
         index = torch.as_tensor(index)
         n = index.shape[0]
-        if self.rule.cache_loss is None:  # the rule has seen nothing yet
-            forward = torch.ones(n, dtype=torch.bool, device=index.device)
-        else:
-            c = self.rule.cache_loss
-            forward, _ = self.rule.plan_forward(index, epoch, self._uniform(n, c.device, c.dtype))
-            forward = forward.to(index.device)
+        c = self.rule.cache_loss  # None until the rule has seen a batch: then no draws are made
+        u = None if c is None else self._uniform(n, c.device, c.dtype)
+        forward = self.rule.plan_forward(index, epoch, u)[0].to(index.device)
         self.n_seen += n
         self.n_forwarded += int(forward.sum())  # the loader needs the mask on the host anyway
         return forward

@@ -45,13 +45,14 @@ def capskip_weights(delta: Tensor, h: Tensor, correct: Tensor, budget: float, bi
     if bias:
         gram_h = gram_h + 1
     K = (d @ d.T) * gram_h
-    total = K.sum().clamp_min(0)
     diag = K.diagonal()
     # correct rows first, by increasing ||g_i||^2; stable sort keeps batch order for ties
     key = torch.where(correct, diag, torch.full_like(diag, math.inf))
     order = torch.argsort(key, stable=True)
     Ks = K.index_select(0, order).index_select(1, order)
     prefix_sq = Ks.cumsum(0).cumsum(1).diagonal().clamp_min(0)  # ||S_k||^2, k = 1..N
+    # ||G||^2 as the full prefix, so S_N == G exactly when every row is a candidate
+    total = prefix_sq[-1] if n > 0 else K.sum()
     ks = torch.arange(1, n + 1, device=d.device)
     m = correct.sum()
     if budget == 0:

@@ -20,7 +20,8 @@ The rule, per batch (losses ``l``, per-example last-layer gradients ``g_i = delt
     (unbiased, conditional on the batch: pi depends only on it), the added variance is ``V(K)``,
     the expected backward fraction is ``mean(pi)``, and weights are at most ``1 / pi_min``.
 K thus adapts every step: many rows are excluded when the easy rows' gradients are small next to
-the batch gradient, few when they are not.  ``tau`` is scale invariant (1/N and loss scale cancel).
+the batch gradient, few when they are not.  ``tau`` is scale invariant (1/N and loss scale cancel).  Without a head bias (``bias=False``, or
+``view.head_bias`` False) the ``+1`` terms are dropped.
 """
 from __future__ import annotations
 
@@ -89,7 +90,8 @@ class KABENA(SeededRule):
     def select(self, view: HeadView) -> Selection:
         dt = selection_dtype(view.delta)
         loss = view_losses(view, dt)
-        pi, k, rel = kabena_probs(loss, view.delta, view.h, self.tau, self.pi_min, self.bias)
+        pi, k, rel = kabena_probs(loss, view.delta, view.h, self.tau, self.pi_min,
+                                  self.bias and view.head_bias)
         u = self.uniform(view, view.n, dt)
         w = torch.where(u < pi, 1.0 / pi, torch.zeros_like(pi))
         return Selection(weight=w, info={"prob": pi, "K": k, "var_ratio": rel})

@@ -16,6 +16,10 @@ filter, forwarded rows' fresh losses by the rule), and every fresh loss refreshe
 are paired with examples through ``view.index``, never by position (the defect of the authors'
 ``forward_pass``, algorithms.md §2.5).
 
+Epochs: once a filter has run, losses are stamped with the epoch the data side gave it (the
+runtime's ``view.epoch`` need not be maintained; a prefetching sampler may stamp the last batches
+of an epoch with the next one); before that, with ``view.epoch``.
+
 Without ``view.index`` the rule is plain SB.  Pass ``num_examples`` (the dataset size) to
 preallocate the cache; otherwise it grows on demand, which reads ``index.max()`` (a host sync when
 the index lives on an accelerator).
@@ -41,7 +45,8 @@ class StaleSB(SelectiveBackprop):
     """SB with a per-index loss cache reused for ``staleness`` epochs (see module docstring)."""
 
     name = "stale_sb"
-    _state_keys = ("history", "hist_pos", "generator_state", "cache_loss", "cache_epoch", "presel")
+    _state_keys = ("history", "hist_pos", "generator_state", "cache_loss", "cache_epoch", "presel",
+                   "data_epoch")
 
     def __init__(self, beta: float = 2.0, history: int = 1024, staleness: int = 2,
                  num_examples: Optional[int] = None, p_min: float = 0.0, prime_epochs: int = 0,
@@ -53,7 +58,8 @@ class StaleSB(SelectiveBackprop):
         self.num_examples = None if num_examples is None else int(num_examples)
         self.cache_loss: Optional[Tensor] = None  # (M,) last loss seen per dataset index
         self.cache_epoch: Optional[Tensor] = None  # (M,) int64 epoch of that loss, NEVER if none
-        self.presel: Optional[Tensor] = None  # (M,) int64: epoch + 1 if pre-selected by the filter, else 0
+        self.presel: Optional[Tensor] = None  # (M,) bool: pre-selected by the filter, not yet seen
+        self.data_epoch: Optional[int] = None  # the epoch the data side last gave plan_forward
         self._warned_no_index = False
 
     # -- cache ------------------------------------------------------------------------------
@@ -65,7 +71,7 @@ class StaleSB(SelectiveBackprop):
                 size = int(idx.max()) + 1 if idx.numel() else 1
             self.cache_loss = torch.full((size,), math.nan, dtype=like.dtype, device=like.device)
             self.cache_epoch = torch.full((size,), NEVER, dtype=torch.long, device=like.device)
-            self.presel = torch.zeros(size, dtype=torch.long, device=like.device)
+            self.presel = torch.zeros(size, dtype=torch.bool, device=like.device)
         elif self.cache_loss.device != like.device or self.cache_loss.dtype != like.dtype:
             self.cache_loss = self.cache_loss.to(device=like.device, dtype=like.dtype)
             self.cache_epoch = self.cache_epoch.to(like.device)
@@ -92,13 +98,15 @@ class StaleSB(SelectiveBackprop):
         age = epoch - self.cache_epoch[idx.clamp(0, size - 1)]
         return inside & (age >= 0) & (age < self.staleness)
 
-    def plan_forward(self, index: Tensor, epoch: int, u: Tensor) -> tuple[Tensor, Tensor]:
+    def plan_forward(self, index: Tensor, epoch: int, u: Optional[Tensor]) -> tuple[Tensor, Tensor]:
         """Data-side decision for a batch of dataset indices, BEFORE its forward.
 
-        ``u``: (n,) U[0,1) draws on the cache device.  Returns ``(forward, fresh)``, (n,) bool on the
-        cache device.  Records the dropped rows' cached losses in the history and marks the fresh
-        rows that drew "keep" as pre-selected for :meth:`select`.
+        ``u``: (n,) U[0,1) draws on the cache device (may be None while nothing is cached).
+        Returns ``(forward, fresh)``, (n,) bool on the cache device.  Records the dropped rows'
+        cached losses in the history and marks the fresh rows that drew "keep" as pre-selected
+        for :meth:`select`.
         """
+        self.data_epoch = int(epoch)
         if self.cache_loss is None:  # nothing cached yet: forward everything
             ones = torch.ones(index.shape, dtype=torch.bool, device=index.device)
             return ones, ~ones
@@ -114,10 +122,15 @@ class StaleSB(SelectiveBackprop):
         chosen = fresh & (u.to(cached.device) < sb_keep_prob(cached, hist, self.beta, self.p_min))
         # only the dropped rows are recorded here; forwarded ones are recorded (fresh) by select()
         self.record(cached[fresh & ~chosen])
-        self.presel[safe] = torch.where(chosen, torch.full_like(safe, epoch + 1), self.presel[safe])
+        self.presel[safe] = chosen | self.presel[safe]
         return ~fresh | chosen, fresh
 
     # -- rule -------------------------------------------------------------------------------
+    def epoch_of(self, view: HeadView) -> int:
+        """The epoch losses are stamped with: the data side's when a filter runs (the two clocks
+        must agree for freshness to mean anything), else ``view.epoch``."""
+        return view.epoch if self.data_epoch is None else self.data_epoch
+
     def select(self, view: HeadView) -> Selection:
         if view.index is None:
             if not self._warned_no_index:
@@ -129,16 +142,17 @@ class StaleSB(SelectiveBackprop):
         loss = view_losses(view, dt)
         idx = view.index.to(loss.device).long()
         self._ensure_cache(idx, loss)
-        pre = self.presel[idx] == view.epoch + 1
+        epoch = self.epoch_of(view)
+        pre = self.presel[idx]
         self.record(loss)
         p = torch.where(pre, torch.ones_like(loss), self.keep_prob(loss))
         u = self.uniform(view, n, dt)
-        if view.epoch < self.prime_epochs:
+        if epoch < self.prime_epochs:
             p = torch.ones_like(p)
         seen = ~torch.isnan(loss)
         self.cache_loss[idx] = torch.where(seen, loss.to(self.cache_loss.dtype), self.cache_loss[idx])
-        self.cache_epoch[idx] = torch.where(seen, torch.full_like(idx, view.epoch), self.cache_epoch[idx])
-        self.presel[idx] = 0
+        self.cache_epoch[idx] = torch.where(seen, torch.full_like(idx, epoch), self.cache_epoch[idx])
+        self.presel[idx] = False
         return Selection(weight=(u < p).to(dt), info={"prob": p, "loss": loss, "preselected": pre})
 
     def __repr__(self) -> str:

@@ -107,7 +107,7 @@ class UpperBoundIS(SeededRule):
         ema = self.tau_ema
         ema = p.new_zeros(()) if ema is None else ema.to(device=p.device, dtype=dt)
         th = (n + 3 * b) / (3 * b) if self.tau_th is None else self.tau_th
-        on = (ema > th) | torch.tensor(th <= 0, device=p.device)
+        on = (ema > th) if th > 0 else torch.ones((), dtype=torch.bool, device=p.device)
         self.tau_ema = self.momentum * ema + (1 - self.momentum) * tau
         counts = ub_counts(p, self.uniform(view, b, dt))
         w = torch.where(on, ub_weights(p, counts, b), torch.ones_like(p))

@@ -1,0 +1,93 @@
+"""Tiny in-file models and compiled models shared across tests (Inductor compiles are slow on CPU)."""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import capskip_fx
+
+
+def pytest_addoption(parser):
+    parser.addoption("--runslow", action="store_true", default=False, help="run tests marked slow")
+
+
+def pytest_collection_modifyitems(config, items):
+    if config.getoption("--runslow"):
+        return
+    skip = pytest.mark.skip(reason="slow: run with --runslow")
+    for item in items:
+        if "slow" in item.keywords:
+            item.add_marker(skip)
+
+
+torch.set_num_threads(2)
+
+
+def make_mlp():
+    return nn.Sequential(nn.Linear(12, 16), nn.GELU(), nn.Linear(16, 5))
+
+
+def make_deit(depth=1):
+    import timm
+    return timm.create_model("deit_tiny_patch16_224", pretrained=False, img_size=32, patch_size=4,
+                             num_classes=10, depth=depth)
+
+
+def make_mixer():
+    from timm.models.mlp_mixer import MlpMixer
+    return MlpMixer(num_classes=7, img_size=32, patch_size=8, num_blocks=1, embed_dim=32)
+
+
+MODELS = {
+    "mlp": (make_mlp, lambda n: torch.randn(n, 12)),
+    "deit": (make_deit, lambda n: torch.randn(n, 3, 32, 32)),
+    "mixer": (make_mixer, lambda n: torch.randn(n, 3, 32, 32)),
+}
+
+_CACHE: dict = {}
+
+
+def compiled(name: str, dtype: torch.dtype, backend: str):
+    """(eager model, capskip model) built once per session for (name, dtype, backend)."""
+    key = (name, dtype, backend)
+    if key not in _CACHE:
+        torch.manual_seed(0)
+        model = MODELS[name][0]().to(dtype)
+        cm = capskip_fx.compile(model, rule="dense", backend=backend)
+        _CACHE[key] = (model, cm)
+    return _CACHE[key]
+
+
+def make_input(name, n, dtype, seed=0):
+    torch.manual_seed(seed)
+    return MODELS[name][1](n).to(dtype)
+
+
+def selected_step(cm, x, y):
+    """One capskip step; returns {name: grad} and the weights the rule used."""
+    cm.model.zero_grad(set_to_none=True)
+    F.cross_entropy(cm(x), y).backward()
+    grads = {k: p.grad.detach().clone() for k, p in cm.model.named_parameters()}
+    return grads, capskip_fx.stats(cm).weight.detach().clone()
+
+
+def reference_grads(model, x, y, weight):
+    """Dense eager gradient of sum_i w_i * l_i / N in float64."""
+    ref = copy.deepcopy(model).double()
+    ref.zero_grad(set_to_none=True)
+    losses = F.cross_entropy(ref(x.double()), y, reduction="none")
+    (losses * weight.double()).sum().div(x.shape[0]).backward()
+    return {k: (p.grad if p.grad is not None else torch.zeros_like(p)) for k, p in ref.named_parameters()}
+
+
+def max_rel_err(grads, ref):
+    errs = []
+    for k, g in grads.items():
+        r = ref[k]
+        scale = r.norm().item()
+        errs.append((g.double() - r).norm().item() / max(scale, 1e-300) if scale > 0 else g.abs().max().item())
+    return max(errs)

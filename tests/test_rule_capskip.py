@@ -1,0 +1,163 @@
+"""CAPSkip against a brute-force reference that builds every per-example last-layer gradient."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from hypothesis import assume, given, settings
+from hypothesis import strategies as st
+
+from capskip_fx.rules import CAPSkip, HeadView
+from capskip_fx.rules.capskip import capskip_weights
+from capskip_fx.rules.labels import correct_mask, infer_targets
+
+REL = 1e-9  # float64 rounding allowance at the budget boundary
+
+
+def per_example_grads(delta, h, bias=True):
+    hh = torch.cat([h, torch.ones(h.shape[0], 1, dtype=h.dtype)], 1) if bias else h
+    return torch.einsum("nc,nd->ncd", delta, hh).flatten(1)  # row i = vec(delta_i (x) [h_i; 1])
+
+
+@st.composite
+def batches(draw):
+    n = draw(st.integers(1, 12))
+    c = draw(st.sampled_from([2, 3, 7, 50]))
+    d = draw(st.integers(1, 6))
+    seed = draw(st.integers(0, 2**31 - 1))
+    g = torch.Generator().manual_seed(seed)
+    z = torch.randn(n, c, generator=g, dtype=torch.float64) * draw(st.sampled_from([0.5, 3.0]))
+    y = torch.randint(0, c, (n,), generator=g)
+    mode = draw(st.sampled_from(["random", "all_correct", "none_correct"]))
+    if mode == "all_correct":
+        y = z.argmax(1)
+    elif mode == "none_correct":
+        y = (z.argmax(1) + 1) % c
+    delta = (z.softmax(1) - torch.nn.functional.one_hot(y, c).double()) / n
+    h = torch.randn(n, d, generator=g, dtype=torch.float64)
+    if n >= 2 and draw(st.booleans()):  # exact duplicates: equal norms
+        j = draw(st.integers(1, n - 1))
+        delta[j], h[j], z[j], y[j] = delta[0], h[0], z[0], y[0]
+    if n >= 2 and draw(st.booleans()):  # an exactly cancelling pair (same h, opposite delta)
+        delta[1], h[1] = -delta[0], h[0]
+    if draw(st.booleans()):  # a zero-gradient row
+        delta[n - 1] = 0
+    b = draw(st.sampled_from([0.0, 0.01, 0.1, 0.3, 0.7, 1.0]))
+    return delta, h, z, y, b
+
+
+def reference_check(delta, h, correct, b, weight):
+    G = per_example_grads(delta, h)
+    norms = G.norm(dim=1)
+    total = G.sum(0).norm()
+    skipped = weight == 0
+    # only correct rows are skipped
+    assert not (skipped & ~correct).any()
+    cand = torch.nonzero(correct).flatten().tolist()
+    order = sorted(cand, key=lambda i: (norms[i].item(), i))
+    # ties beyond exact duplicates would make the order ambiguous between the two formulas
+    for a, c in zip(order, order[1:]):
+        assume(norms[a] == norms[c] or abs(norms[a] - norms[c]) > 1e-9 * max(norms[c].item(), 1e-300))
+    k = int(skipped.sum())
+    # the skip set is the length-k prefix (up to exact norm ties)
+    assert set(torch.nonzero(skipped).flatten().tolist()) == set(order[:k]) or \
+        sorted(norms[skipped].tolist()) == sorted(norms[order[:k]].tolist())
+    prefix = [G[order[:j]].sum(0).norm().item() if j else 0.0 for j in range(len(order) + 1)]
+    if b == 0:
+        assert all(norms[i] == 0 for i in torch.nonzero(skipped).flatten().tolist())
+        return k
+    thr = b * total.item()
+    assert prefix[k] <= thr * (1 + REL) + 1e-300, (prefix[k], thr)
+    for j in range(k + 1, len(order) + 1):  # no longer prefix fits
+        assume(abs(prefix[j] - thr) > REL * max(thr, 1e-300))
+        assert prefix[j] > thr
+    return k
+
+
+@settings(max_examples=300, deadline=None)
+@given(batches())
+def test_capskip_matches_bruteforce(batch):
+    delta, h, z, y, b = batch
+    correct = correct_mask(delta, z, y)
+    w, bound, n_skip = capskip_weights(delta, h, correct, b)
+    assert torch.isfinite(w).all() and set(w.unique().tolist()) <= {0.0, 1.0}
+    k = reference_check(delta, h, correct, b, w)
+    assert int(n_skip) == k
+    G = per_example_grads(delta, h)
+    tot = G.sum(0).norm()
+    if k and tot > 0:
+        assert math.isclose(bound.item(), (G[w == 0].sum(0).norm() / tot).item(), rel_tol=1e-9, abs_tol=1e-12)
+        assert bound.item() <= b * (1 + REL)
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.integers(1, 10), st.integers(2, 6), st.integers(0, 10**6))
+def test_budget_one_with_all_correct_skips_everything(n, c, seed):
+    g = torch.Generator().manual_seed(seed)
+    z = torch.randn(n, c, generator=g, dtype=torch.float64)
+    y = z.argmax(1)
+    delta = (z.softmax(1) - torch.nn.functional.one_hot(y, c).double()) / n
+    h = torch.randn(n, 4, generator=g, dtype=torch.float64)
+    w, bound, k = capskip_weights(delta, h, correct_mask(delta, z, y), 1.0)
+    assert int(k) == n and (w == 0).all()
+
+
+def test_budget_zero_keeps_every_nonzero_row():
+    z = torch.tensor([[3.0, 0.0], [3.0, 0.0], [0.0, 3.0]], dtype=torch.float64)
+    y = torch.tensor([0, 0, 1])
+    delta = (z.softmax(1) - torch.nn.functional.one_hot(y, 2).double()) / 3
+    delta[1] = 0  # zero gradient row: free
+    w, _, k = capskip_weights(delta, torch.randn(3, 2, dtype=torch.float64), correct_mask(delta, z, y), 0.0)
+    assert w.tolist() == [1.0, 0.0, 1.0] and int(k) == 1
+
+
+def test_nonmonotone_prefix_found():
+    """An exactly cancelling pair: the 1-prefix violates the budget, the 2-prefix meets it."""
+    h = torch.tensor([[1.0], [1.0], [2.0]], dtype=torch.float64)
+    delta = torch.tensor([[0.1, -0.1], [-0.1, 0.1], [0.5, -0.5]], dtype=torch.float64)
+    correct = torch.tensor([True, True, False])
+    w, bound, k = capskip_weights(delta, h, correct, 0.05)
+    assert w.tolist() == [0.0, 0.0, 1.0] and bound.item() == 0.0
+    # stopping at the first violation would have skipped nothing
+    first = (per_example_grads(delta, h)[0].norm() / per_example_grads(delta, h).sum(0).norm()).item()
+    assert first > 0.05
+
+
+def test_large_num_classes_and_single_row():
+    g = torch.Generator().manual_seed(0)
+    z = torch.randn(64, 1000, generator=g, dtype=torch.float64)
+    y = z.argmax(1)
+    y[:10] = (y[:10] + 1) % 1000
+    delta = (z.softmax(1) - torch.nn.functional.one_hot(y, 1000).double()) / 64
+    h = torch.randn(64, 8, generator=g, dtype=torch.float64)
+    correct = correct_mask(delta, z, y)
+    w, _, _ = capskip_weights(delta, h, correct, 0.2)
+    reference_check(delta, h, correct, 0.2, w)
+    w1, _, k1 = capskip_weights(delta[:1], h[:1], correct[:1], 0.5)
+    assert w1.shape == (1,)
+
+
+def test_label_inference_and_rule_object():
+    z = torch.tensor([[2.0, 0.0, 0.0], [0.0, 2.0, 0.0], [0.0, 0.0, 2.0]])
+    y = torch.tensor([0, 2, 2])
+    delta = (z.softmax(1) - torch.nn.functional.one_hot(y, 3).float()) / 3
+    assert infer_targets(delta).tolist() == [0, 2, 2]
+    assert correct_mask(delta, z, None).tolist() == [True, False, True]
+    assert infer_targets(torch.zeros(1, 3)).tolist() == [-1]
+    sel = CAPSkip(budget=1.0).select(HeadView(delta=delta, h=torch.randn(3, 4), z=z))
+    assert sel.weight[1] == 1  # misclassified: never skipped
+
+
+def test_float32_inputs_use_float32():
+    z = torch.randn(8, 4)
+    delta = z.softmax(1) / 8
+    delta[torch.arange(8), z.argmax(1)] -= 1 / 8
+    w, bound, _ = capskip_weights(delta, torch.randn(8, 3), correct_mask(delta, z, None), 0.3)
+    assert w.dtype == torch.float32 and bound.dtype == torch.float32
+
+
+@pytest.mark.parametrize("b", [-0.1, 1.5, float("nan")])
+def test_budget_out_of_range(b):
+    with pytest.raises(ValueError, match="budget"):
+        CAPSkip(budget=b)
