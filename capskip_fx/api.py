@@ -64,7 +64,10 @@ class CapskipModule(nn.Module):
             for a in args:
                 if isinstance(a, Tensor) and a.dim() > 0 and a.shape[0] >= 2:
                     torch._dynamo.mark_dynamic(a, 0)
-        return self._compiled(*args, **kwargs)
+        out = self._compiled(*args, **kwargs)
+        if torch.is_grad_enabled() and self._state.fallback is not None and not self._backend.any_selected:
+            self._state.record_dense_step(_batch_size(args))
+        return out
 
     # -- backend="eager": the reference semantics, dense cost ---------------------------
     def _capture_h(self, mod, inp, out):
@@ -97,6 +100,10 @@ class CapskipModule(nn.Module):
         if extra is not None:
             self._state.load_state_dict(extra)
         return self.model.load_state_dict(sd, strict=strict, assign=assign)
+
+
+def _batch_size(args) -> int:
+    return next((a.shape[0] for a in args if isinstance(a, Tensor) and a.dim() > 0), 0)
 
 
 def _last_linear(model: nn.Module) -> nn.Linear:

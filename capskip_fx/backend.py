@@ -94,7 +94,12 @@ class CapskipBackend:
         return self._current
 
     def on_refused(self, reason: str) -> None:
+        self.state.fallback = self.state.fallback or reason
         self.state.warn_once(f"{reason} -> dense backward for this graph")
+
+    @property
+    def any_selected(self) -> bool:
+        return any(r.selected for r in self.records)
 
     def __call__(self, gm: fx.GraphModule, example_inputs, **kwargs):
         from torch._inductor.compile_fx import compile_fx

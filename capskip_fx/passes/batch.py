@@ -29,7 +29,13 @@ def has_symbol(v: Any, sym: sympy.Symbol) -> bool:
         return any(sym in expr_of(s).free_symbols for s in v.shape if isinstance(s, torch.SymInt))
     if isinstance(v, torch.SymInt):
         return sym in v.node.expr.free_symbols
+    if isinstance(v, (tuple, list)):
+        return any(has_symbol(x, sym) for x in v)
     return False
+
+
+def is_tensor_value(v: Any) -> bool:
+    return isinstance(v, torch.Tensor) or (isinstance(v, (tuple, list)) and any(isinstance(x, torch.Tensor) for x in v))
 
 
 def batch_dim(shape, sym: sympy.Symbol) -> Optional[tuple[int, int]]:

@@ -16,7 +16,7 @@ import sympy
 import torch
 from torch import fx
 
-from .batch import has_symbol
+from .batch import has_symbol, is_tensor_value
 
 
 def _backward_nodes(graph: fx.Graph) -> set[fx.Node]:
@@ -38,7 +38,7 @@ def find_coupling(graph: fx.Graph, sym: sympy.Symbol) -> Optional[str]:
         if n.op != "call_function" or n in bwd:
             continue
         val = n.meta.get("val")
-        if not isinstance(val, torch.Tensor) or has_symbol(val, sym):
+        if not is_tensor_value(val) or has_symbol(val, sym):
             continue
         if not any(isinstance(a, fx.Node) and has_symbol(a.meta.get("val"), sym) for a in n.all_input_nodes):
             continue
@@ -50,8 +50,10 @@ def find_coupling(graph: fx.Graph, sym: sympy.Symbol) -> Optional[str]:
                 continue
             seen.add(u)
             if u.op == "output" or has_symbol(u.meta.get("val"), sym):
-                src = n.meta.get("stack_trace", "").strip().splitlines()[-1:] or [""]
+                code = [ln.strip() for ln in n.meta.get("stack_trace", "").splitlines()
+                        if ln.strip() and set(ln.strip()) - set("^~")]
+                where = f" (at: {code[-1]})" if code else ""
                 return (f"cross-example op in the forward: {n.name} ({n.target}) reduces over the batch "
-                        f"and feeds {u.name}; e.g. BatchNorm in train mode. {src[0].strip()}").strip()
+                        f"and feeds {u.name}, e.g. BatchNorm in train mode{where}")
             stack.extend(u.users)
     return None

@@ -62,9 +62,10 @@ def kabena_probs(loss: Tensor, delta: Tensor, h: Tensor, tau: float, pi_min: flo
     var = ((1 - pi_tab) / pi_tab * gs[None, :]).sum(1)  # V(K), K = 0..N
     ok = (var <= tau * total) & (ks <= m)
     k = (ks * ok).max()  # V is non-decreasing in K, so this is the admissible prefix's end
-    pi_sorted = pi_tab[k]
+    kk = k.reshape(1)  # index_select, not t[k]: a 0-dim device index may be read on the host
+    pi_sorted = pi_tab.index_select(0, kk).squeeze(0)
     pi = torch.empty_like(pi_sorted).index_put((order,), pi_sorted)
-    v = var[k]
+    v = var.index_select(0, kk).squeeze(0)
     rel = torch.where(total > 0, v / total.clamp_min(torch.finfo(dt).tiny), torch.zeros_like(v))
     return pi, k, rel
 

@@ -106,6 +106,11 @@ class RuntimeState:
         self.step += 1
         return weight, int(k)
 
+    def record_dense_step(self, n: int) -> None:
+        """Stats for a step whose graph was refused: every row ran, and why."""
+        self.last = StepStats(step=self.step, n=n, kept=n, rows=n, fallback=self.fallback, variants=self.variants)
+        self.step += 1
+
     # -- checkpointing ---------------------------------------------------------------
     def state_dict(self) -> dict:
         return {"rule": self.rule.state_dict(), "step": self.step, "epoch": self.epoch,

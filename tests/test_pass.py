@@ -1,0 +1,113 @@
+"""The pass fired: graph records, matmul row counts, compiled variants, refusals and bad input."""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import capskip_fx
+from capskip_fx.rules import Forced
+
+from conftest import compiled, make_input, max_rel_err, reference_grads, selected_step
+
+N, T = 8, 65  # deit img 32 / patch 4: 64 patches + CLS
+
+
+def test_backward_matmuls_run_on_kept_rows():
+    model, cm = compiled("deit", torch.float32, "aot_eager")
+    cm.rule = Forced(keep=lambda n: torch.tensor([1, 4, 6]))
+    x = make_input("deit", N, torch.float32)
+    selected_step(cm, x, torch.zeros(N, dtype=torch.long))
+    rec = cm.backend.records[0]
+    assert rec.backward == "selected rows" and rec.plan.gathered_inputs > 10
+    dims = [d for _, shapes in rec.matmul_shapes for s in shapes for d in s]
+    assert len(rec.matmul_shapes) >= 8  # qkv, proj, fc1, fc2 (+ head): dX and dW each
+    assert 3 * T in dims and 3 in dims  # token rows and head rows at k = 3
+    assert N * T not in dims and N not in dims  # nothing at the full batch
+
+
+def test_variants_bounded_over_varying_k_and_batch():
+    model, cm = compiled("mlp", torch.float64, "aot_eager")
+    gen = torch.Generator().manual_seed(0)
+    for step, (n, k) in enumerate([(8, 2), (8, 5), (8, 8), (8, 1), (5, 3), (8, 7), (6, 0)]):
+        keep = torch.randperm(n, generator=gen)[:k]
+        cm.rule = Forced(keep=lambda _, keep=keep: keep) if k else Forced(keep=lambda n: torch.zeros(n, dtype=torch.bool))
+        x = make_input("mlp", n, torch.float64, seed=step)
+        y = torch.randint(0, 5, (n,))
+        grads, w = selected_step(cm, x, y)
+        assert max_rel_err(grads, reference_grads(model, x, y, w)) < 1e-10
+        if k == 0:
+            assert all(g.abs().max() == 0 for g in grads.values())  # zeros, not None
+    st = capskip_fx.stats(cm)
+    assert st.variants == 1 and len(cm.backend.records) == 1
+    assert {2, 5, 3, 7} <= cm.backend.records[0].row_counts
+
+
+class BNNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 4, 3, padding=1, bias=False)  # BN makes a conv bias grad ~0
+        self.bn = nn.BatchNorm2d(4)
+        self.head = nn.Linear(4, 5)
+
+    def forward(self, x):
+        return self.head(self.bn(self.conv(x)).relu().mean((2, 3)))
+
+
+def test_batchnorm_train_mode_refused_dense_and_correct():
+    torch.manual_seed(0)
+    model = BNNet().double()
+    cm = capskip_fx.compile(model, rule="forced", keep=0.25, backend="aot_eager")
+    x = torch.randn(8, 3, 6, 6, dtype=torch.float64)
+    y = torch.randint(0, 5, (8,))
+    ref = copy.deepcopy(model)
+    with pytest.warns(UserWarning, match="cross-example"):
+        F.cross_entropy(cm(x), y).backward()
+    grads = {k: p.grad.clone() for k, p in model.named_parameters()}
+    st = capskip_fx.stats(cm)
+    assert st.fallback and "cross-example" in st.fallback and st.kept == 8
+    rec = cm.backend.records[0]
+    assert rec.coupled and not rec.selected and rec.backward == "dense" and "cross-example" in rec.reason
+    F.cross_entropy(ref(x), y).backward()
+    assert max_rel_err(grads, {k: p.grad for k, p in ref.named_parameters()}) < 1e-10
+
+
+def test_batchnorm_eval_mode_is_not_coupled():
+    torch.manual_seed(0)
+    model = BNNet().double().eval()
+    cm = capskip_fx.compile(model, rule="forced", keep=0.5, backend="aot_eager")
+    x = torch.randn(8, 3, 6, 6, dtype=torch.float64)
+    y = torch.randint(0, 5, (8,))
+    grads, w = selected_step(cm, x, y)
+    assert cm.backend.records[0].backward == "selected rows"
+    assert max_rel_err(grads, reference_grads(model, x, y, w)) < 1e-10
+
+
+@pytest.mark.parametrize("b", [-0.5, 1.01, float("nan"), None, "0.1"])
+def test_bad_budget_raises_at_compile(b):
+    with pytest.raises(ValueError, match=r"budget must be a number in \[0, 1\]"):
+        capskip_fx.compile(nn.Linear(3, 2), budget=b)
+
+
+def test_unknown_rule_lists_valid_names():
+    with pytest.raises(ValueError, match="valid names: .*capskip.*dense"):
+        capskip_fx.compile(nn.Linear(3, 2), rule="nope")
+
+
+def test_no_linear_head_falls_back_with_reason():
+    class NoHead(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = nn.Parameter(torch.randn(4, 3))
+
+        def forward(self, x):
+            return (x[:, :, None] * self.w).sum(1)
+
+    cm = capskip_fx.compile(NoHead(), backend="aot_eager")
+    x = torch.randn(6, 4)
+    with pytest.warns(UserWarning, match="no classifier head"):
+        F.cross_entropy(cm(x), torch.zeros(6, dtype=torch.long)).backward()
+    assert "no classifier head" in capskip_fx.stats(cm).fallback

@@ -1,0 +1,374 @@
+"""Literature rules (random, sb, kabena, ub; stale_sb's own tests are in test_stale_sb.py).
+
+Statistical checks use confidence intervals computed from the draws themselves (5 sigma), never a
+hand-picked tolerance.  Per-example last-layer gradients are built explicitly, in float64, as
+outer products ``delta_i (x) [h_i; 1]``.
+"""
+from __future__ import annotations
+
+import io
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings, strategies as st
+
+from capskip_fx.rules import (KABENA, RULES, HeadView, RandomSkip, SelectiveBackprop, StaleSB,
+                              UpperBoundIS, make_rule)
+from capskip_fx.rules.capskip import CAPSkip
+from capskip_fx.rules.labels import per_example_ce
+
+torch.set_num_threads(1)
+Z = 5.0  # width of every confidence interval, in standard errors
+
+
+def make_view(seed: int, n: int = 16, c: int = 5, d: int = 3, dtype=torch.float64, scale: float = 2.0,
+              generator=None, epoch: int = 0, step: int = 0, explicit_targets: bool = True) -> HeadView:
+    g = torch.Generator().manual_seed(seed)
+    z = (scale * torch.randn(n, c, generator=g)).to(dtype)
+    y = torch.randint(0, c, (n,), generator=g)
+    h = torch.randn(n, d, generator=g).to(dtype)
+    delta = (z.softmax(1) - torch.nn.functional.one_hot(y, c).to(dtype)) / n
+    return HeadView(delta=delta, h=h, z=z, targets=y if explicit_targets else None,
+                    index=torch.arange(n), step=step, epoch=epoch, generator=generator)
+
+
+def permuted(view: HeadView, perm: torch.Tensor) -> HeadView:
+    return HeadView(delta=view.delta[perm], h=view.h[perm], z=view.z[perm],
+                    targets=None if view.targets is None else view.targets[perm],
+                    index=None if view.index is None else view.index[perm],
+                    step=view.step, epoch=view.epoch, generator=view.generator)
+
+
+def per_example_grads(view: HeadView) -> torch.Tensor:
+    """(N, C*(d+1)) float64: g_i = delta_i (x) [h_i; 1], flattened."""
+    d = view.delta.double()
+    xh = torch.cat([view.h.double(), torch.ones(view.n, 1, dtype=torch.float64)], 1)
+    return torch.einsum("nc,nd->ncd", d, xh).reshape(view.n, -1)
+
+
+def mc_weights(rule, view: HeadView, draws: int) -> torch.Tensor:
+    """(draws, N) weights from repeated selections on the same batch (one generator, iid draws)."""
+    return torch.stack([rule.select(view).weight.double() for _ in range(draws)])
+
+
+def assert_unbiased(weights: torch.Tensor, grads: torch.Tensor) -> None:
+    """Mean of sum_i w_i g_i within Z standard errors of sum_i g_i, per coordinate."""
+    est = weights @ grads  # (draws, P)
+    dense = grads.sum(0)
+    se = est.std(0) / math.sqrt(est.shape[0])
+    slack = 1e-12 * dense.abs().max()  # zero-variance coordinates must match up to rounding
+    err = (est.mean(0) - dense).abs()
+    assert (err <= Z * se + slack).all(), f"max err/se {(err / (se + slack)).max():.2f}"
+
+
+# ---------------------------------------------------------------------------------------------
+# registry
+
+
+def test_registry_names_and_repr():
+    for name, cls in [("random", RandomSkip), ("sb", SelectiveBackprop), ("stale_sb", StaleSB),
+                      ("kabena", KABENA), ("ub", UpperBoundIS)]:
+        assert RULES[name] is cls
+        r = make_rule(name)
+        assert isinstance(r, cls) and r.name == name
+        assert repr(r).startswith(cls.__name__ + "(")
+    assert isinstance(make_rule("random", match="capskip").match, CAPSkip)
+
+
+@pytest.mark.parametrize("bad", [
+    lambda: RandomSkip(keep=0.0), lambda: RandomSkip(keep=0.5, match=CAPSkip()),
+    lambda: SelectiveBackprop(keep=1.5), lambda: SelectiveBackprop(beta=-1),
+    lambda: KABENA(pi_min=0.0), lambda: KABENA(tau=-0.1),
+    lambda: UpperBoundIS(b=0), lambda: UpperBoundIS(b=1.5), lambda: StaleSB(staleness=-1)])
+def test_bad_options_raise(bad):
+    with pytest.raises((ValueError, TypeError)):
+        bad()
+
+
+# ---------------------------------------------------------------------------------------------
+# unbiasedness of the Horvitz-Thompson / importance-sampling rules
+
+
+def test_kabena_unbiased_and_variance_matches_bound():
+    view = make_view(3, n=16)
+    rule = KABENA(tau=0.5, pi_min=0.2, seed=1)
+    sel = rule.select(view)
+    pi, k = sel.info["prob"].double(), int(sel.info["K"])
+    assert k > 0 and (pi < 1).sum() > 0, "the test needs rows that are actually sampled"
+    draws = 3000
+    w = mc_weights(rule, view, draws)
+    grads = per_example_grads(view)
+    assert_unbiased(w, grads)
+    # E ||G_hat - G||^2 is the added variance V(K) = var_ratio * ||G||^2 (independent Bernoullis)
+    sq = ((w @ grads - grads.sum(0)) ** 2).sum(1)
+    v = float(sel.info["var_ratio"]) * float(grads.sum(0).square().sum())
+    assert abs(sq.mean() - v) <= Z * sq.std() / math.sqrt(draws)
+    assert float(sel.info["var_ratio"]) <= 0.5
+
+
+def test_ub_unbiased_with_multiplicities():
+    view = make_view(5, n=16)
+    rule = UpperBoundIS(b=5, tau_th=0.0, seed=2)  # tau_th <= 0: sampling from the first step
+    draws = 3000
+    sels = [rule.select(view) for _ in range(draws)]
+    assert all(bool(s.info["on"]) for s in sels)
+    w = torch.stack([s.weight.double() for s in sels])
+    assert_unbiased(w, per_example_grads(view))
+    # weight = multiplicity / (b p_i); counts sum to b; some row was drawn twice somewhere
+    counts = torch.stack([s.info["counts"].double() for s in sels])
+    p = sels[0].info["prob"].double()
+    assert torch.equal(counts.sum(1), torch.full((draws,), 5.0, dtype=torch.float64))
+    torch.testing.assert_close(w, counts / (5 * p), rtol=1e-12, atol=0)
+    assert (counts > 1).any()
+    # score is ||softmax(z) - y||, normalised
+    s = (view.z.softmax(1) - torch.nn.functional.one_hot(view.targets, 5)).norm(dim=1)
+    torch.testing.assert_close(p, s / s.sum())
+
+
+def test_ub_switch_on_follows_ema_of_tau():
+    n, b = 12, 4
+    # one hard row, the rest nearly perfect: tau = sqrt(N sum p^2) is large
+    z = torch.zeros(n, 3, dtype=torch.float64)
+    z[:, 0] = 12.0
+    y = torch.zeros(n, dtype=torch.long)
+    y[0] = 1
+    delta = (z.softmax(1) - torch.nn.functional.one_hot(y, 3).double()) / n
+    view = HeadView(delta=delta, h=torch.randn(n, 2, dtype=torch.float64), z=z, targets=y)
+    rule = UpperBoundIS(b=b)  # default threshold (N + 3b) / (3b) = 2
+    p = delta.norm(dim=1) / delta.norm(dim=1).sum()
+    tau = float((n * (p ** 2).sum()).sqrt())
+    assert tau > 2.5
+    ema = 0.0
+    for t in range(30):
+        sel = rule.select(view)
+        assert bool(sel.info["on"]) == (ema > 2.0), t  # decided on the EMA before this step
+        if not bool(sel.info["on"]):
+            assert torch.equal(sel.weight, torch.ones(n, dtype=torch.float64))
+        ema = 0.9 * ema + 0.1 * tau
+        assert abs(float(sel.info["tau_ema"]) - ema) < 1e-12
+    assert bool(sel.info["on"])
+    # equal scores: tau = 1, never switches on
+    flat = UpperBoundIS(b=b)
+    y2 = torch.ones(n, dtype=torch.long)
+    z2 = torch.zeros(n, 3, dtype=torch.float64)
+    d2 = (z2.softmax(1) - torch.nn.functional.one_hot(y2, 3).double()) / n
+    v2 = HeadView(delta=d2, h=torch.randn(n, 2, dtype=torch.float64), z=z2, targets=y2)
+    for _ in range(20):
+        s2 = flat.select(v2)
+        assert not bool(s2.info["on"]) and torch.equal(s2.weight, torch.ones(n, dtype=torch.float64))
+
+
+@settings(max_examples=25, deadline=None)
+@given(seed=st.integers(0, 10_000), n=st.integers(2, 24), tau=st.floats(0.0, 2.0),
+       pi_min=st.floats(0.05, 1.0))
+def test_kabena_constraint_and_maximal_K(seed, n, tau, pi_min):
+    """V(K) <= tau ||G||^2, and excluding one more row (K+1) would break it (explicit gradients)."""
+    view = make_view(seed, n=n)
+    sel = KABENA(tau=tau, pi_min=pi_min).select(view)
+    grads = per_example_grads(view)
+    gn2 = grads.square().sum(1)
+    total = grads.sum(0).square().sum()
+    loss = per_example_ce(view.z, view.targets)
+    pi = sel.info["prob"].double()
+    k = int(sel.info["K"])
+    added = ((1 - pi) / pi * gn2).sum()
+    assert added <= tau * total * (1 + 1e-9) + 1e-30
+    order = torch.argsort(loss, stable=True)
+    if k < n:
+        ref = loss[order[min(k + 1, n - 1)]]
+        cand = order[: k + 1]
+        pi2 = torch.ones(n, dtype=torch.float64)
+        pi2[cand] = (loss[cand] / ref).clamp(pi_min, 1.0)
+        assert ((1 - pi2) / pi2 * gn2).sum() > tau * total * (1 - 1e-9)
+    # the excluded candidates are the K lowest losses
+    assert (pi[order[k:]] == 1).all()
+
+
+def test_kabena_limits():
+    view = make_view(11)
+    dense = torch.ones(view.n, dtype=torch.float64)
+    assert torch.equal(KABENA(pi_min=1.0, tau=10.0).select(view).weight, dense)
+    assert torch.equal(KABENA(tau=0.0).select(view).weight, dense)  # generic rows: no free variance
+
+
+# ---------------------------------------------------------------------------------------------
+# Selective-Backprop
+
+
+@pytest.mark.parametrize("beta", [1.0, 2.0, 3.0])
+def test_sb_keep_fraction(beta):
+    """iid losses: percentiles ~ uniform, kept fraction ~ 1/(beta+1) (binomial CI)."""
+    R, n, warm, steps = 1024, 64, 16, 150
+    rule = SelectiveBackprop(beta=beta, history=R, seed=7)
+    kept = 0
+    for t in range(warm + steps):
+        w = rule.select(make_view(1000 + t, n=n, c=10, dtype=torch.float32)).weight
+        if t >= warm:  # history full: a row's count-below is uniform on {0..R-1}
+            kept += int(w.sum())
+    expect = sum((j / R) ** beta for j in range(R)) / R
+    assert abs(expect - 1 / (beta + 1)) < 1 / R
+    total = n * steps
+    assert abs(kept / total - expect) <= Z * math.sqrt(expect * (1 - expect) / total)
+
+
+def test_sb_percentile_counts_strictly_below_and_includes_batch():
+    rule = SelectiveBackprop(beta=1.0, history=8)
+    n = 4
+    losses = torch.tensor([0.5, 2.0, 1.0, 2.0], dtype=torch.float64)
+    # logits with CE exactly `losses` for label 0 on 2 classes: l = log(1 + e^{a})
+    a = torch.log(torch.expm1(losses))
+    z = torch.stack([torch.zeros(n, dtype=torch.float64), a], 1)
+    y = torch.zeros(n, dtype=torch.long)
+    delta = (z.softmax(1) - torch.nn.functional.one_hot(y, 2).double()) / n
+    sel = rule.select(HeadView(delta=delta, h=torch.zeros(n, 1, dtype=torch.float64), z=z, targets=y))
+    torch.testing.assert_close(sel.info["prob"], torch.tensor([0, 2, 1, 2], dtype=torch.float64) / 4)
+
+
+@settings(max_examples=20, deadline=None)
+@given(seed=st.integers(0, 10_000), n=st.integers(1, 40), keep=st.floats(0.01, 1.0))
+def test_sb_fixed_count_top_losses(seed, n, keep):
+    view = make_view(seed, n=n)
+    w = SelectiveBackprop(keep=keep).select(view).weight
+    k = max(1, math.floor(keep * n))
+    assert int(w.sum()) == k
+    loss = per_example_ce(view.z, view.targets)
+    if k < n:
+        assert loss[w > 0].min() >= loss[w == 0].max()
+    ws = SelectiveBackprop(keep=keep, sample=True, seed=seed).select(view).weight
+    assert int(ws.sum()) == k and set(ws.unique().tolist()) <= {0.0, 1.0}
+
+
+def test_sb_composer_sampling_prefers_high_loss():
+    view = make_view(21, n=10)
+    rule = SelectiveBackprop(keep=0.3, sample=True, seed=0)
+    freq = torch.stack([rule.select(view).weight for _ in range(400)]).mean(0)
+    order = torch.argsort(per_example_ce(view.z, view.targets))
+    assert freq[order[-1]] > freq[order[0]]
+
+
+# ---------------------------------------------------------------------------------------------
+# random baseline
+
+
+@settings(max_examples=30, deadline=None)
+@given(seed=st.integers(0, 10_000), n=st.integers(1, 50), keep=st.floats(0.001, 1.0))
+def test_random_exact_count(seed, n, keep):
+    sel = RandomSkip(keep=keep, seed=seed).select(make_view(seed, n=n))
+    assert int((sel.weight > 0).sum()) == max(1, round(keep * n))
+    assert set(sel.weight.unique().tolist()) <= {0.0, 1.0}
+
+
+def test_random_uniform_marginals():
+    n, k, draws = 6, 2, 3000
+    rule = RandomSkip(keep=k / n, seed=3)
+    view = make_view(0, n=n)
+    freq = torch.stack([rule.select(view).weight for _ in range(draws)]).mean(0)
+    p = k / n
+    assert ((freq - p).abs() <= Z * math.sqrt(p * (1 - p) / draws)).all()
+
+
+@pytest.mark.parametrize("matched", [lambda: CAPSkip(budget=0.3), lambda: SelectiveBackprop(beta=2.0),
+                                     lambda: KABENA(tau=0.5), lambda: UpperBoundIS(b=4, tau_th=0.0)])
+def test_random_match_count(matched):
+    rule = RandomSkip(match=matched(), unbiased=False, seed=4)
+    for t in range(8):
+        view = make_view(50 + t, n=20, scale=4.0)
+        sel = rule.select(view)
+        other = sel.info["matched"]
+        assert int((sel.weight > 0).sum()) == int((other.weight > 0).sum())
+    hts = RandomSkip(match=matched(), unbiased=True, seed=4).select(make_view(50, n=20, scale=4.0))
+    k = int((hts.weight > 0).sum())
+    if k:
+        assert torch.allclose(hts.weight[hts.weight > 0], torch.full((k,), 20 / k, dtype=torch.float64))
+
+
+# ---------------------------------------------------------------------------------------------
+# determinism, equivariance, finiteness, state
+
+
+def _random_rules():
+    return [lambda: RandomSkip(keep=0.4), lambda: RandomSkip(match=CAPSkip(budget=0.2)),
+            lambda: SelectiveBackprop(beta=2.0, history=64), lambda: SelectiveBackprop(keep=0.4, sample=True),
+            lambda: StaleSB(history=64), lambda: KABENA(tau=0.5, pi_min=0.1),
+            lambda: UpperBoundIS(tau_th=0.0), lambda: UpperBoundIS(b=0.5),
+            lambda: RandomSkip(match=SelectiveBackprop(history=32), unbiased=True)]
+
+
+@pytest.mark.parametrize("factory", _random_rules())
+def test_deterministic_given_generator(factory):
+    a, b = factory(), factory()
+    for t in range(4):
+        ga, gb = torch.Generator().manual_seed(t), torch.Generator().manual_seed(t)
+        wa = a.select(make_view(t, n=12, generator=ga)).weight
+        wb = b.select(make_view(t, n=12, generator=gb)).weight
+        assert torch.equal(wa, wb)
+    # the rule's own seeded generator, when the runtime passes none
+    a, b = factory(), factory()
+    for t in range(4):
+        assert torch.equal(a.select(make_view(t, n=12)).weight, b.select(make_view(t, n=12)).weight)
+
+
+@settings(max_examples=20, deadline=None)
+@given(seed=st.integers(0, 10_000), n=st.integers(2, 24))
+def test_permutation_equivariance(seed, n):
+    view = make_view(seed, n=n)
+    perm = torch.randperm(n, generator=torch.Generator().manual_seed(seed))
+    pv = permuted(view, perm)
+    # deterministic: the decision itself (losses are distinct with continuous logits)
+    assert torch.equal(SelectiveBackprop(keep=0.5).select(pv).weight,
+                       SelectiveBackprop(keep=0.5).select(view).weight[perm])
+    # randomised: the inclusion probabilities / kept count
+    for factory in [lambda: SelectiveBackprop(beta=2.0), lambda: KABENA(tau=0.5), lambda: UpperBoundIS()]:
+        a, b = factory().select(view), factory().select(pv)
+        torch.testing.assert_close(b.info["prob"], a.info["prob"][perm], rtol=1e-10, atol=1e-15)
+    a, b = KABENA(tau=0.5).select(view), KABENA(tau=0.5).select(pv)
+    assert int(a.info["K"]) == int(b.info["K"])
+    ra, rb = RandomSkip(match=CAPSkip(budget=0.3)), RandomSkip(match=CAPSkip(budget=0.3))
+    assert int(ra.select(view).weight.sum()) == int(rb.select(pv).weight.sum())
+
+
+@settings(max_examples=25, deadline=None)
+@given(seed=st.integers(0, 10_000), n=st.integers(1, 32), scale=st.sampled_from([0.0, 1.0, 8.0, 40.0]),
+       dtype=st.sampled_from([torch.float32, torch.float64]), explicit=st.booleans())
+def test_weights_finite_nonnegative(seed, n, scale, dtype, explicit):
+    view = make_view(seed, n=n, scale=scale, dtype=dtype, explicit_targets=explicit)
+    for factory in _random_rules():
+        w = factory().select(view).weight
+        assert w.shape == (n,) and w.dtype == dtype
+        assert torch.isfinite(w).all() and (w >= 0).all()
+        kept = w[w != 0]
+        assert (kept > 0).all()
+
+
+def _roundtrip(state):
+    buf = io.BytesIO()
+    torch.save(state, buf)
+    buf.seek(0)
+    return torch.load(buf, weights_only=False)
+
+
+@pytest.mark.parametrize("factory", _random_rules() + [lambda: UpperBoundIS(b=3)])
+def test_state_dict_roundtrip_mid_run(factory):
+    rule = factory()
+    for t in range(5):
+        rule.select(make_view(t, n=10, epoch=t // 2))
+    state = _roundtrip(rule.state_dict())
+    after = [rule.select(make_view(100 + t, n=10, epoch=3)).weight for t in range(5)]
+    fresh = factory()
+    fresh.load_state_dict(state)
+    again = [fresh.select(make_view(100 + t, n=10, epoch=3)).weight for t in range(5)]
+    for x, y in zip(after, again):
+        assert torch.equal(x, y)
+
+
+def test_sb_history_is_a_ring():
+    rule = SelectiveBackprop(history=10)
+    for t in range(3):
+        rule.select(make_view(t, n=4))
+    assert rule.hist_pos == 2 and int((~torch.isnan(rule.history)).sum()) == 10
+    big = SelectiveBackprop(history=3)
+    v = make_view(9, n=7)
+    big.select(v)
+    loss = per_example_ce(v.z, v.targets)
+    torch.testing.assert_close(big.history, loss[-3:])  # only the last R of an oversized batch

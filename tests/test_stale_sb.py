@@ -1,0 +1,242 @@
+"""Stale-SB: the per-index loss cache, staleness expiry, and the data-side filter / batch sampler.
+
+A toy "dataset" holds fixed logits per index, so the loss a rule records for index i is known.
+"""
+from __future__ import annotations
+
+import io
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings, strategies as st
+
+from capskip_fx.data.stale import StaleBatchFilter, StaleBatchSampler
+from capskip_fx.rules import HeadView, StaleSB
+from capskip_fx.rules.labels import per_example_ce
+from capskip_fx.rules.stale_sb import NEVER
+
+torch.set_num_threads(1)
+M, C, D = 40, 5, 3
+
+
+class Toy:
+    def __init__(self, seed: int = 0, m: int = M):
+        g = torch.Generator().manual_seed(seed)
+        self.z = 2 * torch.randn(m, C, generator=g, dtype=torch.float64)
+        self.y = torch.randint(0, C, (m,), generator=g)
+        self.h = torch.randn(m, D, generator=g, dtype=torch.float64)
+        self.loss = per_example_ce(self.z, self.y)
+
+    def view(self, idx: torch.Tensor, epoch: int = 0, with_index: bool = True) -> HeadView:
+        z, y = self.z[idx], self.y[idx]
+        delta = (z.softmax(1) - torch.nn.functional.one_hot(y, C).double()) / max(len(idx), 1)
+        return HeadView(delta=delta, h=self.h[idx], z=z, targets=y,
+                        index=idx if with_index else None, epoch=epoch)
+
+
+def run_epoch(rule, filt, toy, epoch, batch=8, seed=0):
+    """Shuffle, filter, forward the kept rows; returns (masks, weights) per batch."""
+    order = torch.randperm(toy.z.shape[0], generator=torch.Generator().manual_seed(1000 * seed + epoch))
+    out = []
+    for s in range(0, len(order), batch):
+        idx = order[s:s + batch]
+        fwd = filt(idx, epoch) if filt is not None else torch.ones(len(idx), dtype=torch.bool)
+        sub = idx[fwd]
+        w = rule.select(toy.view(sub, epoch)).weight if len(sub) else torch.zeros(0)
+        out.append((idx, fwd, sub, w))
+    return out
+
+
+def test_cache_by_index_not_by_position():
+    toy = Toy()
+    rule = StaleSB(num_examples=M)
+    idx = torch.tensor([7, 3, 31, 12])
+    rule.select(toy.view(idx, epoch=0))
+    torch.testing.assert_close(rule.cache_loss[idx], toy.loss[idx])
+    assert (rule.cache_epoch[idx] == 0).all()
+    others = torch.ones(M, dtype=torch.bool)
+    others[idx] = False
+    assert torch.isnan(rule.cache_loss[others]).all() and (rule.cache_epoch[others] == NEVER).all()
+
+
+def test_cache_grows_on_demand():
+    toy = Toy(m=100)
+    rule = StaleSB()
+    rule.select(toy.view(torch.tensor([0, 2])))
+    rule.select(toy.view(torch.tensor([90, 5])))
+    assert rule.cache_loss.shape[0] >= 91
+    torch.testing.assert_close(rule.cache_loss[torch.tensor([0, 2, 90, 5])], toy.loss[torch.tensor([0, 2, 90, 5])])
+
+
+def test_filtered_batches_record_the_right_losses():
+    """Dropping rows before the forward must not shift losses onto other examples (SB §2.5 defect)."""
+    toy = Toy(1)
+    rule = StaleSB(beta=3.0, num_examples=M)
+    filt = StaleBatchFilter(rule, seed=1)
+    for epoch in range(4):
+        run_epoch(rule, filt, toy, epoch)
+        seen = rule.cache_epoch != NEVER
+        torch.testing.assert_close(rule.cache_loss[seen], toy.loss[seen])
+    assert filt.n_saved > 0
+
+
+@pytest.mark.parametrize("staleness", [0, 1, 2, 3])
+def test_staleness_expiry(staleness):
+    """Every row is seen once per epoch: it may be skipped only when its loss is < staleness epochs old."""
+    toy = Toy(2)
+    rule = StaleSB(beta=1.0, staleness=staleness, num_examples=M)
+    filt = StaleBatchFilter(rule, seed=2)
+    for epoch in range(6):
+        before = rule.cache_epoch.clone() if rule.cache_epoch is not None else None
+        for idx, fwd, sub, w in run_epoch(rule, filt, toy, epoch):
+            if before is None:
+                assert fwd.all()  # nothing cached yet
+                continue
+            age = epoch - before[idx]
+            fresh = (age >= 0) & (age < staleness)
+            assert fwd[~fresh].all(), "stale or unseen rows must be forwarded"
+            # forwarded rows are refreshed; dropped rows keep their old stamp
+            assert (rule.cache_epoch[sub] == epoch).all()
+            assert torch.equal(rule.cache_epoch[idx[~fwd]], before[idx[~fwd]])
+        if staleness <= 1:
+            assert filt.n_saved == 0
+    if staleness >= 2:
+        assert filt.n_saved > 0
+
+
+def test_fresh_rows_are_stale_after_staleness_epochs():
+    toy = Toy(3)
+    rule = StaleSB(staleness=2, num_examples=M)
+    idx = torch.arange(M)
+    rule.select(toy.view(idx, epoch=0))
+    assert rule.fresh(idx, 0).all() and rule.fresh(idx, 1).all() and not rule.fresh(idx, 2).any()
+    # all stale at epoch 2: the filter forwards everything and saves nothing
+    filt = StaleBatchFilter(rule)
+    assert filt(idx, 2).all() and filt.n_saved == 0
+
+
+def test_filter_counts_and_preselected_rows_are_kept():
+    toy = Toy(4)
+    rule = StaleSB(beta=2.0, staleness=2, num_examples=M)
+    filt = StaleBatchFilter(rule, seed=3)
+    run_epoch(rule, filt, toy, 0)
+    assert (filt.n_seen, filt.n_forwarded, filt.n_saved) == (M, M, 0)
+    res = run_epoch(rule, filt, toy, 1)
+    fwd_total = sum(int(f.sum()) for _, f, _, _ in res)
+    assert filt.n_seen == 2 * M and filt.n_forwarded == M + fwd_total
+    assert filt.n_saved == M - fwd_total > 0
+    # every row fresh at epoch 1: each forwarded row was pre-selected, so it is kept with weight 1
+    for _, _, sub, w in res:
+        assert torch.equal(w, torch.ones(len(sub), dtype=torch.float64))
+    assert not rule.presel.any()
+    sd = filt.state_dict()
+    assert sd["n_seen"] == 2 * M
+
+
+def test_p_min_one_saves_nothing():
+    toy = Toy(5)
+    rule = StaleSB(p_min=1.0, num_examples=M)
+    filt = StaleBatchFilter(rule)
+    for epoch in range(3):
+        run_epoch(rule, filt, toy, epoch)
+    assert filt.n_saved == 0 and filt.n_forwarded == 3 * M
+
+
+def test_history_gets_each_example_once_per_pass():
+    toy = Toy(6)
+    rule = StaleSB(beta=2.0, history=10_000, num_examples=M)
+    filt = StaleBatchFilter(rule, seed=4)
+    for epoch in range(3):
+        run_epoch(rule, filt, toy, epoch)
+        assert int((~torch.isnan(rule.history)).sum()) == (epoch + 1) * M
+    assert filt.n_saved > 0
+
+
+@settings(max_examples=10, deadline=None)
+@given(seed=st.integers(0, 1000), beta=st.floats(0.5, 4.0))
+def test_drop_probability_matches_sb(seed, beta):
+    """A fresh row is forwarded with SB's probability of its cached loss (checked via the rule's own
+    percentile, recomputed here from the history the filter saw)."""
+    toy = Toy(seed)
+    rule = StaleSB(beta=beta, num_examples=M)
+    rule.select(toy.view(torch.arange(M), epoch=0))
+    hist = rule.history.clone()
+    idx = torch.arange(M)
+    cached = rule.cache_loss[idx]
+    allh = torch.cat([hist, cached])
+    allh = allh[~torch.isnan(allh)]
+    p = ((allh[None, :] < cached[:, None]).sum(1).double() / len(allh)) ** beta
+    u = torch.rand(M, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
+    fwd, fresh = rule.plan_forward(idx, 1, u)
+    assert fresh.all()
+    assert torch.equal(fwd, u < p)
+
+
+def test_without_index_acts_as_sb():
+    toy = Toy(7)
+    rule = StaleSB(seed=5)
+    from capskip_fx.rules import SelectiveBackprop
+    ref = SelectiveBackprop(seed=5)
+    idx = torch.arange(16)
+    with pytest.warns(UserWarning, match="plain sb"):
+        a = rule.select(toy.view(idx, with_index=False))
+    assert torch.equal(a.weight, ref.select(toy.view(idx, with_index=False)).weight)
+
+
+def _roundtrip(state):
+    buf = io.BytesIO()
+    torch.save(state, buf)
+    buf.seek(0)
+    return torch.load(buf, weights_only=False)
+
+
+def test_state_roundtrip_rule_and_filter():
+    toy = Toy(8)
+    rule = StaleSB(beta=2.0, num_examples=M, seed=6)
+    filt = StaleBatchFilter(rule, seed=7)
+    for epoch in range(2):
+        run_epoch(rule, filt, toy, epoch)
+    rs, fs = _roundtrip(rule.state_dict()), _roundtrip(filt.state_dict())
+    later = [run_epoch(rule, filt, toy, e) for e in (2, 3)]
+    rule2 = StaleSB(beta=2.0, num_examples=M, seed=6)
+    rule2.load_state_dict(rs)
+    filt2 = StaleBatchFilter(rule2, seed=7)
+    filt2.load_state_dict(fs)
+    again = [run_epoch(rule2, filt2, toy, e) for e in (2, 3)]
+    for ea, eb in zip(later, again):
+        for (_, fa, _, wa), (_, fb, _, wb) in zip(ea, eb):
+            assert torch.equal(fa, fb) and torch.equal(wa, wb)
+    assert filt.n_saved == filt2.n_saved > 0
+
+
+@pytest.mark.parametrize("drop_last", [False, True])
+def test_batch_sampler_fixed_size_batches(drop_last):
+    toy = Toy(9)
+    rule = StaleSB(beta=3.0, num_examples=M)
+    filt = StaleBatchFilter(rule, seed=8)
+    sampler = StaleBatchSampler(range(M), filt, batch_size=8, drop_last=drop_last)
+    for epoch in range(3):
+        assert sampler.epoch == epoch
+        before = filt.n_forwarded
+        batches = list(sampler)
+        for b in batches:
+            rule.select(toy.view(torch.tensor(b), epoch))
+        flat = [i for b in batches for i in b]
+        assert len(flat) == len(set(flat))  # each index at most once per epoch
+        assert all(len(b) == 8 for b in batches[:-1]) and (not drop_last or len(batches[-1]) == 8)
+        n_fwd = filt.n_forwarded - before
+        assert len(flat) == (n_fwd if not drop_last else 8 * (n_fwd // 8))
+    assert filt.n_saved > 0 and sampler.epoch == 3
+
+
+def test_uses_data_side_epoch_when_filtered():
+    """The runtime may leave view.epoch at 0; once a filter runs, its epoch stamps the cache."""
+    toy = Toy(10)
+    rule = StaleSB(num_examples=M)
+    filt = StaleBatchFilter(rule)
+    idx = torch.arange(8)
+    filt(idx, 5)
+    rule.select(toy.view(idx, epoch=0))
+    assert (rule.cache_epoch[idx] == 5).all()
+    assert math.isfinite(float(rule.cache_loss[idx].sum()))
