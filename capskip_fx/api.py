@@ -51,6 +51,10 @@ class CapskipModule(nn.Module):
         """Swap the rule without recompiling (the graphs don't depend on it)."""
         self._state.rule = make_rule(rule)
 
+    def set_epoch(self, epoch: int) -> None:
+        """The (0-based) epoch rules see: SB priming and Stale-SB staleness count epochs."""
+        self._state.epoch = int(epoch)
+
     @property
     def backend(self) -> CapskipBackend:
         return self._backend
@@ -126,21 +130,27 @@ def compile(model: nn.Module, *, rule: Union[str, Rule] = "capskip", budget: Opt
         raise TypeError(f"capskip_fx.compile expects an nn.Module, got {type(model).__name__}")
     cfg_opts = {k: options.pop(k) for k in list(options) if k in _CONFIG_FIELDS}
     config = CapskipConfig(**cfg_opts)
-    if isinstance(rule, Rule):
-        rule_obj = make_rule(rule, **options)
-    else:
-        if not isinstance(rule, str) or rule not in RULES:
-            raise ValueError(f"unknown rule {rule!r}; valid names: {', '.join(sorted(RULES))}")
-        cls = RULES[rule]
-        params = inspect.signature(cls).parameters
-        if "budget" in params:
-            if budget is None or not isinstance(budget, (int, float)) or math.isnan(budget) or not 0 <= budget <= 1:
-                raise ValueError(f"budget must be a number in [0, 1], got {budget!r}")
-            options["budget"] = budget
-        rule_obj = make_rule(rule, **options)
+    rule_obj = build_rule(rule, budget, options)
     _check_device(model)
     state = RuntimeState(rule_obj, seed=seed)
     return CapskipModule(model, state, config, logits_index)
+
+
+def build_rule(rule: Union[str, Rule], budget: Optional[float], options: dict) -> Rule:
+    """A Rule from a name + options; ``budget`` goes to rules that take one (also a ``match=`` rule)."""
+    if isinstance(rule, Rule):
+        return make_rule(rule, **options)
+    if not isinstance(rule, str) or rule not in RULES:
+        raise ValueError(f"unknown rule {rule!r}; valid names: {', '.join(sorted(RULES))}")
+    options = dict(options)
+    if isinstance(options.get("match"), str):
+        options["match"] = build_rule(options["match"], budget, {})
+    if "budget" in inspect.signature(RULES[rule]).parameters:
+        if budget is None or isinstance(budget, bool) or not isinstance(budget, (int, float)) \
+                or math.isnan(budget) or not 0 <= budget <= 1:
+            raise ValueError(f"budget must be a number in [0, 1], got {budget!r}")
+        options["budget"] = budget
+    return make_rule(rule, **options)
 
 
 def _check_device(model: nn.Module) -> None:

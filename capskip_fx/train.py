@@ -44,8 +44,9 @@ import yaml
 from torch import nn
 
 import capskip_fx
-import capskip_fx.report as report  # not `from capskip_fx import report`: that is the core's function
+from capskip_fx import plots
 from capskip_fx.data.datasets import DATASETS, DEFAULT_IMG_SIZE, load_dataset
+from capskip_fx.rules import RULES
 
 BACKENDS = ("inductor", "aot_eager", "eager")
 AMP = ("none", "bf16")
@@ -106,6 +107,8 @@ class TrainConfig:
 
         if self.dataset not in DATASETS:
             bad(f"dataset {self.dataset!r} not in {DATASETS}")
+        if self.rule not in RULES:
+            bad(f"rule {self.rule!r} not in {sorted(RULES)}")
         if self.backend not in BACKENDS:
             bad(f"backend {self.backend!r} not in {BACKENDS}")
         if self.amp not in AMP:
@@ -204,7 +207,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--model-kw", dest="model_kw", type=_key_value, action="append",
                    help="extra timm.create_model kwarg KEY=VALUE (YAML value), repeatable")
     g = t.add_argument_group("selection")
-    add("--rule", str, "capskip, dense, forced, random, sb, stale_sb, kabena, ub, ...")
+    add("--rule", str, "selection rule", choices=sorted(RULES))
     add("--budget", float, "relative last-layer gradient budget b")
     add("--keep", _optional(float), "keep fraction (forced, random, sb)")
     add("--match", _optional(str), "rule whose per-step kept counts to match (random)")
@@ -287,18 +290,8 @@ def rule_options(cfg: TrainConfig) -> dict[str, Any]:
     if cfg.keep is not None:
         opts["keep"] = cfg.keep
     if cfg.match is not None:
-        # compile() hands budget only to the outer rule; a matched capskip would fall back to its default b
-        opts["match"] = (capskip_fx.make_rule(cfg.match, budget=cfg.budget) if report.rule_takes_budget(cfg.match)
-                         else cfg.match)
+        opts["match"] = cfg.match  # compile() hands the budget on to a matched rule
     return opts
-
-
-def set_epoch(cm: nn.Module, epoch: int) -> None:
-    """Tell the rule the (0-based) epoch: SB priming and stale_sb's staleness count epochs."""
-    if hasattr(cm, "set_epoch"):
-        cm.set_epoch(epoch)
-    elif hasattr(cm, "_state"):  # no public setter in the core yet
-        cm._state.epoch = epoch
 
 
 def build_model(cfg: TrainConfig, num_classes: int) -> tuple[nn.Module, TrainConfig]:
@@ -311,8 +304,7 @@ def build_model(cfg: TrainConfig, num_classes: int) -> tuple[nn.Module, TrainCon
     try:
         return timm.create_model(cfg.model, **kw), cfg
     except TypeError as e:
-        # CNNs etc. reject img_size/patch_size; drop them only when the user did not ask for them
-        if not vit or "patch_size" in cfg.model_kwargs or "unexpected keyword" not in str(e):
+        if not vit or "unexpected keyword" not in str(e):  # CNNs etc. take no img_size/patch_size
             raise
         print(f"[model] {cfg.model} takes no img_size/patch_size ({e}); creating it without them")
         kw = {k: v for k, v in kw.items() if k not in vit}
@@ -450,13 +442,13 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
     cfg = dataclasses.replace(cfg, img_size=img, in_chans=data.in_chans,
                               patch_size=cfg.patch_size or max(1, img // 4), device=str(device))
     model, cfg = build_model(cfg, data.num_classes)
-    cfg = dataclasses.replace(cfg, label=report.run_label(dataclasses.asdict(cfg)),
+    cfg = dataclasses.replace(cfg, label=plots.run_label(dataclasses.asdict(cfg)),
                               out=cfg.out or f"runs/{cfg.dataset}-{cfg.rule}-s{cfg.seed}")
     out = Path(cfg.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "config.yaml").write_text(yaml.safe_dump(dataclasses.asdict(cfg), sort_keys=False))
     n_params = sum(p.numel() for p in model.parameters())
-    print(f"[run] {cfg.label} seed {cfg.seed}: {cfg.model} ({n_params / 1e6:.2f}M params) on {device}, "
+    print(f"[run] {cfg.label} seed {cfg.seed}: {cfg.model} ({n_params:,} params) on {device}, "
           f"backend {cfg.backend}, out {out}")
 
     model.to(device)
@@ -495,7 +487,7 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
     with open(out / "steps.jsonl", "w") as steps_f, open(out / "checks.jsonl", "w") as checks_f:
         for epoch in range(1, cfg.epochs + 1):
             ep_loss, ep_kept_frac, ep_steps, ep_rows, ep_wall0 = 0.0, 0.0, 0, 0, clock.wall_s
-            set_epoch(cm, epoch - 1)
+            cm.set_epoch(epoch - 1)
             bar = tqdm(train_loader, desc=f"epoch {epoch}/{cfg.epochs}", disable=None, leave=True, dynamic_ncols=True)
             t_prev = time.perf_counter()
             lr = lr_at(cfg, 0.0)
@@ -600,7 +592,7 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
               "violations": violations, "fallbacks": fallbacks, "time_budget_hit": hit_budget,
               "data_source": data.source, "n_params": n_params, "torch": torch.__version__}
     (out / "result.json").write_text(json.dumps(result, indent=2) + "\n")
-    report.plot_runs([report.load_run(out)], out)
+    plots.plot_runs([plots.load_run(out)], out)
     return result
 
 
@@ -611,7 +603,7 @@ def run(argv: Optional[Sequence[str]] = None) -> Any:
         argv.insert(0, "train")
     ns = build_parser().parse_args(argv)
     if ns.command == "compare":
-        table = report.compare(ns.runs, ns.out)
+        table = plots.compare(ns.runs, ns.out)
         print(table + f"\nwritten to {ns.out}/compare.md")
         return table
     return train(config_from_args(ns))

@@ -1,1 +1,1 @@
-"""Data side of the training harness: dataset loaders (:mod:`.datasets`) and stale-statistics stores."""
+"""Data side of the training harness: dataset loaders (:mod:`.datasets`) and the stale-SB forward filter (:mod:`.stale`)."""

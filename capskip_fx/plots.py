@@ -14,8 +14,6 @@ import inspect
 import json
 import math
 import statistics
-import sys
-import types
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable, Optional, Sequence
@@ -250,16 +248,3 @@ def compare(paths: Iterable[str | Path], out_dir: str | Path) -> str:
         "evaluation excluded); top-1 is the last evaluation of each run.\n\n"
         + "".join(f"![{p}]({p})\n" for p in PLOTS) + "\nRuns:\n" + dirs + "\n")
     return table
-
-
-class _CallableModule(types.ModuleType):
-    """The package also exports the core's ``report(model)`` under this name, and importing this
-    submodule rebinds ``capskip_fx.report`` to it; forwarding calls keeps ``capskip_fx.report(cm)`` working."""
-
-    def __call__(self, model):
-        from capskip_fx.api import report as graph_report
-
-        return graph_report(model)
-
-
-sys.modules[__name__].__class__ = _CallableModule

@@ -1,0 +1,191 @@
+"""Step-time benchmark: dense compiled vs capskip's selected-row backward, the naive alternatives
+and every rule, in ONE process, interleaved round-robin, warm-up (compile) excluded, medians.
+
+    python benchmarks/step_time.py                       # CPU default: deit_tiny img 32 patch 4, N=128
+    python benchmarks/step_time.py --device cuda --model deit_small_patch16_224 --img-size 224 \
+        --patch-size 16 --batch-size 256 --amp bf16 --fractions 1 0.5 0.35
+
+Rows: dense = torch.compile(inductor, dynamic batch) with mean CE; capskip f = forced keep fraction
+on the capskip-compiled model (the rule is swapped, the graphs are the same); "loss masking" =
+dense backward of the masked loss; "2nd forward" = no-grad forward on N, then forward+backward on
+the kept subset (Composer/SB style).  Rules run on labels where --correct-frac of the rows are the
+model's own predictions (a mid-training-like batch; the random-init model is otherwise ~1/C right).
+ideal = (F + f*B) / (F + B) with the dense F and B.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+if "MALLOC_MMAP_THRESHOLD_" not in os.environ and "--no-malloc-env" not in sys.argv:
+    # glibc page-faults every fresh large buffer (the gathers) without this; GPU allocators cache
+    os.environ["MALLOC_MMAP_THRESHOLD_"] = "2147483647"
+    os.execv(sys.executable, [sys.executable] + sys.argv)
+
+import torch
+import torch.nn.functional as F
+
+import capskip_fx
+from capskip_fx.rules import CAPSkip, Forced, RandomSkip, make_rule
+
+
+def parse():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="deit_tiny_patch16_224")
+    p.add_argument("--img-size", type=int, default=32)
+    p.add_argument("--patch-size", type=int, default=4)
+    p.add_argument("--num-classes", type=int, default=100)
+    p.add_argument("--depth", type=int, default=None)
+    p.add_argument("--batch-size", type=int, default=128)
+    p.add_argument("--fractions", type=float, nargs="+", default=[1.0, 0.5, 0.25])
+    p.add_argument("--rules", nargs="*", default=["capskip", "random", "sb", "kabena", "ub"])
+    p.add_argument("--budget", type=float, default=0.1)
+    p.add_argument("--correct-frac", type=float, default=0.7)
+    p.add_argument("--reps", type=int, default=7)
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--amp", choices=["none", "bf16"], default="none")
+    p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--out", default=None, help="results file stem (default benchmarks/results/<device>_<model>)")
+    p.add_argument("--no-malloc-env", action="store_true")
+    return p.parse_args()
+
+
+def sync(device):
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def main():
+    a = parse()
+    import timm
+
+    if a.threads:
+        torch.set_num_threads(a.threads)
+    dev = a.device
+    kw = dict(pretrained=False, img_size=a.img_size, patch_size=a.patch_size, num_classes=a.num_classes)
+    if a.depth:
+        kw["depth"] = a.depth
+    torch.manual_seed(0)
+    model = timm.create_model(a.model, **kw).to(dev)
+    n = a.batch_size
+    x = torch.randn(n, 3, a.img_size, a.img_size, device=dev)
+    with torch.no_grad():
+        pred = model(x).argmax(1)
+    y = torch.randint(0, a.num_classes, (n,), device=dev)
+    right = torch.rand(n, generator=torch.Generator().manual_seed(0)) < a.correct_frac
+    y[right.to(dev)] = pred[right.to(dev)]
+    amp = torch.autocast(device_type=dev.split(":")[0], dtype=torch.bfloat16) if a.amp == "bf16" else None
+
+    dense = torch.compile(model, dynamic=True)
+    cm = capskip_fx.compile(model, rule="dense")
+
+    def step(fwd, loss_fn, bwd=True):
+        model.zero_grad(set_to_none=True)
+        sync(dev)
+        t0 = time.perf_counter()
+        with (amp or torch.autocast(device_type="cpu", enabled=False)):
+            loss = loss_fn(fwd)
+        sync(dev)
+        t1 = time.perf_counter()
+        if bwd:
+            loss.backward()
+        sync(dev)
+        return t1 - t0, time.perf_counter() - t1
+
+    mean_ce = lambda f: F.cross_entropy(f(x), y)
+    variants = {"dense compiled": lambda: step(dense, mean_ce)}
+    for f in a.fractions:
+        k = max(1, round(f * n))
+        keep = torch.randperm(n, generator=torch.Generator().manual_seed(1))[:k].to(dev)
+        mask = torch.zeros(n, device=dev)
+        mask[keep] = 1
+
+        def run_forced(keep=keep):
+            cm.rule = Forced(keep=lambda _: keep)
+            return step(cm, mean_ce)
+
+        def run_masked(mask=mask):
+            return step(dense, lambda f: (F.cross_entropy(f(x), y, reduction="none") * mask).sum() / n)
+
+        def run_second(keep=keep):
+            sync(dev)
+            t0 = time.perf_counter()
+            with torch.no_grad(), (amp or torch.autocast(device_type="cpu", enabled=False)):
+                dense(x)
+            sync(dev)
+            sel = time.perf_counter() - t0
+            fw, bw = step(dense, lambda f: F.cross_entropy(f(x[keep]), y[keep], reduction="sum") / n)
+            return fw + sel, bw
+
+        variants[f"capskip forced f={f:g}"] = run_forced
+        if f < 1:
+            variants[f"loss masking f={f:g}"] = run_masked
+            variants[f"2nd forward f={f:g}"] = run_second
+    rules = {}
+    for r in a.rules:
+        if r == "capskip":
+            rules[r] = CAPSkip(budget=a.budget)
+        elif r == "random":
+            rules[r] = RandomSkip(match=CAPSkip(budget=a.budget))
+        else:
+            rules[r] = make_rule(r)
+    for name, rule in rules.items():
+        def run_rule(rule=rule):
+            cm.rule = rule
+            return step(cm, mean_ce)
+        variants[f"rule {name}" + (f" b={a.budget:g}" if name in ("capskip", "random") else "")] = run_rule
+
+    times = {v: [] for v in variants}
+    kept = {v: [] for v in variants}
+    sel_ms = {v: [] for v in variants}
+    t_compile = time.perf_counter()
+    for v, fn in variants.items():  # warm-up: compiles (excluded)
+        for _ in range(a.warmup):
+            fn()
+    t_compile = time.perf_counter() - t_compile
+    for _ in range(a.reps):
+        for v, fn in variants.items():
+            times[v].append(fn())
+            st = capskip_fx.stats(cm)
+            kept[v].append(st.kept / st.n if v.startswith(("capskip", "rule")) else None)
+            sel_ms[v].append(st.selection_ms if v.startswith(("capskip", "rule")) else None)
+
+    med = lambda xs: statistics.median(xs)
+    F0 = med([t[0] for t in times["dense compiled"]])
+    B0 = med([t[1] for t in times["dense compiled"]])
+    rows = []
+    for v in variants:
+        fw, bw = med([t[0] for t in times[v]]), med([t[1] for t in times[v]])
+        kf = med(kept[v]) if kept[v][0] is not None else (float(v.split("f=")[1]) if "f=" in v else 1.0)
+        rows.append({"variant": v, "kept": kf, "fwd_ms": fw * 1e3, "bwd_ms": bw * 1e3, "bwd_ratio": bw / B0,
+                     "selection_ms": med(sel_ms[v]) if sel_ms[v][0] is not None else None,
+                     "step_ratio": (fw + bw) / (F0 + B0), "ideal": (F0 + kf * B0) / (F0 + B0)})
+    fmt = lambda v: "" if v is None else f"{v:.2f}"
+    hdr = "| variant | kept | fwd ms | bwd ms | bwd/bwd_dense | selection ms | step ratio | ideal |\n|---|---|---|---|---|---|---|---|"
+    lines = [hdr] + [f"| {r['variant']} | {r['kept']:.2f} | {r['fwd_ms']:.0f} | {r['bwd_ms']:.0f} | {r['bwd_ratio']:.2f} | "
+                     f"{fmt(r['selection_ms'])} | "
+                     f"{r['step_ratio']:.2f} | {r['ideal']:.2f} |" for r in rows]
+    device = torch.cuda.get_device_name() if dev.startswith("cuda") else f"{platform.processor() or platform.machine()} CPU, {torch.get_num_threads()} threads"
+    meta = {"device": device, "torch": torch.__version__, "model": a.model, "img_size": a.img_size,
+            "patch_size": a.patch_size, "batch_size": n, "amp": a.amp, "reps": a.reps, "warmup": a.warmup,
+            "budget": a.budget, "correct_frac": a.correct_frac, "warmup_s": t_compile,
+            "command": "python " + " ".join(sys.argv)}
+    table = "\n".join(lines)
+    print(f"# {a.model} img {a.img_size} patch {a.patch_size}, N={n}, {a.amp}, {device}, torch {torch.__version__}; "
+          f"median of {a.reps} interleaved rounds, warm-up excluded ({t_compile:.0f} s)\n")
+    print(table)
+    stem = Path(a.out) if a.out else Path(__file__).parent / "results" / f"{dev.split(':')[0]}_{a.model}_img{a.img_size}_n{n}"
+    stem.parent.mkdir(parents=True, exist_ok=True)
+    stem.with_suffix(".json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+    stem.with_suffix(".md").write_text(f"{json.dumps(meta)}\n\n{table}\n")
+
+
+if __name__ == "__main__":
+    main()

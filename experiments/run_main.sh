@@ -1,0 +1,50 @@
+#!/usr/bin/env bash
+# The README experiment: a small ViT on Fashion-MNIST, on this machine's CPU.
+#   dense E epochs | capskip E epochs | dense time-matched to capskip's wall-clock |
+#   random with capskip's per-step kept counts | SB (fixed count) at capskip's mean keep rate;
+# SEEDS seeds each, then one compare table + plots in $OUT/compare.
+# Finished runs (with result.json) are skipped, so the script can be resumed; FORCE=1 reruns.
+#
+#   E=2 TRAIN_SUBSET=2000 EVAL_SUBSET=500 SEEDS="0" experiments/run_main.sh   # a quick look
+set -euo pipefail
+
+E=${E:-10}                          # epochs
+TRAIN_SUBSET=${TRAIN_SUBSET:-10000} # images per epoch ("none" = all 60000)
+EVAL_SUBSET=${EVAL_SUBSET:-2000}
+SEEDS=${SEEDS:-"0 1 2"}
+BUDGET=${BUDGET:-0.1}               # capskip's b (also the matched rule's b for random)
+SB_KEEP=${SB_KEEP:-}                # empty: capskip's measured kept fraction, same seed
+BACKEND=${BACKEND:-inductor}
+CONFIG=${CONFIG:-configs/fashion_mnist_tiny.yaml}
+OUT=${OUT:-runs/main}
+EXTRA=${EXTRA:-}                    # flags for every run, e.g. "--threads 2 --device cpu"
+PY=${PYTHON:-python}
+
+cd "$(dirname "$0")/.."
+
+run() {  # run NAME FLAGS...
+  local name=$1; shift
+  if [[ -f "$OUT/$name/result.json" && -z "${FORCE:-}" ]]; then
+    echo "== $name: done, skipping"; return
+  fi
+  echo "== $name"
+  # shellcheck disable=SC2086  # EXTRA is a list of flags
+  "$PY" -m capskip_fx.train --config "$CONFIG" --epochs "$E" --train-subset "$TRAIN_SUBSET" \
+    --eval-subset "$EVAL_SUBSET" --backend "$BACKEND" --out "$OUT/$name" $EXTRA "$@"
+}
+
+result() {  # result RUN KEY
+  "$PY" -c 'import json, sys; print(json.load(open(sys.argv[1]))[sys.argv[2]])' "$OUT/$1/result.json" "$2"
+}
+
+for s in $SEEDS; do
+  run "dense-s$s" --rule dense --seed "$s"
+  run "capskip-b$BUDGET-s$s" --rule capskip --budget "$BUDGET" --seed "$s"
+  wall=$(result "capskip-b$BUDGET-s$s" wall_clock_s)
+  keep=${SB_KEEP:-$(result "capskip-b$BUDGET-s$s" kept_frac)}
+  run "dense-timematched-b$BUDGET-s$s" --rule dense --time-budget "$wall" --seed "$s"
+  run "random-matched-b$BUDGET-s$s" --rule random --match capskip --budget "$BUDGET" --seed "$s"
+  run "sb-b$BUDGET-s$s" --rule sb --keep "$keep" --label "sb (capskip's keep rate)" --seed "$s"
+done
+
+"$PY" -m capskip_fx.train compare "$OUT" --out "$OUT/compare"

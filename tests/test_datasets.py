@@ -1,0 +1,130 @@
+"""Dataset loaders read the real on-disk formats: CIFAR python pickles, Fashion-MNIST IDX, sklearn digits."""
+from __future__ import annotations
+
+import gzip
+import pickle
+import struct
+
+import numpy as np
+import pytest
+import torch
+
+from capskip_fx.data import datasets as ds
+
+torch.set_num_threads(1)
+
+
+def _cifar_batch(rng, n, label_key, n_classes):
+    data = rng.integers(0, 256, size=(n, 3072), dtype=np.uint8)  # row: R plane, G plane, B plane
+    entry = {"batch_label": "tiny", "data": data, "filenames": [f"img{i}.png" for i in range(n)],
+             label_key: rng.integers(0, n_classes, size=n).tolist()}
+    if label_key == "fine_labels":
+        entry["coarse_labels"] = [l // 5 for l in entry["fine_labels"]]
+    return entry
+
+
+def _dump(path, obj):
+    with open(path, "wb") as f:
+        pickle.dump(obj, f, protocol=2)  # the real files are python-2 pickles
+
+
+@pytest.fixture
+def cifar10_dir(tmp_path):
+    rng = np.random.default_rng(0)
+    folder = tmp_path / "cifar-10-batches-py"
+    folder.mkdir()
+    batches = [_cifar_batch(rng, 4, "labels", 10) for _ in range(5)]
+    for i, b in enumerate(batches, 1):
+        _dump(folder / f"data_batch_{i}", b)
+    test = _cifar_batch(rng, 3, "labels", 10)
+    _dump(folder / "test_batch", test)
+    _dump(folder / "batches.meta", {"label_names": [f"c{i}" for i in range(10)], "num_cases_per_batch": 4})
+    return tmp_path, batches, test
+
+
+def test_cifar10_pickles(cifar10_dir):
+    root, batches, test = cifar10_dir
+    b = ds.load_dataset("cifar10", data_dir=str(root), download=False, augment=False)
+    assert (len(b.train), len(b.test), b.num_classes, b.in_chans, b.img_size) == (20, 3, 10, 3, 32)
+    assert b.source.startswith("pickle:")
+    first = torch.from_numpy(batches[0]["data"][1].reshape(3, 32, 32))
+    assert torch.equal(b.train.split.images[1], first)  # CHW, channel planes in order
+    assert b.train.split.labels.tolist() == sum((x["labels"] for x in batches), [])
+    assert b.test.split.labels.tolist() == test["labels"]
+    x, y, i = b.train[1]
+    assert x.shape == (3, 32, 32) and x.dtype == torch.float32 and (y, i) == (batches[0]["labels"][1], 1)
+    mean, std = ds.NORM["cifar10"]
+    expect = (first.float() / 255 - torch.tensor(mean)[:, None, None]) / torch.tensor(std)[:, None, None]
+    assert torch.allclose(x, expect, atol=1e-6)
+    # the batches folder itself is accepted too
+    assert len(ds.load_dataset("cifar10", data_dir=str(root / "cifar-10-batches-py"), download=False).train) == 20
+
+
+def test_cifar100_pickles(tmp_path):
+    rng = np.random.default_rng(1)
+    folder = tmp_path / "cifar-100-python"
+    folder.mkdir()
+    train, test = _cifar_batch(rng, 6, "fine_labels", 100), _cifar_batch(rng, 2, "fine_labels", 100)
+    _dump(folder / "train", train)
+    _dump(folder / "test", test)
+    _dump(folder / "meta", {"fine_label_names": [f"f{i}" for i in range(100)],
+                            "coarse_label_names": [f"c{i}" for i in range(20)]})
+    b = ds.load_dataset("cifar100", data_dir=str(tmp_path), img_size=16, download=False)
+    assert (len(b.train), len(b.test), b.num_classes) == (6, 2, 100)
+    assert b.train.split.labels.tolist() == train["fine_labels"]
+    assert b.train[0][0].shape == (3, 16, 16)  # resized to the model size
+
+
+def _write_idx(path, arr: np.ndarray, compress: bool):
+    header = struct.pack(">BBBB", 0, 0, 0x08, arr.ndim) + b"".join(struct.pack(">I", s) for s in arr.shape)
+    data = header + arr.astype(np.uint8).tobytes()
+    path.write_bytes(gzip.compress(data) if compress else data)
+
+
+@pytest.mark.parametrize("layout,compress", [("", True), ("FashionMNIST/raw", False)])
+def test_fashion_mnist_idx(tmp_path, layout, compress):
+    rng = np.random.default_rng(2)
+    d = tmp_path / layout
+    d.mkdir(parents=True, exist_ok=True)
+    sfx = ".gz" if compress else ""
+    imgs = rng.integers(0, 256, size=(7, 28, 28), dtype=np.uint8)
+    labels = rng.integers(0, 10, size=7, dtype=np.uint8)
+    _write_idx(d / f"train-images-idx3-ubyte{sfx}", imgs, compress)
+    _write_idx(d / f"train-labels-idx1-ubyte{sfx}", labels, compress)
+    _write_idx(d / f"t10k-images-idx3-ubyte{sfx}", imgs[:3], compress)
+    _write_idx(d / f"t10k-labels-idx1-ubyte{sfx}", labels[:3], compress)
+    log = []
+    b = ds.load_dataset("fashion-mnist", data_dir=str(tmp_path), download=False, log=log.append)
+    assert any(str(tmp_path) in line for line in log)  # says which source it used
+    assert (len(b.train), len(b.test), b.in_chans, b.img_size) == (7, 3, 1, 28)
+    assert torch.equal(b.train.split.images[:, 0], torch.from_numpy(imgs))
+    assert b.train.split.labels.tolist() == labels.tolist() and b.train.split.labels.dtype == torch.int64
+    # grey data for a 3-channel model: the channel is repeated
+    b3 = ds.load_dataset("fashion-mnist", data_dir=str(tmp_path), in_chans=3, download=False, augment=False)
+    x = b3.train[0][0]
+    assert x.shape == (3, 28, 28) and torch.equal(x[0], x[2])
+
+
+def test_read_idx_rejects_other_files(tmp_path):
+    p = tmp_path / "junk"
+    p.write_bytes(b"\x89PNG\r\n\x1a\n" + bytes(16))
+    with pytest.raises(ValueError, match="not an IDX file"):
+        ds.read_idx(p)
+
+
+def test_missing_data_without_download(tmp_path):
+    with pytest.raises(FileNotFoundError):
+        ds.load_dataset("cifar10", data_dir=str(tmp_path), download=False)
+    with pytest.raises(ValueError, match="unknown dataset"):
+        ds.load_dataset("mnist")
+
+
+def test_digits_split_and_subsets():
+    a = ds.load_dataset("digits", train_subset=50, eval_subset=20, log=lambda *_: None)
+    b = ds.load_dataset("digits", train_subset=50, eval_subset=20, log=lambda *_: None)
+    assert (len(a.train), len(a.test), a.img_size, a.in_chans) == (50, 20, 16, 1)
+    assert torch.equal(a.train.split.labels, b.train.split.labels)  # fixed subset, whatever the run seed
+    full = ds.load_dataset("digits", log=lambda *_: None)
+    assert len(full.train) + len(full.test) == 1797
+    x, y, i = a.train[49]
+    assert x.shape == (1, 16, 16) and i == 49

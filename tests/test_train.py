@@ -1,0 +1,187 @@
+"""Training harness: CLI/config, the loop's outputs, time budget, distortion checks, compare.
+
+Runs use backend="eager" (the core's masked dense backward) and tiny ViTs on the digits dataset.
+"""
+from __future__ import annotations
+
+import csv
+import json
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+import capskip_fx
+from capskip_fx import plots
+from capskip_fx import train
+
+torch.set_num_threads(1)
+
+TINY = ["--dataset", "digits", "--img-size", "16", "--patch-size", "4", "--depth", "1", "--embed-dim", "16",
+        "--num-heads", "2", "--batch-size", "32", "--train-subset", "96", "--eval-subset", "64",
+        "--backend", "eager", "--threads", "1", "--warmup-epochs", "0"]
+
+
+# ---------------------------------------------------------------- helpers
+
+def _read(out: Path):
+    steps = [json.loads(l) for l in (out / "steps.jsonl").read_text().splitlines()]
+    checks = [json.loads(l) for l in (out / "checks.jsonl").read_text().splitlines()]
+    with open(out / "summary.csv", newline="") as f:
+        summary = list(csv.DictReader(f))
+    return steps, checks, summary
+
+
+# ---------------------------------------------------------------- tests
+
+def test_smoke_run_writes_everything(tmp_path, capsys):
+    out = tmp_path / "run"
+    res = train.run([*TINY, "--rule", "capskip", "--budget", "0.2", "--epochs", "1", "--check-every", "1",
+                     "--out", str(out)])
+    steps, checks, summary = _read(out)
+    assert len(steps) == 3 == res["steps"]  # 96 / 32, last batch not ragged
+    assert {"step", "epoch", "loss", "kept", "n", "bound", "lr", "step_time_s"} <= set(steps[0])
+    assert all(s["n"] == 32 and 0 <= s["kept"] <= 32 for s in steps)
+    assert len(summary) == 1
+    row = summary[0]
+    assert int(row["backward_rows"]) == sum(s["kept"] for s in steps)
+    assert float(row["wall_clock_s"]) > 0 and float(row["compile_s"]) > 0
+    assert 0 <= float(row["eval_top1"]) <= 100
+    # exact distortion check: capskip's head guarantee holds, and matches the rule's own bound
+    assert len(checks) == 3
+    for c in checks:
+        assert c["rel_l2_head"] <= 0.2 + 1e-4 and not c["violation"]
+        assert c["rel_l2_head"] == pytest.approx(c["bound"], abs=1e-4)
+    assert int(row["violations"]) == 0
+    cfg = yaml.safe_load((out / "config.yaml").read_text())
+    assert cfg["in_chans"] == 1 and cfg["img_size"] == 16 and cfg["patch_size"] == 4
+    assert cfg["label"] == "capskip b=0.2" and cfg["backend"] == "eager"
+    for p in plots.PLOTS:
+        assert (out / p).stat().st_size > 0
+    assert json.loads((out / "result.json").read_text())["label"] == "capskip b=0.2"
+    text = capsys.readouterr().out
+    assert "[data] digits" in text and "epoch 1 step 3/3" in text  # plain log lines when not a TTY
+
+
+def test_dense_check_is_exact_and_forced_is_not(tmp_path):
+    train.run([*TINY, "--rule", "dense", "--epochs", "1", "--check-every", "2", "--out", str(tmp_path / "d")])
+    _, checks, _ = _read(tmp_path / "d")
+    assert len(checks) == 1 and checks[0]["step"] == 1
+    assert checks[0]["rel_l2_all"] < 1e-5 and checks[0]["cos_all"] > 1 - 1e-6
+    train.run([*TINY, "--rule", "forced", "--keep", "0.5", "--epochs", "1", "--check-every", "1",
+               "--out", str(tmp_path / "f")])
+    steps, checks, summary = _read(tmp_path / "f")
+    assert all(s["kept"] == 16 for s in steps)
+    assert all(c["rel_l2_head"] > 1e-3 for c in checks)
+    assert int(summary[0]["violations"]) == 0  # only capskip promises a bound
+
+
+def test_violations_are_counted_not_raised(tmp_path, monkeypatch):
+    def broken(*a, **k):
+        return {"cos_all": 0.5, "rel_l2_all": 0.9, "cos_head": 0.5, "rel_l2_head": 0.9, "dense_loss": 1.0}
+
+    monkeypatch.setattr(train, "distortion_check", broken)
+    res = train.run([*TINY, "--epochs", "1", "--check-every", "1", "--out", str(tmp_path / "v")])
+    _, checks, summary = _read(tmp_path / "v")
+    assert res["violations"] == 3 == int(summary[0]["violations"])
+    assert all(c["violation"] for c in checks)
+
+
+def test_config_file_overridden_by_flags(tmp_path):
+    f = tmp_path / "c.yaml"
+    f.write_text("dataset: digits\nlr: 1e-3\nepochs: 3\nrule: dense\nmodel-kwargs: {drop_rate: 0.1}\n"
+                 "time_budget: null\n")
+    cfg = train.parse_config(["--config", str(f), "--epochs", "1", "--budget", "0.2", "--model-kw", "qkv_bias=false",
+                              "--rule-opt", "foo=2"])
+    assert cfg.lr == 1e-3 and isinstance(cfg.lr, float)  # YAML 1.1 reads 1e-3 as a string
+    assert cfg.epochs == 1 and cfg.rule == "dense" and cfg.budget == 0.2 and cfg.dataset == "digits"
+    assert cfg.model_kwargs == {"drop_rate": 0.1, "qkv_bias": False} and cfg.rule_options == {"foo": 2}
+    assert train.parse_config(["--config", str(f), "--train-subset", "none"]).train_subset is None
+    f.write_text("epochz: 3\n")
+    with pytest.raises(SystemExit):
+        train.parse_config(["--config", str(f)])
+    with pytest.raises(SystemExit):
+        train.parse_config(["--amp", "fp16"])
+
+
+def test_resolved_config_round_trips(tmp_path):
+    out = tmp_path / "r"
+    train.run([*TINY, "--rule", "dense", "--epochs", "1", "--check-every", "0", "--out", str(out)])
+    again = train.parse_config(["--config", str(out / "config.yaml")])
+    assert again == train.TrainConfig(**yaml.safe_load((out / "config.yaml").read_text()))
+    assert again.out == str(out) and again.device == "cpu"
+
+
+def test_time_budget_stops_early(tmp_path):
+    out = tmp_path / "t"
+    res = train.run([*TINY, "--rule", "dense", "--epochs", "50", "--check-every", "0", "--time-budget", "0.02",
+                     "--out", str(out)])
+    steps, _, summary = _read(out)
+    assert res["time_budget_hit"] and len(steps) < 50 * 3
+    assert len(summary) == len({int(r["epoch"]) for r in summary}) and summary[-1]["time_budget_hit"] == "1"
+    assert summary[-1]["eval_top1"] != ""  # evaluated at the stop
+    assert res["wall_clock_s"] >= 0.02
+
+
+def test_rule_options_reach_the_rule():
+    cfg = train.TrainConfig(rule="random", match="capskip", budget=0.3, rule_options={"unbiased": True})
+    cm = capskip_fx.compile(torch.nn.Linear(4, 3), rule=cfg.rule, budget=cfg.budget, backend="eager",
+                            **train.rule_options(cfg))
+    assert cm.rule.match.budget == 0.3 and cm.rule.unbiased  # the matched capskip gets b, not its default
+    assert train.rule_options(train.TrainConfig(rule="sb", keep=0.4)) == {"keep": 0.4}
+
+
+def test_lr_schedule():
+    cfg = train.TrainConfig(epochs=10, warmup_epochs=1, lr=1.0, min_lr=0.0)
+    assert train.lr_at(cfg, 0.05) == pytest.approx(0.5)
+    assert train.lr_at(cfg, 0.1) == pytest.approx(1.0)
+    assert train.lr_at(cfg, 0.55) == pytest.approx(0.5)
+    assert train.lr_at(cfg, 1.0) == pytest.approx(0.0)
+
+
+def test_compile_clock_excludes_warmup():
+    c = train.CompileClock()
+    c.add(0.0, 5.0, True)  # first step compiles
+    assert c.compile_s == 5.0 and c.wall_s == 0.0
+    for _ in range(4):
+        c.add(0.1, 1.0, False)
+    c.add(0.0, 3.0, True)  # a new variant
+    assert c.compile_s == pytest.approx(4.0 + 2.0)
+    assert c.wall_s == pytest.approx(4 * 1.1 + 2 * 1.0)
+
+
+def _fake_run(d: Path, rule: str, seed: int, top1: list[float], wall: list[float], kept: float, **cfg):
+    d.mkdir(parents=True)
+    (d / "config.yaml").write_text(yaml.safe_dump({"rule": rule, "budget": 0.1, "seed": seed, **cfg}))
+    with open(d / "summary.csv", "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=["epoch", "eval_top1", "wall_clock_s", "backward_rows", "rows",
+                                          "mean_kept_frac", "violations"])
+        w.writeheader()
+        for e, (a, t) in enumerate(zip(top1, wall), 1):
+            w.writerow({"epoch": e, "eval_top1": a, "wall_clock_s": t, "backward_rows": int(kept * 100 * e),
+                        "rows": 100 * e, "mean_kept_frac": kept, "violations": 0})
+    (d / "steps.jsonl").write_text("".join(json.dumps({"step": i, "kept": int(kept * 10), "n": 10}) + "\n"
+                                           for i in range(20)))
+
+
+def test_compare_renders_table_and_plots(tmp_path):
+    runs = tmp_path / "runs"
+    _fake_run(runs / "dense-s0", "dense", 0, [80, 85], [10, 20], 1.0)
+    _fake_run(runs / "dense-s1", "dense", 1, [82, 87], [10, 20], 1.0)
+    _fake_run(runs / "cap-s0", "capskip", 0, [81, 86], [5, 10], 0.4)
+    _fake_run(runs / "cap-s1", "capskip", 1, [80, 84], [5, 10], 0.4)
+    _fake_run(runs / "dense-tm-s0", "dense", 0, [70, 75], [5, 10], 1.0, time_budget=10.0)
+    out = tmp_path / "cmp"
+    table = train.run(["compare", str(runs / "cap-s0"), str(runs / "cap-s1"), str(runs / "dense-s0"),
+                       str(runs / "dense-s1"), str(runs / "dense-tm-s0"), "--out", str(out)])
+    lines = table.strip().splitlines()
+    assert lines[2].startswith("| dense | 2 | 86.00 ± 1.41 | 20.0 ± 0.0 | 1.00 |")  # dense reference first
+    cap = next(l for l in lines if l.startswith("| capskip b=0.1 "))
+    assert "| 2 | 85.00 ± 1.41 |" in cap and "| 0.50 |" in cap and "0.400" in cap
+    assert any(l.startswith("| dense time-matched | 1 | 75.00 |") for l in lines)
+    assert (out / "compare.md").read_text().count("\n|---") == 1  # one table
+    for p in plots.PLOTS:
+        assert (out / p).stat().st_size > 0
+    # a parent folder is searched for run directories
+    assert train.run(["compare", str(runs), "--out", str(tmp_path / "cmp2")]) == table
