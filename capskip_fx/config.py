@@ -19,14 +19,19 @@ class CapskipConfig:
                 trades padding for fewer distinct shapes (useful for CUDA graphs / autotuning).
     min_rows:   the selected-row backward runs on at least this many rows (the symbolic batch was
                 traced with size >= 2, so 1 row is padded to 2).
-    verify:     on each graph's first step also run the dense-masked backward and compare.
+    gather_below: run the gathered backward only when it runs on at most this fraction of the
+                rows; above it the gathers cost more than the skipped rows save, so the backward
+                runs on all N rows with the skipped rows' weight 0 (same result).
+    verify:     on each graph's first gathered step also run the dense-masked backward and compare
+                (catches a flattened batch dim that is not batch-major); on mismatch, run dense-masked.
     on_coupling: "dense" (warn once, run the exact dense backward, record why) or "error".
     """
 
     backend: str = "inductor"
     granule: int = 1
     min_rows: int = 2
-    verify: bool = False
+    gather_below: float = 0.9
+    verify: bool = True
     on_coupling: str = "dense"
     dynamic_batch: bool = True
 
@@ -35,6 +40,8 @@ class CapskipConfig:
             raise ValueError(f"backend must be one of {BACKENDS}, got {self.backend!r}")
         if not (isinstance(self.granule, int) and self.granule >= 1):
             raise ValueError(f"granule must be a positive int, got {self.granule!r}")
+        if not 0.0 <= self.gather_below <= 1.0:
+            raise ValueError(f"gather_below must be in [0, 1], got {self.gather_below!r}")
         if self.on_coupling not in ("dense", "error"):
             raise ValueError(f"on_coupling must be 'dense' or 'error', got {self.on_coupling!r}")
 

@@ -111,3 +111,36 @@ def test_no_linear_head_falls_back_with_reason():
     with pytest.warns(UserWarning, match="no classifier head"):
         F.cross_entropy(cm(x), torch.zeros(6, dtype=torch.long)).backward()
     assert "no classifier head" in capskip_fx.stats(cm).fallback
+
+
+class TokenMajor(nn.Module):
+    """Flattens (T, N) token-major before a Linear: a batch dim of size T*N that is NOT batch-major."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+        self.head = nn.Linear(4, 3)
+
+    def forward(self, x):  # (N, T, 4)
+        t = self.fc(x.transpose(0, 1).reshape(-1, 4)).relu()
+        return self.head(t.reshape(x.shape[1], x.shape[0], 4).mean(0))
+
+
+@pytest.mark.parametrize("verify", [True, False])
+def test_verify_catches_non_batch_major_flattening(verify):
+    torch.manual_seed(0)
+    model = TokenMajor().double()
+    cm = capskip_fx.compile(model, rule="forced", keep=lambda n: torch.tensor([0, 2]), backend="aot_eager",
+                            verify=verify)
+    x = torch.randn(6, 5, 4, dtype=torch.float64)
+    y = torch.randint(0, 3, (6,))
+    if verify:
+        with pytest.warns(UserWarning, match="verify"):
+            grads, w = selected_step(cm, x, y)
+        assert max_rel_err(grads, reference_grads(model, x, y, w)) < 1e-10
+        assert "verify" in capskip_fx.stats(cm).fallback
+        grads, w = selected_step(cm, x, y)  # later steps stay dense-masked and exact
+        assert max_rel_err(grads, reference_grads(model, x, y, w)) < 1e-10
+    else:  # documents why verify is on by default
+        grads, w = selected_step(cm, x, y)
+        assert max_rel_err(grads, reference_grads(model, x, y, w)) > 1e-3

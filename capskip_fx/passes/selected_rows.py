@@ -12,7 +12,7 @@ Given the partitioned backward (symbolic batch ``s``) that contains ``w = capski
      outputs (input gradients) are scattered back to N rows.
 Invariants: outputs equal the dense-masked backward's (exact semantics, see insert_select.py);
 the compiled graph must not specialise ``s`` (checked after compiling; refused otherwise);
-k == N runs ungathered; k == 0 runs on ``min_rows`` zero-weight rows (zero gradients, not None).
+k == N (and kb > gather_below*N) runs ungathered with w masking; k == 0 runs on ``min_rows`` zero-weight rows (zero gradients, not None).
 """
 from __future__ import annotations
 
@@ -152,6 +152,7 @@ class SelectedRowBackward:
         self._boxed_call = True  # instance attr: survives the wrappers AOT puts around us
         self.compiled = compiled
         self.dense_only = dense_only
+        self.verified = False
         self.plan = plan
         self.state = state
         self.config = config
@@ -162,15 +163,16 @@ class SelectedRowBackward:
         ih, iz, ig = p.select_args
         weight, k = self.state.select(args[ih], args[iz], args[ig])
         n = weight.shape[0]
-        if k == n or self.dense_only:
+        kb = self.config.bucket(k, n)
+        if kb > self.config.gather_below * n or self.dense_only:
             self.state.last.rows = n
             out = self.compiled(list(args) + [weight])
             args.clear()
             return out
-        kb = self.config.bucket(k, n)
         # kept rows first; the pad rows are skipped rows and carry weight 0
         idx = torch.argsort((weight == 0).to(torch.int8), stable=True)[:kb]
         w_kb = weight.index_select(0, idx)
+        full_args = list(args) if self.config.verify and not self.verified else None
         new_args = []
         for a, s in zip(args, p.specs):
             if s.kind == "batch":
@@ -184,5 +186,25 @@ class SelectedRowBackward:
         self.state.last.rows = kb
         self.record.row_counts.add(kb)
         outs = self.compiled(new_args)
-        return [(_scatter(o, s, idx, n) if (s is not None and s.kind == "batch" and o is not None) else o)
+        outs = [(_scatter(o, s, idx, n) if (s is not None and s.kind == "batch" and o is not None) else o)
                 for o, s in zip(outs, p.out_specs)]
+        if self.config.verify and not self.verified:
+            outs = self._verify(full_args, weight, outs)
+        return outs
+
+    def _verify(self, full_args: list, weight: torch.Tensor, outs: list) -> list:
+        """First gathered step: compare with the same graph on all N rows (dense-masked)."""
+        self.verified = True
+        ref = self.compiled(full_args + [weight])
+        for o, r in zip(outs, ref):
+            if isinstance(o, torch.Tensor) and isinstance(r, torch.Tensor) and r.numel():
+                tol = 1e-3 if r.dtype in (torch.float32, torch.float64) else 5e-2
+                if (o - r).double().norm() > tol * r.double().norm() + 1e-12:
+                    reason = "verify: the gathered backward differs from the dense-masked one; running dense-masked"
+                    self.dense_only = True
+                    self.record.refuse(reason)
+                    self.record.backward = "dense-masked"
+                    self.state.fallback = self.state.last.fallback = reason
+                    self.state.warn_once(reason)
+                    return ref
+        return outs

@@ -45,7 +45,9 @@ def capskip_weights(delta: Tensor, h: Tensor, correct: Tensor, budget: float, bi
     if bias:
         gram_h = gram_h + 1
     K = (d @ d.T) * gram_h
-    diag = K.diagonal()
+    # sort key from row-wise sums, not diag(K): GEMM may round equal rows differently, and
+    # exactly tied rows (duplicates, cancelling pairs) must keep batch order
+    diag = (d * d).sum(1) * ((x * x).sum(1) + (1 if bias else 0))
     # correct rows first, by increasing ||g_i||^2; stable sort keeps batch order for ties
     key = torch.where(correct, diag, torch.full_like(diag, math.inf))
     order = torch.argsort(key, stable=True)
