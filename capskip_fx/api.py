@@ -160,15 +160,62 @@ def _check_device(model: nn.Module) -> None:
         raise ValueError(f"capskip_fx supports models on cpu/cuda/xpu; got parameters on {sorted(bad)}")
 
 
-def stats(model: CapskipModule) -> StepStats:
+# -- torch.compile(model, backend="capskip", options={...}) ------------------------------------
+_REGISTERED: dict[int, tuple[dict, CapskipBackend]] = {}
+
+
+def _registered_backend(gm, example_inputs, options: Optional[dict] = None, **_):
+    """The string backend.  One CapskipBackend per torch.compile call (its ``options`` dict).
+
+    Plain torch.compile does not mark the batch dim dynamic: the first graph is static and runs
+    dense (reason recorded) until a batch of another size makes Dynamo's automatic-dynamic mark
+    it; ``torch._dynamo.mark_dynamic(x, 0)`` or ``capskip_fx.compile`` avoid that.
+    """
+    options = options if options is not None else {}
+    entry = _REGISTERED.get(id(options))
+    if entry is None or entry[0] is not options:
+        opts = dict(options)
+        cfg = CapskipConfig(**{k: opts.pop(k) for k in list(opts) if k in _CONFIG_FIELDS})
+        rule = build_rule(opts.pop("rule", "capskip"), opts.pop("budget", 0.1), opts)
+        state = RuntimeState(rule)
+        entry = (options, CapskipBackend(cfg, state, ops.register_state(state)))
+        _REGISTERED[id(options)] = entry
+    return entry[1](gm, example_inputs)
+
+
+def _register() -> None:
+    from torch._dynamo.backends.registry import _BACKENDS, register_backend
+
+    if "capskip" not in _BACKENDS:
+        register_backend(name="capskip")(_registered_backend)
+
+
+_register()
+
+
+def _backend_of(model) -> CapskipBackend:
+    if isinstance(model, CapskipModule):
+        return model.backend
+    if isinstance(model, CapskipBackend):
+        return model
+    try:  # an OptimizedModule from torch.compile(backend="capskip", options=...)
+        from torch._dynamo.eval_frame import innermost_backend
+
+        wrapper = innermost_backend(model.dynamo_ctx.callback)
+        return _REGISTERED[id(wrapper.kwargs.get("options", {}))][1]
+    except (AttributeError, KeyError, ImportError):
+        raise TypeError("capskip_fx.stats/report expect the module returned by capskip_fx.compile (or a "
+                        "torch.compile(backend='capskip', options=...) module after its first step)") from None
+
+
+def stats(model) -> StepStats:
     """The last step's statistics (no device sync unless ``.bound`` is read)."""
-    if not isinstance(model, CapskipModule):
-        raise TypeError("capskip_fx.stats expects the module returned by capskip_fx.compile")
-    s = model._state.last
-    s.variants = model._state.variants
+    state = _backend_of(model).state
+    s = state.last
+    s.variants = state.variants
     return s
 
 
-def report(model: CapskipModule) -> list[dict]:
+def report(model) -> list[dict]:
     """One row per graph the backend received: how its backward runs and why."""
-    return [r.as_dict() for r in model.backend.records]
+    return [r.as_dict() for r in _backend_of(model).records]

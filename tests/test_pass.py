@@ -144,3 +144,22 @@ def test_verify_catches_non_batch_major_flattening(verify):
     else:  # documents why verify is on by default
         grads, w = selected_step(cm, x, y)
         assert max_rel_err(grads, reference_grads(model, x, y, w)) > 1e-3
+
+
+def test_string_backend_with_options():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 8), nn.ReLU(), nn.Linear(8, 3)).double()
+    opt = torch.compile(model, backend="capskip", options={"rule": "forced", "keep": 0.5, "backend": "aot_eager"})
+    for n in (8, 6):
+        x = torch.randn(n, 6, dtype=torch.float64)
+        y = torch.randint(0, 3, (n,))
+        torch._dynamo.mark_dynamic(x, 0)
+        model.zero_grad()
+        F.cross_entropy(opt(x), y).backward()
+        st = capskip_fx.stats(opt)
+        assert st.n == n and st.kept == n // 2 and st.variants == 1
+        grads = {k: p.grad.clone() for k, p in model.named_parameters()}
+        assert max_rel_err(grads, reference_grads(model, x, y, st.weight)) < 1e-10
+    assert capskip_fx.report(opt)[0]["backward"] == "selected rows"
+    with pytest.raises(TypeError, match="capskip_fx.compile"):
+        capskip_fx.stats(model)

@@ -114,12 +114,13 @@ class RuntimeState:
     # -- checkpointing ---------------------------------------------------------------
     def state_dict(self) -> dict:
         return {"rule": self.rule.state_dict(), "step": self.step, "epoch": self.epoch,
-                "generator": None if self._generator is None else self._generator.get_state()}
+                "generator": None if self._generator is None else self._generator.get_state(),
+                "generator_device": None if self._generator is None else str(self._generator.device)}
 
     def load_state_dict(self, state: dict) -> None:
         self.rule.load_state_dict(state.get("rule", {}))
         self.step = state.get("step", 0)
         self.epoch = state.get("epoch", 0)
         if state.get("generator") is not None:
-            self._generator = torch.Generator()
+            self._generator = torch.Generator(device=state.get("generator_device") or "cpu")
             self._generator.set_state(state["generator"])
