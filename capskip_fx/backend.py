@@ -15,7 +15,7 @@ from torch import fx
 
 from .config import CapskipConfig
 from .passes.batch import Refused
-from .passes.insert_select import SELECT, InsertSelectPass
+from .passes.insert_select import SELECTION_OPS, InsertSelectPass
 from .passes.selected_rows import BackwardPlan, SelectedRowBackward, check_not_specialised, plan_backward
 from .runtime.state import RuntimeState
 
@@ -28,7 +28,10 @@ class GraphRecord:
 
     index: int
     nodes: int
-    selected: bool = False  # the joint pass inserted the selection node
+    selected: bool = False  # the joint pass inserted the selection node (head graph)
+    body: bool = False  # no head: uses the head graph's published rows (capskip::shared)
+    no_head: Optional[str] = None
+    consumed_step: int = -1
     coupled: bool = False
     head_bias: bool = True
     masked_tangents: int = 0
@@ -44,7 +47,8 @@ class GraphRecord:
             self.reason = reason
 
     def as_dict(self) -> dict:
-        return {"graph": self.index, "nodes": self.nodes, "backward": self.backward,
+        return {"graph": self.index, "nodes": self.nodes, "role": "head" if self.selected else "body" if self.body else "-",
+                "backward": self.backward,
                 "reason": self.reason, "gathered_inputs": self.plan.gathered_inputs if self.plan else 0,
                 "row_counts": sorted(self.row_counts)}
 
@@ -74,6 +78,46 @@ class _Interpreted:
         if record is not None:
             record.matmul_shapes = rows
         return out
+
+
+class _MarkBatchDynamic:
+    """Forward wrapper: tag batch-carrying outputs as (weakly) dynamic in dim 0.
+
+    Across a graph break Dynamo traces the next graph from real tensors, so its batch would be
+    static and the head graph could not drop rows.  The tag is what ``maybe_mark_dynamic`` sets.
+    """
+
+    def __init__(self, compiled, out_idx: list[int]):
+        self._boxed_call = True
+        self.compiled = compiled
+        self.out_idx = out_idx
+
+    def __call__(self, args):
+        outs = self.compiled(args)
+        for i in self.out_idx:
+            o = outs[i]
+            if isinstance(o, torch.Tensor) and o.dim() > 0 and o.shape[0] > 1:
+                torch._dynamo.maybe_mark_dynamic(o, 0)
+        return outs
+
+    def __getattr__(self, name):
+        return getattr(self.compiled, name)
+
+
+def _batch_outputs(gm: fx.GraphModule) -> list[int]:
+    """User-visible forward outputs with the batch symbol as dim 0 (not saved activations: one of
+    those may be the user's input tensor, and tagging it would fail Dynamo's guard next step)."""
+    out = list(gm.graph.find_nodes(op="output"))[0]
+    outs = out.args[0]
+    visible = out.meta.get("user_visible_output_idxs") or []
+    idx = []
+    for i in visible:
+        o = outs[i]
+        v = o.meta.get("val") if isinstance(o, fx.Node) and o.op != "placeholder" else None
+        if isinstance(v, torch.Tensor) and v.dim() > 0 and isinstance(v.shape[0], torch.SymInt) \
+                and v.shape[0].node.expr.is_Symbol:
+            idx.append(i)
+    return idx
 
 
 def _eager_inner(gm: fx.GraphModule, example_inputs, record: Optional[GraphRecord] = None, **kwargs):
@@ -123,8 +167,10 @@ class CapskipBackend:
     def _inner(self, rec: GraphRecord, gm: fx.GraphModule, example_inputs, **kwargs):
         base = self._base(rec)
         if not kwargs.get("is_backward", False):
-            return base(gm, example_inputs, **kwargs)
-        if not any(n.target == SELECT for n in gm.graph.nodes):
+            out_idx = _batch_outputs(gm)
+            compiled = base(gm, example_inputs, **kwargs)
+            return _MarkBatchDynamic(compiled, out_idx) if out_idx else compiled
+        if not any(n.target in SELECTION_OPS for n in gm.graph.nodes):
             rec.backward = "dense"
             return base(gm, example_inputs, **kwargs)
         try:

@@ -42,3 +42,19 @@ def select(h: Tensor, z: Tensor, g: Tensor, key: int) -> Tensor:
 @select.register_fake
 def _select_fake(h: Tensor, z: Tensor, g: Tensor, key: int) -> Tensor:
     return g.new_empty(g.shape[0])
+
+
+@torch.library.custom_op("capskip::shared", mutates_args=())
+def shared(g: Tensor, key: int) -> Tensor:
+    """Body graphs (no head: below a graph break, DDP bucket splits): the head graph's kept rows.
+
+    Rows the head graph skipped already carry a zero gradient here, so the 0/1 mask changes
+    nothing numerically; it marks which rows the backward may drop.
+    """
+    mask = state_for(key).shared_mask(g.shape[0])
+    return (mask if mask is not None else g.new_ones(g.shape[0])).to(g.dtype).clone()
+
+
+@shared.register_fake
+def _shared_fake(g: Tensor, key: int) -> Tensor:
+    return g.new_empty(g.shape[0])

@@ -22,6 +22,7 @@ def test_backward_matmuls_run_on_kept_rows():
     x = make_input("deit", N, torch.float32)
     for _ in range(2):  # the first gathered step of a graph is also verified on all N rows
         selected_step(cm, x, torch.zeros(N, dtype=torch.long))
+    assert len(cm.backend.records) == 1  # the same input twice: no recompile
     rec = cm.backend.records[0]
     assert rec.backward == "selected rows" and rec.plan.gathered_inputs > 10
     dims = [d for _, shapes in rec.matmul_shapes for s in shapes for d in s]
@@ -164,3 +165,32 @@ def test_string_backend_with_options():
     assert capskip_fx.report(opt)[0]["backward"] == "selected rows"
     with pytest.raises(TypeError, match="capskip_fx.compile"):
         capskip_fx.stats(model)
+
+
+class GraphBreak(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b, self.head = nn.Linear(6, 8), nn.Linear(8, 8), nn.Linear(8, 3)
+
+    def forward(self, x):
+        x = self.a(x).relu()
+        torch._dynamo.graph_break()
+        return self.head(self.b(x).relu())
+
+
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+def test_graph_break_body_graph_reuses_head_selection(backend):
+    torch.manual_seed(0)
+    model = GraphBreak().double()
+    cm = capskip_fx.compile(model, rule="forced", keep=lambda n: torch.tensor([1, 4]), backend=backend)
+    for step in range(3):
+        x = make_input("mlp", 8, torch.float64, seed=step)[:, :6].contiguous()
+        y = torch.randint(0, 3, (8,))
+        grads, w = selected_step(cm, x, y)
+        assert max_rel_err(grads, reference_grads(model, x, y, w)) < 1e-10
+    roles = {r["role"]: r for r in capskip_fx.report(cm)}
+    assert set(roles) == {"head", "body"} and len(cm.backend.records) == 2
+    assert all(r["backward"] == "selected rows" and r["row_counts"] == [2] for r in roles.values())
+    if backend == "aot_eager":
+        body = next(r for r in cm.backend.records if r.body)
+        assert [s for _, s in body.matmul_shapes] == [[(8, 2), (2, 6)]]  # dW_a from the 2 kept rows

@@ -5,9 +5,15 @@ gradient is scaled by ``w_i`` (0 = skipped), so the parameter gradients are
 ``sum_i w_i grad(l_i) / N`` whatever the backward does next.  Masking *every* batch-shaped
 tangent (not only the logits') keeps auxiliary outputs of skipped rows out of the gradient.
 
-Invariants: at most one ``capskip::select`` per graph (the pass is idempotent: some torch
-versions ran joint pre-passes twice); the node reads ``h``, ``z`` and ``g`` so the partitioner
-saves ``h`` and ``z``; graphs with cross-example coupling or no head get no node (dense).
+Graphs without the head (below a graph break, DDPOptimizer's bucket splits) get
+``w = capskip::shared(t, key)`` instead: the head graph's kept rows as a 0/1 mask, published by
+its backward, which runs first.  Rows it skipped already reach these graphs with zero gradient,
+so the mask is exact; it tells the backward pass which rows it may drop.
+
+Invariants: at most one selection node per graph (the pass is idempotent: some torch versions
+ran joint pre-passes twice); ``select`` reads ``h``, ``z`` and ``g`` so the partitioner saves
+``h`` and ``z``; graphs with cross-example coupling, or with no batch-shaped output, get no node
+(dense backward, reason recorded).
 """
 from __future__ import annotations
 
@@ -28,6 +34,8 @@ if TYPE_CHECKING:
 
 aten = torch.ops.aten
 SELECT = torch.ops.capskip.select.default
+SHARED = torch.ops.capskip.shared.default
+SELECTION_OPS = (SELECT, SHARED)
 
 
 def _fake_mode(val):
@@ -45,7 +53,7 @@ class InsertSelectPass(CustomGraphPass):
         return hashlib.sha256(f"capskip:{self.backend.key}:{self.backend.config}".encode()).digest()
 
     def __call__(self, graph: fx.Graph) -> None:
-        if any(n.target == SELECT for n in graph.nodes):
+        if any(n.target in SELECTION_OPS for n in graph.nodes):
             return
         rec = self.backend.current_record()
         try:
@@ -55,45 +63,89 @@ class InsertSelectPass(CustomGraphPass):
             self.backend.on_refused(str(e))
 
     def _apply(self, graph: fx.Graph, rec) -> None:
-        head = find_head(graph, self.backend.logits_index)
+        try:
+            head = find_head(graph, self.backend.logits_index)
+        except Refused as no_head:
+            return self._apply_body(graph, rec, str(no_head))
         sym = batch_symbol_of(head.z.meta["val"])
-        reason = find_coupling(graph, sym)
-        if reason is not None:
-            rec.coupled = True
-            raise Refused(reason)
-        tangents = [n for n in graph.nodes if n.op == "placeholder" and n.name.startswith("tangents")
-                    and isinstance(n.meta.get("val"), torch.Tensor)]
-        plan = []
-        for t in tangents:
-            bd = batch_dim(t.meta["val"].shape, sym)
-            if bd is None:
-                continue
-            if bd != (0, 1):
-                raise Refused(f"output tangent {t.name} has its batch in dim {bd[0]} (factor {bd[1]}); "
-                              "only outputs with the batch in dim 0 are supported")
-            plan.append(t)
-
-        zval, hval, gval = head.z.meta["val"], head.h.meta["val"], head.g.meta["val"]
-        fm = _fake_mode(zval)
-        with graph.inserting_after(head.z):
-            w = graph.call_function(SELECT, (head.h, head.z, head.g, self.backend.key))
-        with fm:
-            w.meta["val"] = SELECT(hval, zval, gval, self.backend.key)
-        last = w
-        for t in plan:
-            tval = t.meta["val"]
-            shape = [-1] + [1] * (tval.dim() - 1)
-            with graph.inserting_after(last):
-                wv = graph.call_function(aten.view.default, (w, shape))
-            with graph.inserting_after(wv):
-                tw = graph.call_function(aten.mul.Tensor, (t, wv))
-            with fm:
-                wv.meta["val"] = w.meta["val"].view(shape)
-                tw.meta["val"] = tval * wv.meta["val"]
-            t.replace_all_uses_with(tw, delete_user_cb=lambda u, w=w, tw=tw: u is not w and u is not tw)
-            last = tw
+        self._check_coupling(graph, sym, rec)
+        plan = _batch_tangents(graph, sym)
+        w = self._insert(graph, head.z, SELECT, (head.h, head.z, head.g, self.backend.key))
+        _mask_tangents(graph, w, plan)
         rec.head_bias = head.bias
         rec.selected = True
         rec.masked_tangents = len(plan)
         self.backend.state.head_bias = head.bias
         graph.lint()
+
+    def _apply_body(self, graph: fx.Graph, rec, no_head: str) -> None:
+        tangents = _tangents(graph)
+        sym = next((s for s in (_dim0_symbol(t) for t in tangents) if s is not None), None)
+        if sym is None:
+            raise Refused(no_head)
+        self._check_coupling(graph, sym, rec)
+        plan = _batch_tangents(graph, sym)
+        last_placeholder = [n for n in graph.nodes if n.op == "placeholder"][-1]
+        w = self._insert(graph, last_placeholder, SHARED, (plan[0], self.backend.key))
+        _mask_tangents(graph, w, plan)
+        rec.body = True
+        rec.no_head = no_head
+        rec.masked_tangents = len(plan)
+        graph.lint()
+
+    def _check_coupling(self, graph, sym, rec) -> None:
+        reason = find_coupling(graph, sym)
+        if reason is not None:
+            rec.coupled = True
+            raise Refused(reason)
+
+    def _insert(self, graph: fx.Graph, after: fx.Node, op, args) -> fx.Node:
+        vals = [a.meta["val"] if isinstance(a, fx.Node) else a for a in args]
+        with graph.inserting_after(after):
+            w = graph.call_function(op, args)
+        with _fake_mode(vals[0]):
+            w.meta["val"] = op(*vals)
+        return w
+
+
+def _tangents(graph: fx.Graph) -> list[fx.Node]:
+    return [n for n in graph.nodes if n.op == "placeholder" and n.name.startswith("tangents")
+            and isinstance(n.meta.get("val"), torch.Tensor)]
+
+
+def _dim0_symbol(t: fx.Node):
+    v = t.meta["val"]
+    if v.dim() == 0 or not isinstance(v.shape[0], torch.SymInt):
+        return None
+    e = v.shape[0].node.expr
+    return e if getattr(e, "is_Symbol", False) else None
+
+
+def _batch_tangents(graph: fx.Graph, sym) -> list[fx.Node]:
+    plan = []
+    for t in _tangents(graph):
+        bd = batch_dim(t.meta["val"].shape, sym)
+        if bd is None:
+            continue
+        if bd != (0, 1):
+            raise Refused(f"output tangent {t.name} has its batch in dim {bd[0]} (factor {bd[1]}); "
+                          "only outputs with the batch in dim 0 are supported")
+        plan.append(t)
+    return plan
+
+
+def _mask_tangents(graph: fx.Graph, w: fx.Node, plan: list[fx.Node]) -> None:
+    """t -> t * w (broadcast over non-batch dims) for every batch-shaped tangent."""
+    last = w
+    for t in plan:
+        tval = t.meta["val"]
+        shape = [-1] + [1] * (tval.dim() - 1)
+        with graph.inserting_after(last):
+            wv = graph.call_function(aten.view.default, (w, shape))
+        with graph.inserting_after(wv):
+            tw = graph.call_function(aten.mul.Tensor, (t, wv))
+        with _fake_mode(tval):
+            wv.meta["val"] = w.meta["val"].view(shape)
+            tw.meta["val"] = tval * wv.meta["val"]
+        t.replace_all_uses_with(tw, delete_user_cb=lambda u, w=w, tw=tw: u is not w and u is not tw)
+        last = tw

@@ -1,8 +1,10 @@
 """Backward-graph pass: run the backward on the kept rows only, reusing the forward's activations.
 
-Given the partitioned backward (symbolic batch ``s``) that contains ``w = capskip::select(h, z, g)``:
-  1. ``h``, ``z``, ``g`` must be backward inputs (saved activations / the logits' tangent);
-     the select node is replaced by a new last input ``capskip_w``.
+Given the partitioned backward (symbolic batch ``s``) that contains ``w = capskip::select(h, z, g)``
+(head graph) or ``w = capskip::shared(g)`` (body graph):
+  1. the node's tensor inputs must be backward inputs (saved activations / tangents); the node
+     is replaced by a new last input ``capskip_w``.  At run time the head graph runs the rule
+     and publishes its kept rows; body graphs (whose backward runs later) use them.
   2. Every input is classified from its *example input* (real strides from the compiled
      forward, not node meta): no batch / SymInt expression of ``s`` / tensor with one batch dim
      of size ``a*s`` (flattened batch-major when a > 1).  Anything else is refused.
@@ -25,7 +27,7 @@ from torch import fx
 
 from .batch import Refused, batch_dim, batch_symbol_of, evaluate, expr_of
 
-SELECT = torch.ops.capskip.select.default
+from .insert_select import SELECT, SELECTION_OPS
 
 
 @dataclass
@@ -90,7 +92,7 @@ def _scatter(y: torch.Tensor, spec: Spec, idx: torch.Tensor, n: int) -> torch.Te
 class BackwardPlan:
     """What the rewrite found; kept in the backend's graph record."""
 
-    select_args: tuple[int, int, int]  # input positions of h, z, g
+    select_args: tuple[int, ...]  # input positions of h, z, g (head) or g (body)
     specs: list[Spec]
     out_specs: list[Optional[Spec]]
     sym: sympy.Symbol
@@ -102,20 +104,20 @@ class BackwardPlan:
 
 def plan_backward(gm: fx.GraphModule, example_inputs) -> tuple[fx.GraphModule, BackwardPlan, Any]:
     """Rewrite ``gm`` in place (select -> input).  Returns the graph, its plan and the w example."""
-    sel = [n for n in gm.graph.nodes if n.target == SELECT]
+    sel = [n for n in gm.graph.nodes if n.target in SELECTION_OPS]
     if len(sel) != 1:
         raise Refused(f"expected one selection node in the backward, found {len(sel)}")
     sel = sel[0]
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     pos = {n: i for i, n in enumerate(placeholders)}
-    h, z, g, _key = sel.args
-    if not all(a in pos for a in (h, z, g)):
+    tensors = sel.args[:-1]  # (h, z, g) or (g,); the last arg is the state key
+    if not all(a in pos for a in tensors):
         raise Refused("the selection's inputs are computed inside the backward (not saved activations)")
-    sym = batch_symbol_of(example_inputs[pos[z]])
+    sym = batch_symbol_of(example_inputs[pos[tensors[-1]]])
     specs = [_spec(v, sym) for v in example_inputs]
-    for name, a in (("h", h), ("z", z), ("g", g)):
+    for a in tensors:
         if specs[pos[a]].kind != "batch" or specs[pos[a]].factor != 1 or specs[pos[a]].dim != 0:
-            raise Refused(f"head tensor {name} does not carry the batch in dim 0")
+            raise Refused(f"selection input {a.name} does not carry the batch in dim 0")
     out_vals = list(gm.graph.find_nodes(op="output"))[0].args[0]
     out_specs = []
     for o in out_vals:
@@ -131,7 +133,7 @@ def plan_backward(gm: fx.GraphModule, example_inputs) -> tuple[fx.GraphModule, B
     gm.graph.erase_node(sel)
     gm.graph.lint()
     gm.recompile()
-    return gm, BackwardPlan((pos[h], pos[z], pos[g]), specs, out_specs, sym), w_val
+    return gm, BackwardPlan(tuple(pos[a] for a in tensors), specs, out_specs, sym), w_val
 
 
 def check_not_specialised(example_inputs, sym: sympy.Symbol) -> None:
@@ -160,8 +162,12 @@ class SelectedRowBackward:
 
     def __call__(self, args: list) -> list:
         p = self.plan
-        ih, iz, ig = p.select_args
-        weight, k = self.state.select(args[ih], args[iz], args[ig])
+        if len(p.select_args) == 3:  # the head graph: run the rule, publish the kept rows
+            weight, k = self.state.select(*(args[i] for i in p.select_args))
+            self.state.publish(weight, k)
+        else:
+            g = args[p.select_args[0]]
+            weight, k = self.state.consume(self.record, g.shape[0], g)
         n = weight.shape[0]
         kb = self.config.bucket(k, n)
         if kb > self.config.gather_below * n or self.dense_only:

@@ -106,6 +106,28 @@ class RuntimeState:
         self.step += 1
         return weight, int(k)
 
+    # -- sharing the head's decision with body graphs (graph breaks, DDP splits) -------------
+    def publish(self, weight: Tensor, k: int) -> None:
+        self._published = ((weight != 0).to(weight.dtype), k, self.step)
+
+    def shared_mask(self, n: int) -> Optional[Tensor]:
+        pub = getattr(self, "_published", None)
+        return pub[0] if pub is not None and pub[0].shape[0] == n else None
+
+    def consume(self, record, n: int, like: Tensor) -> tuple[Tensor, int]:
+        """A body graph's rows: this step's published mask, once per graph; else all rows."""
+        pub = getattr(self, "_published", None)
+        if pub is None or pub[0].shape[0] != n or record.consumed_step == pub[2]:
+            reason = record.no_head or "no head selection published for this step"
+            if pub is None:
+                self.fallback = self.fallback or reason
+                self.warn_once(f"{reason} -> dense backward")
+                self.last = StepStats(step=self.step, n=n, kept=n, rows=n, fallback=self.fallback,
+                                      variants=self.variants)
+            return like.new_ones(n), n
+        record.consumed_step = pub[2]
+        return pub[0].to(like.dtype), pub[1]
+
     def record_dense_step(self, n: int) -> None:
         """Stats for a step whose graph was refused: every row ran, and why."""
         self.last = StepStats(step=self.step, n=n, kept=n, rows=n, fallback=self.fallback, variants=self.variants)
