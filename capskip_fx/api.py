@@ -132,7 +132,7 @@ def compile(model: nn.Module, *, rule: Union[str, Rule] = "capskip", budget: Opt
     config = CapskipConfig(**cfg_opts)
     rule_obj = build_rule(rule, budget, options)
     _check_device(model)
-    state = RuntimeState(rule_obj, seed=seed)
+    state = RuntimeState(rule_obj, seed=seed, scope=config.scope)
     return CapskipModule(model, state, config, logits_index)
 
 
@@ -177,7 +177,7 @@ def _registered_backend(gm, example_inputs, options: Optional[dict] = None, **_)
         opts = dict(options)
         cfg = CapskipConfig(**{k: opts.pop(k) for k in list(opts) if k in _CONFIG_FIELDS})
         rule = build_rule(opts.pop("rule", "capskip"), opts.pop("budget", 0.1), opts)
-        state = RuntimeState(rule)
+        state = RuntimeState(rule, scope=cfg.scope)
         entry = (options, CapskipBackend(cfg, state, ops.register_state(state)))
         _REGISTERED[id(options)] = entry
     return entry[1](gm, example_inputs)

@@ -25,6 +25,9 @@ class CapskipConfig:
     verify:     on each graph's first gathered step also run the dense-masked backward and compare
                 (catches a flattened batch dim that is not batch-major); on mismatch, run dense-masked.
     on_coupling: "dense" (warn once, run the exact dense backward, record why) or "error".
+    scope:      under torch.distributed, "per_rank" (each rank selects among its own rows; no
+                communication) or "global" (the head's h, z, dL/dz are all-gathered once per step and
+                every rank makes the same decision over the global batch; equal per-rank N required).
     """
 
     backend: str = "inductor"
@@ -34,6 +37,7 @@ class CapskipConfig:
     verify: bool = True
     on_coupling: str = "dense"
     dynamic_batch: bool = True
+    scope: str = "per_rank"
 
     def __post_init__(self):
         if self.backend not in BACKENDS:
@@ -42,6 +46,8 @@ class CapskipConfig:
             raise ValueError(f"granule must be a positive int, got {self.granule!r}")
         if not 0.0 <= self.gather_below <= 1.0:
             raise ValueError(f"gather_below must be in [0, 1], got {self.gather_below!r}")
+        if self.scope not in ("per_rank", "global"):
+            raise ValueError(f"scope must be 'per_rank' or 'global', got {self.scope!r}")
         if self.on_coupling not in ("dense", "error"):
             raise ValueError(f"on_coupling must be 'dense' or 'error', got {self.on_coupling!r}")
 

@@ -43,7 +43,7 @@ class Spec:
 def _spec(v: Any, sym: sympy.Symbol) -> Spec:
     if isinstance(v, torch.SymInt):
         e = v.node.expr
-        if not e.free_symbols:
+        if sym not in e.free_symbols:  # e.g. a dynamic storage offset: its value passes through
             return Spec("static")
         if e.free_symbols != {sym}:
             raise Refused(f"backward input size {e} depends on symbols other than the batch {sym}")

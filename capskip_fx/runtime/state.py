@@ -16,6 +16,23 @@ import torch
 from torch import Tensor
 
 from ..rules.base import HeadView, Rule, Selection
+from ..rules.labels import SOFTMAX_RESIDUAL_TOL, bad_targets, softmax_residual
+
+_LABEL_FREE_RULES = ("dense", "forced")
+
+
+def _f32(t: Tensor) -> Tensor:
+    return t.float() if t.dtype in (torch.float16, torch.bfloat16) else t
+
+
+def _needs_labels(rule: Rule) -> bool:
+    """Does the rule read labels (correctness, per-example CE)?  ``rule.needs_labels`` overrides."""
+    flag = getattr(rule, "needs_labels", None)
+    if flag is not None:
+        return bool(flag)
+    if rule.name == "random":  # a random twin reads labels only through the rule it matches
+        return getattr(rule, "match", None) is not None and _needs_labels(rule.match)
+    return rule.name not in _LABEL_FREE_RULES
 
 
 @dataclass
@@ -48,8 +65,9 @@ class StepStats:
 class RuntimeState:
     """Everything one compiled model needs at run time; looked up by ``key`` from the graph."""
 
-    def __init__(self, rule: Rule, seed: int = 0):
+    def __init__(self, rule: Rule, seed: int = 0, scope: str = "per_rank"):
         self.rule = rule
+        self.scope = scope
         self.step = 0
         self.epoch = 0
         self.seed = seed
@@ -80,31 +98,82 @@ class RuntimeState:
 
     # -- the selection ---------------------------------------------------------------
     def select(self, h: Tensor, z: Tensor, g: Tensor) -> tuple[Tensor, int]:
-        """Run the rule on one step.  Returns ``(weight (N,), k)``; reads k from the device once."""
+        """Run the rule on one step.  Returns ``(weight (N,), k)``; two host reads (checks, then k)."""
         t0 = time.perf_counter()
         n = g.shape[0]
         targets = self.targets
         if targets is not None and targets.shape[0] != n:
             raise ValueError(f"capskip_targets has {targets.shape[0]} rows but the batch has {n}")
+        h, z, g, index, lo = self._global_view(h.detach(), z.detach(), g.detach(), targets)
+        if lo is not None:
+            targets = self._gathered_targets
         finite = torch.isfinite(g).all() & torch.isfinite(z).all() & torch.isfinite(h).all()
-        view = HeadView(delta=g.detach(), h=h.detach(), z=z.detach(), targets=targets,
-                        index=self.index, step=self.step, epoch=self.epoch,
-                        generator=self.generator(g.device), head_bias=self.head_bias)
-        sel: Selection = self.rule.select(view) if n > 0 else Selection(weight=g.new_ones(0))
-        weight = sel.weight.to(g.dtype)
-        # one host read for both: the kept count and whether the step was finite
-        k, ok = torch.stack([(weight != 0).sum(), finite.long()]).tolist()
-        fallback = None
-        if not ok:
-            fallback = "non-finite logits or gradient: selection skipped, dense backward"
+        # checked before the rule runs: stateful rules (SB's history, KABENA's controller) must never
+        # see a NaN step, and labels the rule can't use must not reach it silently
+        fallback = self._precheck(finite, g, targets)
+        if fallback is None:
+            # selection math in float32 whatever the autocast dtype (bf16 Grams/losses are too coarse)
+            view = HeadView(delta=_f32(g), h=_f32(h), z=_f32(z), targets=targets, index=index, step=self.step,
+                            epoch=self.epoch, generator=self.generator(g.device), head_bias=self.head_bias)
+            sel: Selection = self.rule.select(view) if g.shape[0] > 0 else Selection(weight=g.new_ones(0))
+            weight = sel.weight.to(g.dtype)
+            if lo is not None:  # every rank decided over the global batch; keep this rank's rows
+                weight = weight[lo:lo + n]
+            k = int((weight != 0).sum())  # the second host read
+        else:
             self.warn_once(fallback)
-            weight, k = torch.ones_like(weight), n
-            sel.bound = None
+            sel = Selection(weight=g.new_ones(n))
+            weight, k = sel.weight, n
         self.last = StepStats(step=self.step, n=n, kept=int(k), rows=n, fallback=fallback or self.fallback,
                               variants=self.variants, weight=weight.detach(), _bound=sel.bound,
                               selection_ms=(time.perf_counter() - t0) * 1e3)
         self.step += 1
         return weight, int(k)
+
+    def _precheck(self, finite: Tensor, g: Tensor, targets: Optional[Tensor]) -> Optional[str]:
+        """One host read before the rule: why to skip it (dense step), or None.  Bad labels raise."""
+        checks = [~finite]
+        if targets is not None:
+            checks.append(bad_targets(targets.to(g.device), g.shape[1]))
+        elif g.shape[0] > 0 and _needs_labels(self.rule):
+            checks.append(softmax_residual(g) > SOFTMAX_RESIDUAL_TOL)
+        flags = torch.stack(checks).tolist()
+        if targets is not None and flags[1]:
+            t = targets.to(g.device)
+            raise ValueError(f"capskip_targets must be class labels in [-1, {g.shape[1]}) for logits with "
+                             f"{g.shape[1]} classes (-1 = unknown); got values in "
+                             f"[{int(t.min())}, {int(t.max())}]")
+        if flags[0]:
+            return "non-finite logits or gradient: selection skipped, dense backward"
+        if len(flags) > 1 and flags[1]:
+            return ("dL/dz is not the gradient of a softmax loss (its rows don't sum to 0, e.g. MSE on the "
+                    "logits): labels can't be inferred from it; pass model(x, capskip_targets=y). "
+                    "Selection skipped, dense backward")
+        return None
+
+    def _global_view(self, h, z, g, targets):
+        """scope="global": all-gather the head's tensors (and labels, indices) across ranks."""
+        import torch.distributed as dist
+
+        if self.scope != "global" or not (dist.is_available() and dist.is_initialized()) \
+                or dist.get_world_size() == 1:
+            return h, z, g, self.index, None
+        world, rank, n = dist.get_world_size(), dist.get_rank(), g.shape[0]
+        sizes = [torch.zeros(1, dtype=torch.long, device=g.device) for _ in range(world)]
+        dist.all_gather(sizes, torch.tensor([n], device=g.device))
+        if any(int(s) != n for s in sizes):
+            raise ValueError(f"scope='global' needs the same batch size on every rank, got {[int(s) for s in sizes]}")
+
+        def cat(t):
+            parts = [torch.empty_like(t) for _ in range(world)]
+            dist.all_gather(parts, t.contiguous())
+            return torch.cat(parts)
+
+        y = self.targets if self.targets is not None else torch.full((n,), -2, dtype=torch.long, device=g.device)
+        y_all = cat(y.to(g.device).long())
+        self._gathered_targets = None if (y_all == -2).all() else y_all
+        idx = cat(self.index.to(g.device)) if self.index is not None else None
+        return cat(h), cat(z), cat(g), idx, rank * n
 
     # -- sharing the head's decision with body graphs (graph breaks, DDP splits) -------------
     def publish(self, weight: Tensor, k: int) -> None:
@@ -128,9 +197,10 @@ class RuntimeState:
         record.consumed_step = pub[2]
         return pub[0].to(like.dtype), pub[1]
 
-    def record_dense_step(self, n: int) -> None:
-        """Stats for a step whose graph was refused: every row ran, and why."""
-        self.last = StepStats(step=self.step, n=n, kept=n, rows=n, fallback=self.fallback, variants=self.variants)
+    def record_dense_step(self, n: int, reason: Optional[str] = None) -> None:
+        """Stats for a step whose graph was refused (or that ran eagerly): every row ran, and why."""
+        self.last = StepStats(step=self.step, n=n, kept=n, rows=n, fallback=reason or self.fallback,
+                              variants=self.variants)
         self.step += 1
 
     # -- checkpointing ---------------------------------------------------------------

@@ -1,0 +1,93 @@
+"""DistributedDataParallel (gloo, 2 CPU processes): parity with one process on the global batch.
+
+Usage pattern: ``DDP(capskip_fx.compile(model))``.  Dynamo's DDPOptimizer splits the graph per
+bucket; the head's split selects, the others reuse its rows (capskip::shared).
+"""
+from __future__ import annotations
+
+import os
+import socket
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn as nn
+import torch.nn.functional as F
+
+import capskip_fx
+from capskip_fx.rules import CAPSkip
+
+W, N = 2, 6
+KEEP = [torch.tensor([0, 3]), torch.tensor([1, 2, 5])]
+
+
+def make_model():
+    torch.manual_seed(0)
+    # > 1 MB of float64 parameters per Linear so that bucket_cap_mb=1 splits the graph
+    return nn.Sequential(nn.Linear(6, 512), nn.GELU(), nn.Linear(512, 512), nn.GELU(), nn.Linear(512, 3)).double()
+
+
+def make_data():
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(W * N, 6, generator=g, dtype=torch.float64)
+    m = make_model()
+    with torch.no_grad():
+        y = m(x).argmax(1)  # correct rows, so CAPSkip has candidates
+    y[::4] = (y[::4] + 1) % 3
+    return x, y
+
+
+def _worker(rank, port, path, optimize_ddp, scope):
+    os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
+    dist.init_process_group("gloo", rank=rank, world_size=W)
+    torch.set_num_threads(1)
+    torch._dynamo.config.optimize_ddp = optimize_ddp
+    model = make_model()
+    rule = CAPSkip(budget=0.5) if scope == "global" else "forced"
+    opts = {} if scope == "global" else {"keep": lambda n: KEEP[rank]}
+    cm = capskip_fx.compile(model, rule=rule, backend="aot_eager", scope=scope, **opts)
+    ddp = nn.parallel.DistributedDataParallel(cm, bucket_cap_mb=1)
+    x, y = make_data()
+    sl = slice(rank * N, (rank + 1) * N)
+    F.cross_entropy(ddp(x[sl].clone()), y[sl]).backward()
+    weights = [torch.empty(N, dtype=torch.float64) for _ in range(W)]
+    dist.all_gather(weights, capskip_fx.stats(cm).weight)
+    if rank == 0:
+        torch.save({"grads": {k: p.grad for k, p in model.named_parameters()}, "report": capskip_fx.report(cm),
+                    "weight": torch.cat(weights)}, path)
+    dist.destroy_process_group()
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.skipif(not dist.is_available(), reason="torch.distributed not available")
+@pytest.mark.parametrize("optimize_ddp,scope", [(True, "per_rank"), (False, "per_rank"), (True, "global")])
+def test_ddp_matches_single_process(tmp_path, optimize_ddp, scope):
+    path = str(tmp_path / "out.pt")
+    mp.spawn(_worker, args=(_free_port(), path, optimize_ddp, scope), nprocs=W)
+    out = torch.load(path, weights_only=False)
+    x, y = make_data()
+    w = out["weight"]
+    if scope == "per_rank":
+        expect = torch.zeros(W * N, dtype=torch.float64)
+        expect[KEEP[0]] = 1
+        expect[N + KEEP[1]] = 1
+        assert torch.equal(w, expect)
+    else:  # the same decision as one process running CAPSkip on the global batch
+        single = capskip_fx.compile(make_model(), rule=CAPSkip(budget=0.5), backend="eager")
+        F.cross_entropy(single(x), y).backward()
+        assert torch.equal(w, capskip_fx.stats(single).weight)
+        assert 0 < int((w == 0).sum()) < W * N
+    ref = make_model()
+    (F.cross_entropy(ref(x), y, reduction="none") * w).sum().div(W * N).backward()
+    for k, p in ref.named_parameters():
+        assert (out["grads"][k] - p.grad).norm() <= 1e-10 * p.grad.norm(), k
+    roles = [r["role"] for r in out["report"]]
+    assert roles.count("head") == 1 and all(r["backward"] == "selected rows" for r in out["report"])
+    if optimize_ddp:
+        assert len(roles) >= 2  # DDPOptimizer split the graph; the body splits dropped rows too
