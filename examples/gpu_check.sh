@@ -1,0 +1,37 @@
+#!/usr/bin/env bash
+# The one prepared GPU check (<= 8 min on one H200): run it where a GPU is lent.
+#  1. step-time table: DeiT-S img 224, bf16, N=256, compiled; dense vs capskip forced f in {1, 0.5, 0.35},
+#     the naive alternatives, selection overhead and every rule  -> benchmarks/results/cuda_*.{md,json}
+#  2. a few hundred steps of Fashion-MNIST fine-tuning (dense, capskip b=0.3), same model  -> $OUT/train-*
+# TINY=1 runs the same path on the CPU with a tiny config: that is how it is tested without a GPU.
+# Data: $DATA_DIR (default data/fashion-mnist if present, else Debian's /usr/share/datasets/fashion-mnist).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-benchmarks/results}
+DATA_DIR=${DATA_DIR:-$( [[ -d data/fashion-mnist ]] && echo data/fashion-mnist || echo /usr/share/datasets/fashion-mnist )}
+PY=${PYTHON:-python}
+export MALLOC_MMAP_THRESHOLD_=${MALLOC_MMAP_THRESHOLD_:-2147483647}
+
+if [[ -n "${TINY:-}" ]]; then
+  BENCH=(--device cpu --depth 1 --img-size 32 --patch-size 8 --batch-size 16 --fractions 1 0.5 0.35 --reps 2 --warmup 1
+         --out "$OUT/tiny_gpu_check_bench")
+  TRAIN=(--device cpu --depth 1 --embed-dim 64 --num-heads 2 --img-size 28 --patch-size 7 --batch-size 64
+         --train-subset 512 --eval-subset 256 --epochs 1)
+else
+  "$PY" -c "import torch; assert torch.cuda.is_available(), 'no GPU'; print(torch.__version__, torch.cuda.get_device_name())"
+  BENCH=(--device cuda --model deit_small_patch16_224 --img-size 224 --patch-size 16 --batch-size 256 --amp bf16
+         --fractions 1 0.5 0.35 --reps 5 --warmup 2)
+  # 300 steps of 256 images; eval on 2000
+  TRAIN=(--device cuda --model deit_small_patch16_224 --depth 12 --embed-dim 384 --num-heads 6 --img-size 224
+         --patch-size 16 --amp bf16 --batch-size 256 --train-subset 76800 --eval-subset 2000 --epochs 1 --workers 4)
+fi
+
+echo "== step-time table"
+timeout 330 "$PY" benchmarks/step_time.py "${BENCH[@]}" || echo "step-time benchmark failed or timed out: $?"
+
+for rule in dense capskip; do
+  echo "== fine-tune: $rule"
+  timeout 120 "$PY" -m capskip_fx.train --config configs/fashion_mnist_tiny.yaml --data-dir "$DATA_DIR" \
+    --rule "$rule" --budget 0.3 --check-every 50 "${TRAIN[@]}" --out "$OUT/train-$rule${TINY:+-tiny}" \
+    || echo "fine-tune $rule failed or timed out: $?"
+done
