@@ -62,14 +62,12 @@ def _spec(v: Any, sym: sympy.Symbol) -> Spec:
     return Spec("static")
 
 
-def _gather(x: torch.Tensor, spec: Spec, idx: torch.Tensor, n: int, sym, kb: int) -> torch.Tensor:
+def _gather(x: torch.Tensor, spec: Spec, idx: torch.Tensor, n: int, sizes, strides) -> torch.Tensor:
     if spec.factor == 1:
         y = x.index_select(spec.dim, idx)
     else:
         y = x.unflatten(spec.dim, (n, spec.factor)).index_select(spec.dim, idx).flatten(spec.dim, spec.dim + 1)
-    sizes = [evaluate(e, sym, kb) for e in spec.sizes]
-    strides = [evaluate(e, sym, kb) for e in spec.strides]
-    if list(y.stride()) != strides:  # Inductor asserts input strides
+    if y.stride() != strides:  # Inductor asserts input strides
         out = torch.empty_strided(sizes, strides, dtype=y.dtype, device=y.device)
         out.copy_(y)
         y = out
@@ -159,6 +157,17 @@ class SelectedRowBackward:
         self.state = state
         self.config = config
         self.record = record
+        self._layouts: dict[int, list] = {}
+
+    def _layout(self, kb: int) -> list:
+        """Per input at kb rows: (sizes, strides) / the SymInt's value / None.  Cached: sympy is slow."""
+        if kb not in self._layouts:
+            p = self.plan
+            self._layouts[kb] = [
+                (tuple(evaluate(e, p.sym, kb) for e in s.sizes), tuple(evaluate(e, p.sym, kb) for e in s.strides))
+                if s.kind == "batch" else evaluate(s.expr, p.sym, kb) if s.kind == "symint" else None
+                for s in p.specs]
+        return self._layouts[kb]
 
     def __call__(self, args: list) -> list:
         p = self.plan
@@ -180,11 +189,11 @@ class SelectedRowBackward:
         w_kb = weight.index_select(0, idx)
         full_args = list(args) if self.config.verify and not self.verified else None
         new_args = []
-        for a, s in zip(args, p.specs):
+        for a, s, lay in zip(args, p.specs, self._layout(kb)):
             if s.kind == "batch":
-                new_args.append(_gather(a, s, idx, n, p.sym, kb))
+                new_args.append(_gather(a, s, idx, n, *lay))
             elif s.kind == "symint":
-                new_args.append(evaluate(s.expr, p.sym, kb))
+                new_args.append(lay)
             else:
                 new_args.append(a)
         args.clear()
