@@ -61,15 +61,29 @@ class CapskipModule(nn.Module):
 
     def forward(self, *args, capskip_targets: Optional[Tensor] = None, capskip_index: Optional[Tensor] = None,
                 **kwargs):
+        _check_targets(capskip_targets)
         self._state.set_step_inputs(capskip_targets, capskip_index)
         if self.config.backend == "eager":
             return self._eager_forward(*args, **kwargs)
+        if self.config.dynamic_batch and torch.is_grad_enabled() and _batch_size(args) == 1:
+            # a batch of 1 specialises the batch dim: a recompile (an Inductor compile per ragged last
+            # batch) whose backward can't drop rows anyway.  The eager model is the same dense step.
+            out = self.model(*args, **kwargs)
+            self._state.record_dense_step(1, _N1_REASON)
+            return out
         if self.config.dynamic_batch:
             for a in args:
                 if isinstance(a, Tensor) and a.dim() > 0 and a.shape[0] >= 2:
                     torch._dynamo.mark_dynamic(a, 0)
         out = self._compiled(*args, **kwargs)
-        if torch.is_grad_enabled() and self._state.fallback is not None and not self._backend.any_selected:
+        if torch.is_grad_enabled():
+            self._state.set_logits(_logits_of(out, self._backend.logits_index))
+        if torch.is_grad_enabled() and not self._backend.records:
+            # Dynamo ran the model without handing us a graph (e.g. its recompile_limit was reached by
+            # earlier compiles of the same forward code): an eager, dense step; say so
+            self._state.warn_once(_NO_GRAPH_REASON)
+            self._state.record_dense_step(_batch_size(args), _NO_GRAPH_REASON)
+        elif torch.is_grad_enabled() and self._state.fallback is not None and not self._backend.any_selected:
             self._state.record_dense_step(_batch_size(args))
         return out
 
@@ -104,6 +118,30 @@ class CapskipModule(nn.Module):
         if extra is not None:
             self._state.load_state_dict(extra)
         return self.model.load_state_dict(sd, strict=strict, assign=assign)
+
+
+_NO_GRAPH_REASON = ("torch.compile produced no graph for this model (Dynamo's recompile_limit reached? see "
+                    "its log): the step ran eagerly, dense backward")
+_N1_REASON = "batch of size 1: ran the eager model (dense backward) instead of a static-batch recompile"
+
+
+def _check_targets(t) -> None:
+    """Shape and dtype only (no device sync); the label range is checked with the selection."""
+    if t is None:
+        return
+    if not isinstance(t, Tensor) or t.dim() != 1 or t.dtype.is_floating_point or t.dtype.is_complex \
+            or t.dtype == torch.bool:
+        what = f"{t.dtype} tensor of shape {tuple(t.shape)}" if isinstance(t, Tensor) else type(t).__name__
+        raise ValueError(f"capskip_targets must be a 1-D integer tensor of class labels (-1 = unknown), got {what}")
+
+
+def _logits_of(out, index: Optional[int]):
+    if isinstance(out, Tensor):
+        return out
+    vals = list(out.values()) if isinstance(out, dict) else list(out) if isinstance(out, (tuple, list)) else []
+    if index is not None and index < len(vals):
+        return vals[index]
+    return next((v for v in vals if isinstance(v, Tensor) and v.dim() == 2), None)
 
 
 def _batch_size(args) -> int:
@@ -184,9 +222,9 @@ def _registered_backend(gm, example_inputs, options: Optional[dict] = None, **_)
 
 
 def _register() -> None:
-    from torch._dynamo.backends.registry import _BACKENDS, register_backend
+    from torch._dynamo.backends.registry import list_backends, register_backend
 
-    if "capskip" not in _BACKENDS:
+    if "capskip" not in list_backends(exclude_tags=()):
         register_backend(name="capskip")(_registered_backend)
 
 

@@ -120,6 +120,15 @@ def _batch_outputs(gm: fx.GraphModule) -> list[int]:
     return idx
 
 
+def _no_donated_buffers() -> None:
+    """Let retain_graph/create_graph backwards run: our gathered inputs are fresh copies, so
+    donating the saved activations' buffers to the backward buys little here."""
+    ctx = torch._guards.TracingContext.try_get()
+    meta = getattr(ctx, "fw_metadata", None)
+    if meta is not None and hasattr(meta, "bw_donated_idxs"):
+        meta.bw_donated_idxs = []
+
+
 def _eager_inner(gm: fx.GraphModule, example_inputs, record: Optional[GraphRecord] = None, **kwargs):
     return _Interpreted(gm, record if kwargs.get("is_backward") else None)
 
@@ -166,7 +175,9 @@ class CapskipBackend:
 
     def _inner(self, rec: GraphRecord, gm: fx.GraphModule, example_inputs, **kwargs):
         base = self._base(rec)
-        if not kwargs.get("is_backward", False):
+        if kwargs.get("is_backward", False):
+            _no_donated_buffers()
+        else:
             out_idx = _batch_outputs(gm)
             compiled = base(gm, example_inputs, **kwargs)
             return _MarkBatchDynamic(compiled, out_idx) if out_idx else compiled

@@ -46,9 +46,12 @@ def find_coupling(graph: fx.Graph, sym: sympy.Symbol) -> Optional[str]:
         stack, seen = list(n.users), set()
         while stack:
             u = stack.pop()
-            if u in seen or u in bwd:
+            if u in seen:
                 continue
             seen.add(u)
+            # the joint graph's one output node is reachable from the tangents too: test it first
+            if u.op != "output" and u in bwd:
+                continue
             if u.op == "output" or has_symbol(u.meta.get("val"), sym):
                 code = [ln.strip() for ln in n.meta.get("stack_trace", "").splitlines()
                         if ln.strip() and set(ln.strip()) - set("^~")]

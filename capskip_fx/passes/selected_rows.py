@@ -171,11 +171,15 @@ class SelectedRowBackward:
 
     def __call__(self, args: list) -> list:
         p = self.plan
-        if len(p.select_args) == 3:  # the head graph: run the rule, publish the kept rows
+        if len(p.select_args) == 3 and self.state.is_logits_backward():
+            # the head graph of the logits the model returned: run the rule, publish the kept rows
             weight, k = self.state.select(*(args[i] for i in p.select_args))
             self.state.publish(weight, k)
-        else:
-            g = args[p.select_args[0]]
+        else:  # a body graph, or a Linear output that is not the model's logits (e.g. before a graph break)
+            if len(p.select_args) == 3 and not self.record.body:
+                self.record.selected, self.record.body = False, True
+                self.record.no_head = "a Linear output that is not the returned logits"
+            g = args[p.select_args[-1]]
             weight, k = self.state.consume(self.record, g.shape[0], g)
         n = weight.shape[0]
         kb = self.config.bucket(k, n)

@@ -16,7 +16,7 @@ import torch
 from torch import Tensor
 
 from ..rules.base import HeadView, Rule, Selection
-from ..rules.labels import SOFTMAX_RESIDUAL_TOL, bad_targets, softmax_residual
+from ..rules.labels import SOFTMAX_RESIDUAL_TOL, bad_targets, infer_targets, softmax_residual
 
 _LABEL_FREE_RULES = ("dense", "forced")
 
@@ -132,20 +132,27 @@ class RuntimeState:
 
     def _precheck(self, finite: Tensor, g: Tensor, targets: Optional[Tensor]) -> Optional[str]:
         """One host read before the rule: why to skip it (dense step), or None.  Bad labels raise."""
-        checks = [~finite]
+        checks = {"finite": finite}
         if targets is not None:
-            checks.append(bad_targets(targets.to(g.device), g.shape[1]))
-        elif g.shape[0] > 0 and _needs_labels(self.rule):
-            checks.append(softmax_residual(g) > SOFTMAX_RESIDUAL_TOL)
-        flags = torch.stack(checks).tolist()
-        if targets is not None and flags[1]:
+            checks["bad_targets"] = bad_targets(targets.to(g.device), g.shape[1])
+        if g.shape[0] > 0 and _needs_labels(self.rule):
+            # an unused 2-D output picked as the logits reads as "every row free": CAPSkip would skip all
+            checks["zero"] = (g == 0).all()
+            if targets is None:
+                checks["not_softmax"] = softmax_residual(g) > SOFTMAX_RESIDUAL_TOL
+        flags = dict(zip(checks, torch.stack(list(checks.values())).tolist()))
+        if flags.get("bad_targets"):
             t = targets.to(g.device)
             raise ValueError(f"capskip_targets must be class labels in [-1, {g.shape[1]}) for logits with "
                              f"{g.shape[1]} classes (-1 = unknown); got values in "
                              f"[{int(t.min())}, {int(t.max())}]")
-        if flags[0]:
+        if not flags["finite"]:
             return "non-finite logits or gradient: selection skipped, dense backward"
-        if len(flags) > 1 and flags[1]:
+        if flags.get("zero"):
+            return ("dL/dz of the logits output is zero on every row: the loss does not use that output "
+                    "(another (N, C) Linear output first in a tuple/dict?); pass logits_index= to "
+                    "capskip_fx.compile. Selection skipped, dense backward")
+        if flags.get("not_softmax"):
             return ("dL/dz is not the gradient of a softmax loss (its rows don't sum to 0, e.g. MSE on the "
                     "logits): labels can't be inferred from it; pass model(x, capskip_targets=y). "
                     "Selection skipped, dense backward")
@@ -169,9 +176,9 @@ class RuntimeState:
             dist.all_gather(parts, t.contiguous())
             return torch.cat(parts)
 
-        y = self.targets if self.targets is not None else torch.full((n,), -2, dtype=torch.long, device=g.device)
-        y_all = cat(y.to(g.device).long())
-        self._gathered_targets = None if (y_all == -2).all() else y_all
+        # ranks without explicit labels contribute the ones dL/dz implies, so every rank sees one label set
+        y = self.targets if self.targets is not None else infer_targets(g)
+        self._gathered_targets = cat(y.to(g.device).long())
         idx = cat(self.index.to(g.device)) if self.index is not None else None
         return cat(h), cat(z), cat(g), idx, rank * n
 
@@ -183,11 +190,29 @@ class RuntimeState:
         pub = getattr(self, "_published", None)
         return pub[0] if pub is not None and pub[0].shape[0] == n else None
 
+    def set_logits(self, out) -> None:
+        """Remember the autograd node of the logits the model returned (the head's backward)."""
+        node = getattr(out, "grad_fn", None)
+        for _ in range(4):  # views that AOTAutograd replays on top of the compiled function's node
+            if node is None or "CompiledFunction" in type(node).__name__:
+                break
+            nxt = [f for f, _ in node.next_functions if f is not None]
+            node = nxt[0] if len(nxt) == 1 else None
+        self._logits_node = node
+
+    def is_logits_backward(self) -> bool:
+        """Is the running backward the one of the returned logits?  (True when unknown.)"""
+        node = getattr(self, "_logits_node", None)
+        current = getattr(torch._C, "_current_autograd_node", lambda: None)()
+        return node is None or current is None or current is node
+
     def consume(self, record, n: int, like: Tensor) -> tuple[Tensor, int]:
         """A body graph's rows: this step's published mask, once per graph; else all rows."""
         pub = getattr(self, "_published", None)
         if pub is None or pub[0].shape[0] != n or record.consumed_step == pub[2]:
             reason = record.no_head or "no head selection published for this step"
+            record.refuse(reason)
+            record.backward = "dense-masked"
             if pub is None:
                 self.fallback = self.fallback or reason
                 self.warn_once(f"{reason} -> dense backward")

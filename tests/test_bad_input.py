@@ -1,0 +1,430 @@
+"""Bad input, one test each: what capskip does when the model, loss, labels or options are not what it
+expects.  Never a silently wrong selection: an error naming the option, or a dense step with the reason
+in ``stats().fallback`` / ``report()`` (and one warning).
+
+(BatchNorm in train mode, the static-budget/rule-name basics and a head-less model's reason are in
+test_pass.py; here: the rest of the matrix.)
+"""
+from __future__ import annotations
+
+import copy
+import math
+import warnings
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import capskip_fx
+from capskip_fx.rules import CAPSkip, make_rule
+
+from conftest import max_rel_err, reference_grads
+
+N, C = 8, 5
+
+
+@pytest.fixture(autouse=True)
+def _many_compiles():
+    # every test compiles its own model; keep Dynamo's per-code recompile_limit out of the way
+    with torch._dynamo.config.patch(recompile_limit=64):
+        yield
+
+
+class Net(nn.Module):
+    def __init__(self, d=12, hidden=16, classes=C):
+        super().__init__()
+        self.fc = nn.Linear(d, hidden)
+        self.head = nn.Linear(hidden, classes)
+
+    def forward(self, x):
+        return self.head(F.gelu(self.fc(x)))
+
+
+def _net(**opts):
+    torch.manual_seed(0)
+    model = Net().double()
+    return model, capskip_fx.compile(model, backend="aot_eager", **opts)
+
+
+def _x(n=N, seed=0):
+    return torch.randn(n, 12, dtype=torch.float64, generator=torch.Generator().manual_seed(seed))
+
+
+def _grads(model):
+    return {k: (p.grad if p.grad is not None else torch.zeros_like(p)).detach().clone()
+            for k, p in model.named_parameters()}
+
+
+def _dense_grads(model, loss_fn):
+    ref = copy.deepcopy(model)
+    ref.zero_grad(set_to_none=True)
+    loss_fn(ref).backward()
+    return _grads(ref)
+
+
+def _recorded_warnings(fn):
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        fn()
+    return [str(m.message) for m in w if "capskip_fx" in str(m.message)]
+
+
+# ---------------------------------------------------------------- options
+
+@pytest.mark.parametrize("b", [-1e-9, 1.5, float("nan"), float("inf")])
+def test_budget_outside_unit_interval_raises_at_compile_everywhere(b):
+    with pytest.raises(ValueError, match=r"budget must be a number in \[0, 1\]"):
+        capskip_fx.compile(Net(), budget=b)  # nothing ran yet: compile time
+    with pytest.raises(ValueError, match=r"budget must be a number in \[0, 1\]"):
+        capskip_fx.compile(Net(), rule="random", match="capskip", budget=b)  # the matched rule's budget
+    with pytest.raises(ValueError, match=r"budget must be in \[0, 1\]"):
+        CAPSkip(budget=b)
+    opt = torch.compile(Net(), backend="capskip", options={"budget": b, "backend": "aot_eager"})
+    with pytest.raises(Exception, match=r"budget must be a number in \[0, 1\]"):
+        opt(torch.randn(4, 12))  # the string backend builds its rule when Dynamo hands it the graph
+
+
+def test_unknown_rule_name_lists_valid_names_everywhere():
+    valid = "valid names: " + ", ".join(sorted(capskip_fx.RULES))
+    with pytest.raises(ValueError, match=valid):
+        capskip_fx.compile(Net(), rule="capskp")
+    with pytest.raises(ValueError, match=valid):
+        make_rule("SB")
+    with pytest.raises(ValueError, match=valid):
+        capskip_fx.compile(Net(), rule="random", match="capskp")
+    _, cm = _net(rule="dense")
+    with pytest.raises(ValueError, match=valid):
+        cm.rule = "nope"  # swapping the rule later checks the name too
+
+
+def test_model_on_meta_device_is_a_clear_error():
+    with pytest.raises(ValueError, match=r"cpu/cuda/xpu.*meta"):
+        capskip_fx.compile(Net().to("meta"))
+
+
+# ---------------------------------------------------------------- non-finite steps
+
+def test_nan_logits_skip_selection_run_dense_warn_once_and_spare_the_rule_state():
+    model, cm = _net(rule="sb", beta=1.0, history=64)
+    x, y = _x(), torch.randint(0, C, (N,))
+    F.cross_entropy(cm(x), y).backward()  # a finite step: SB records 8 losses
+    hist = cm.rule.history.clone()
+    x_bad = _x(seed=1)
+    x_bad[2] = float("nan")  # one bad row: NaN logits there, NaN loss, NaN dL/dz everywhere
+
+    def two_bad_steps():
+        for _ in range(2):
+            model.zero_grad(set_to_none=True)
+            F.cross_entropy(cm(x_bad), y).backward()
+
+    msgs = _recorded_warnings(two_bad_steps)
+    assert sum("non-finite" in m for m in msgs) == 1  # warned once over two steps
+    st = capskip_fx.stats(cm)
+    assert "non-finite" in st.fallback and st.kept == N and bool((st.weight == 1).all())
+    assert torch.allclose(cm.rule.history, hist, equal_nan=True)  # the rule never saw the NaN step
+    dense = _dense_grads(model, lambda m: F.cross_entropy(m(x_bad), y))
+    for k, g in _grads(model).items():  # exactly the dense step's (NaN) gradient, as eager gives
+        assert torch.equal(torch.isnan(g), torch.isnan(dense[k]))
+    model.zero_grad(set_to_none=True)
+    F.cross_entropy(cm(x), y).backward()  # the next finite step selects again
+    st = capskip_fx.stats(cm)
+    assert st.fallback is None
+    assert max_rel_err(_grads(model), reference_grads(model, x, y, st.weight)) < 1e-10
+
+
+def test_inf_loss_scale_skips_selection():
+    model, cm = _net(rule="capskip", budget=1.0)
+    x = _x()
+    with torch.no_grad():
+        y = model(x).argmax(1)  # all correct at b = 1: a finite step would skip every row
+    model.zero_grad(set_to_none=True)
+    (F.cross_entropy(cm(x), y) * math.inf).backward()
+    st = capskip_fx.stats(cm)
+    assert "non-finite" in st.fallback and st.kept == N
+
+
+# ---------------------------------------------------------------- labels
+
+@pytest.mark.parametrize("bad", [C, 17, -2])
+def test_explicit_label_out_of_range_is_a_value_error_naming_the_option(bad):
+    model, cm = _net(rule="capskip", budget=0.5)
+    y = torch.randint(0, C, (N,))
+    t = y.clone()
+    t[3] = bad
+    with pytest.raises(ValueError, match=rf"capskip_targets must be class labels in \[-1, {C}\)"):
+        F.cross_entropy(cm(_x(), capskip_targets=t), y).backward()
+    t[3] = -1  # -1 = unknown label: allowed, that row is kept
+    model.zero_grad(set_to_none=True)
+    F.cross_entropy(cm(_x(), capskip_targets=t), y).backward()
+    assert capskip_fx.stats(cm).weight[3] == 1
+
+
+@pytest.mark.parametrize("t", [torch.zeros(N), torch.zeros(N, 1, dtype=torch.long), [0] * N],
+                         ids=["float", "2-D", "list"])
+def test_explicit_labels_of_wrong_type_fail_at_the_forward(t):
+    _, cm = _net(rule="capskip")
+    with pytest.raises(ValueError, match="capskip_targets must be a 1-D integer tensor"):
+        cm(_x(), capskip_targets=t)
+
+
+def test_mse_on_logits_without_targets_runs_dense_and_names_the_option():
+    """MSE's dL/dz rows don't sum to 0, so "the most negative entry" is no label: CAPSkip would
+    decide on garbage.  Decision: warn once (naming capskip_targets=), run the step dense."""
+    model, cm = _net(rule="capskip", budget=0.5)
+    x, y = _x(), torch.randint(0, C, (N,))
+    onehot = F.one_hot(y, C).double()
+
+    def mse_step():
+        model.zero_grad(set_to_none=True)
+        F.mse_loss(cm(x), onehot).backward()
+
+    msgs = _recorded_warnings(lambda: (mse_step(), mse_step()))
+    assert sum("capskip_targets=" in m for m in msgs) == 1
+    st = capskip_fx.stats(cm)
+    assert "capskip_targets=" in st.fallback and st.kept == N
+    dense = _dense_grads(model, lambda m: F.mse_loss(m(x), onehot))
+    assert max_rel_err(_grads(model), dense) < 1e-10
+    # with the labels given, the selection runs and is exact for sum_i w_i mse_i / N
+    with torch.no_grad():
+        y = model(x).argmax(1)
+    onehot = F.one_hot(y, C).double()
+    model.zero_grad(set_to_none=True)
+    F.mse_loss(cm(x, capskip_targets=y), onehot).backward()
+    st = capskip_fx.stats(cm)
+    assert st.fallback is None and st.kept < N
+    ref = copy.deepcopy(model)
+    ref.zero_grad(set_to_none=True)
+    per_row = F.mse_loss(ref(x), onehot, reduction="none").mean(1)
+    (per_row * st.weight).sum().div(N).backward()
+    assert max_rel_err(_grads(model), _grads(ref)) < 1e-10
+
+
+@pytest.mark.parametrize("loss", ["label_smoothing", "soft_targets", "class_weights"])
+def test_softmax_losses_are_not_mistaken_for_mse(loss):
+    model, cm = _net(rule="capskip", budget=0.5)
+    x = _x()
+    with torch.no_grad():
+        y = model(x).argmax(1)
+    z = cm(x)
+    if loss == "label_smoothing":
+        out = F.cross_entropy(z, y, label_smoothing=0.1)
+    elif loss == "soft_targets":
+        out = F.cross_entropy(z, 0.8 * F.one_hot(y, C).double() + 0.04)
+    else:
+        out = F.cross_entropy(z, y, weight=torch.linspace(0.5, 2, C, dtype=torch.float64))
+    assert not _recorded_warnings(out.backward)
+    st = capskip_fx.stats(cm)
+    assert st.fallback is None and st.kept < N
+
+
+# ---------------------------------------------------------------- batches
+
+def test_batch_of_one_is_dense_with_reason_and_no_recompile():
+    model, cm = _net(rule="capskip", budget=1.0)
+    x8 = _x()
+    with torch.no_grad():
+        y8 = model(x8).argmax(1)
+    F.cross_entropy(cm(x8), y8).backward()
+    assert capskip_fx.stats(cm).kept < N
+    x1, y1 = _x(1, seed=3), torch.tensor([2])
+    model.zero_grad(set_to_none=True)
+    F.cross_entropy(cm(x1), y1).backward()
+    st = capskip_fx.stats(cm)
+    assert st.n == 1 and st.kept == 1 and "size 1" in st.fallback
+    assert max_rel_err(_grads(model), _dense_grads(model, lambda m: F.cross_entropy(m(x1), y1))) < 1e-12
+    assert len(cm.backend.records) == 1  # no static-batch graph was compiled for it
+    model.zero_grad(set_to_none=True)
+    F.cross_entropy(cm(x8), y8).backward()  # and the next full batch selects as before
+    assert capskip_fx.stats(cm).fallback is None and capskip_fx.stats(cm).kept < N
+
+
+@pytest.mark.parametrize("case", ["all_wrong", "all_right_b1", "all_right_b03"])
+def test_all_wrong_and_all_right(case):
+    model, cm = _net(rule="capskip", budget=0.3 if case == "all_right_b03" else 1.0)
+    x = _x()
+    with torch.no_grad():
+        pred = model(x).argmax(1)
+    y = (pred + 1) % C if case == "all_wrong" else pred
+    model.zero_grad(set_to_none=True)
+    F.cross_entropy(cm(x), y).backward()
+    st = capskip_fx.stats(cm)
+    grads = _grads(model)
+    assert st.fallback is None
+    if case == "all_wrong":
+        assert st.kept == N  # misclassified rows are never skipped
+    elif case == "all_right_b1":
+        assert st.kept == 0 and all(g.abs().max() == 0 for g in grads.values())  # S_N = G: skip all
+    else:
+        assert 0 < st.kept < N and st.bound <= 0.3
+    assert max_rel_err(grads, reference_grads(model, x, y, st.weight)) < 1e-10
+
+
+# ---------------------------------------------------------------- model shapes
+
+class ConvHead(nn.Module):
+    """Logits from a full-size convolution: no Linear head."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 6, 3, padding=1)
+        self.head = nn.Conv2d(6, C, 6)
+
+    def forward(self, x):
+        return self.head(self.conv(x).relu()).flatten(1)
+
+
+def test_no_linear_head_runs_dense_with_reason_and_exact_gradients():
+    torch.manual_seed(0)
+    model = ConvHead().double()
+    cm = capskip_fx.compile(model, rule="forced", keep=0.25, backend="aot_eager")
+    x, y = torch.randn(N, 3, 6, 6, dtype=torch.float64), torch.randint(0, C, (N,))
+    msgs = _recorded_warnings(lambda: F.cross_entropy(cm(x), y).backward())
+    assert any("no classifier head" in m for m in msgs)
+    st = capskip_fx.stats(cm)
+    assert "no classifier head" in st.fallback and st.kept == N
+    rec = cm.backend.records[0]  # the reason: refused graph's, or a head-less "body" graph's no_head
+    assert "no classifier head" in (rec.reason or getattr(rec, "no_head", None) or "")
+    assert max_rel_err(_grads(model), _dense_grads(model, lambda m: F.cross_entropy(m(x), y))) < 1e-10
+
+
+class Outputs(nn.Module):
+    """Logits plus a per-example auxiliary output, as a tuple or a dict (aux first)."""
+
+    def __init__(self, kind):
+        super().__init__()
+        self.kind = kind
+        self.fc = nn.Linear(12, 16)
+        self.head = nn.Linear(16, C)
+        self.aux = nn.Linear(16, 1)
+        self.emb = nn.Linear(16, 3)
+
+    def forward(self, x):
+        h = F.gelu(self.fc(x))
+        z, a = self.head(h), self.aux(h).squeeze(1).pow(2)
+        if self.kind == "tuple":
+            return z, a
+        if self.kind == "dict":
+            return {"aux": a, "logits": z}
+        return {"emb": self.emb(h), "logits": z, "aux": a}  # another 2-D Linear output first
+
+
+def _logits_aux(out):
+    return (out[0], out[1]) if isinstance(out, tuple) else (out["logits"], out["aux"])
+
+
+@pytest.mark.parametrize("kind", ["tuple", "dict"])
+def test_tuple_and_dict_outputs_pick_logits_and_keep_skipped_rows_aux_out(kind):
+    torch.manual_seed(0)
+    model = Outputs(kind).double()
+    cm = capskip_fx.compile(model, rule="forced", keep=lambda n: torch.tensor([0, 5, 6]), backend="aot_eager")
+    x, y = _x(), torch.randint(0, C, (N,))
+    z, a = _logits_aux(cm(x))
+    (F.cross_entropy(z, y) + a.mean()).backward()
+    st = capskip_fx.stats(cm)
+    assert st.kept == 3 and st.fallback is None
+    rec = cm.backend.records[0]
+    assert rec.backward == "selected rows" and rec.masked_tangents == 2
+    ref = copy.deepcopy(model)
+    ref.zero_grad(set_to_none=True)
+    zr, ar = _logits_aux(ref(x))
+    ((F.cross_entropy(zr, y, reduction="none") + ar) * st.weight).sum().div(N).backward()
+    assert max_rel_err(_grads(model), _grads(ref)) < 1e-10  # aux of skipped rows did not leak in
+
+
+def test_unused_2d_output_picked_as_logits_is_caught_and_logits_index_fixes_it():
+    torch.manual_seed(0)
+    model = Outputs("emb").double()
+    cm = capskip_fx.compile(model, rule="capskip", budget=1.0, backend="aot_eager")
+    x = _x()
+    with torch.no_grad():
+        y = model(x)["logits"].argmax(1)
+    out = cm(x)
+    msgs = _recorded_warnings(lambda: F.cross_entropy(out["logits"], y).backward())
+    assert any("logits_index=" in m for m in msgs)  # not: "every row is free, skip them all"
+    st = capskip_fx.stats(cm)
+    assert "logits_index=" in st.fallback and st.kept == N
+    assert max_rel_err(_grads(model), _dense_grads(model, lambda m: F.cross_entropy(m(x)["logits"], y))) < 1e-10
+    torch.manual_seed(0)
+    model = Outputs("emb").double()
+    cm = capskip_fx.compile(model, rule="capskip", budget=1.0, backend="aot_eager", logits_index=1)
+    F.cross_entropy(cm(x)["logits"], y).backward()
+    assert capskip_fx.stats(cm).fallback is None and capskip_fx.stats(cm).kept == 0
+
+
+class ScalarAux(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(12, 16)
+        self.head = nn.Linear(16, C)
+
+    def forward(self, x):
+        h = F.gelu(self.fc(x))
+        return self.head(h), h.pow(2).mean()  # a batch-level auxiliary loss: couples the examples
+
+
+def test_batch_level_aux_output_is_refused_as_coupling():
+    torch.manual_seed(0)
+    model = ScalarAux().double()
+    cm = capskip_fx.compile(model, rule="forced", keep=lambda n: torch.tensor([0, 3]), backend="aot_eager",
+                            verify=False)
+    x, y = _x(), torch.randint(0, C, (N,))
+
+    def loss(out):
+        return F.cross_entropy(out[0], y) + out[1]
+
+    loss(cm(x)).backward()
+    assert cm.backend.records[0].coupled and "cross-example" in capskip_fx.stats(cm).fallback
+    assert max_rel_err(_grads(model), _dense_grads(model, lambda m: loss(m(x)))) < 1e-10
+
+
+class NormNet(nn.Module):
+    def __init__(self, norm):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 8, 3, padding=1)
+        self.norm = nn.GroupNorm(2, 8) if norm == "group" else nn.LayerNorm([8, 6, 6])
+        self.head = nn.Linear(8, C)
+
+    def forward(self, x):
+        return self.head(self.norm(self.conv(x)).relu().mean((2, 3)))
+
+
+@pytest.mark.parametrize("norm", ["group", "layer"])
+def test_group_and_layer_norm_are_per_example_not_refused(norm):
+    torch.manual_seed(0)
+    model = NormNet(norm).double()
+    cm = capskip_fx.compile(model, rule="forced", keep=lambda n: torch.tensor([1, 2, 7]), backend="aot_eager")
+    x, y = torch.randn(N, 3, 6, 6, dtype=torch.float64), torch.randint(0, C, (N,))
+    assert not _recorded_warnings(lambda: F.cross_entropy(cm(x), y).backward())
+    rec = cm.backend.records[0]
+    assert not rec.coupled and rec.backward == "selected rows" and rec.row_counts == {3}
+    st = capskip_fx.stats(cm)
+    assert st.fallback is None
+    assert max_rel_err(_grads(model), reference_grads(model, x, y, st.weight)) < 1e-10
+
+
+class Lonely(nn.Module):
+    """Its own forward code object: the recompile_limit test must not poison Net.forward's cache."""
+
+    def __init__(self):
+        super().__init__()
+        self.head = nn.Linear(12, C)
+
+    def forward(self, x):
+        return self.head(x.tanh())
+
+
+def test_no_graph_from_dynamo_is_reported_not_silent():
+    """Dynamo's recompile_limit reached by earlier compiles of the same forward code: the model runs
+    eagerly and capskip gets no graph.  The step is dense; stats say why (not stale numbers)."""
+    x, y = _x(), torch.randint(0, C, (N,))
+    with torch._dynamo.config.patch(recompile_limit=1):
+        capskip_fx.compile(Lonely().double(), rule="forced", keep=0.5, backend="aot_eager")(x)  # the one entry
+        torch.manual_seed(0)
+        model = Lonely().double()
+        cm = capskip_fx.compile(model, rule="forced", keep=0.5, backend="aot_eager")
+        msgs = _recorded_warnings(lambda: F.cross_entropy(cm(x), y).backward())
+    assert any("produced no graph" in m for m in msgs)
+    st = capskip_fx.stats(cm)
+    assert st.n == N and st.kept == N and "recompile_limit" in st.fallback
+    assert max_rel_err(_grads(model), _dense_grads(model, lambda m: F.cross_entropy(m(x), y))) < 1e-12
