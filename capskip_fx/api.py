@@ -170,6 +170,7 @@ def compile(model: nn.Module, *, rule: Union[str, Rule] = "capskip", budget: Opt
     config = CapskipConfig(**cfg_opts)
     rule_obj = build_rule(rule, budget, options)
     _check_device(model)
+    _check_not_fsdp2(model)
     state = RuntimeState(rule_obj, seed=seed, scope=config.scope)
     return CapskipModule(model, state, config, logits_index)
 
@@ -189,6 +190,18 @@ def build_rule(rule: Union[str, Rule], budget: Optional[float], options: dict) -
             raise ValueError(f"budget must be a number in [0, 1], got {budget!r}")
         options["budget"] = budget
     return make_rule(rule, **options)
+
+
+def _check_not_fsdp2(model: nn.Module) -> None:
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:
+        return
+    if any(isinstance(m, FSDPModule) for m in model.modules()):
+        raise NotImplementedError(
+            "capskip_fx does not support FSDP2 (fully_shard): Dynamo hands no graph of FSDP2-managed "
+            "modules to a backend here, so no row could be dropped. Use DistributedDataParallel: "
+            "DDP(capskip_fx.compile(model))")
 
 
 def _check_device(model: nn.Module) -> None:

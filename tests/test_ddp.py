@@ -91,3 +91,38 @@ def test_ddp_matches_single_process(tmp_path, optimize_ddp, scope):
     assert roles.count("head") == 1 and all(r["backward"] == "selected rows" for r in out["report"])
     if optimize_ddp:
         assert len(roles) >= 2  # DDPOptimizer split the graph; the body splits dropped rows too
+
+
+def _fsdp_worker(rank, port, path):
+    from torch.distributed.fsdp import fully_shard
+
+    os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    out = {}
+    model = make_model()
+    fully_shard(model[2])
+    fully_shard(model)
+    try:
+        capskip_fx.compile(model, backend="aot_eager")
+    except NotImplementedError as e:
+        out["refused"] = str(e)
+    # sharded after compiling: can't be seen at compile(); the step says it ran dense
+    model = make_model()
+    cm = capskip_fx.compile(model, rule="forced", keep=0.5, backend="aot_eager")
+    fully_shard(model[2])
+    fully_shard(cm)
+    x, y = make_data()
+    F.cross_entropy(cm(x), y).backward()
+    out["fallback"] = capskip_fx.stats(cm).fallback
+    out["kept"] = capskip_fx.stats(cm).kept
+    torch.save(out, path)
+    dist.destroy_process_group()
+
+
+@pytest.mark.skipif(not dist.is_available(), reason="torch.distributed not available")
+def test_fsdp2_is_refused_clearly(tmp_path):
+    path = str(tmp_path / "fsdp.pt")
+    mp.spawn(_fsdp_worker, args=(_free_port(), path), nprocs=1)
+    out = torch.load(path, weights_only=False)
+    assert "FSDP2" in out["refused"] and "DDP(capskip_fx.compile(model))" in out["refused"]
+    assert "no graph" in out["fallback"] and out["kept"] == W * N
