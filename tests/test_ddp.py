@@ -38,7 +38,7 @@ def make_data():
     return x, y
 
 
-def _worker(rank, port, path, optimize_ddp, scope):
+def _worker(rank, port, path, optimize_ddp, scope, accumulate):
     os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
     dist.init_process_group("gloo", rank=rank, world_size=W)
     torch.set_num_threads(1)
@@ -50,6 +50,9 @@ def _worker(rank, port, path, optimize_ddp, scope):
     ddp = nn.parallel.DistributedDataParallel(cm, bucket_cap_mb=1)
     x, y = make_data()
     sl = slice(rank * N, (rank + 1) * N)
+    if accumulate:  # a first micro-batch under no_sync (local accumulation), then the synced one
+        with ddp.no_sync():
+            F.cross_entropy(ddp(x[sl].flip(0).clone()), y[sl].flip(0)).backward()
     F.cross_entropy(ddp(x[sl].clone()), y[sl]).backward()
     weights = [torch.empty(N, dtype=torch.float64) for _ in range(W)]
     dist.all_gather(weights, capskip_fx.stats(cm).weight)
@@ -66,10 +69,11 @@ def _free_port():
 
 
 @pytest.mark.skipif(not dist.is_available(), reason="torch.distributed not available")
-@pytest.mark.parametrize("optimize_ddp,scope", [(True, "per_rank"), (False, "per_rank"), (True, "global")])
-def test_ddp_matches_single_process(tmp_path, optimize_ddp, scope):
+@pytest.mark.parametrize("optimize_ddp,scope,accumulate", [(True, "per_rank", False), (False, "per_rank", False),
+                                                            (True, "global", False), (True, "per_rank", True)])
+def test_ddp_matches_single_process(tmp_path, optimize_ddp, scope, accumulate):
     path = str(tmp_path / "out.pt")
-    mp.spawn(_worker, args=(_free_port(), path, optimize_ddp, scope), nprocs=W)
+    mp.spawn(_worker, args=(_free_port(), path, optimize_ddp, scope, accumulate), nprocs=W)
     out = torch.load(path, weights_only=False)
     x, y = make_data()
     w = out["weight"]
@@ -85,6 +89,9 @@ def test_ddp_matches_single_process(tmp_path, optimize_ddp, scope):
         assert 0 < int((w == 0).sum()) < W * N
     ref = make_model()
     (F.cross_entropy(ref(x), y, reduction="none") * w).sum().div(W * N).backward()
+    if accumulate:  # each rank's flipped micro-batch selected the same positions of its flipped rows
+        flip = torch.cat([torch.arange(r * N, (r + 1) * N).flip(0) for r in range(W)])
+        (F.cross_entropy(ref(x[flip]), y[flip], reduction="none") * w).sum().div(W * N).backward()
     for k, p in ref.named_parameters():
         assert (out["grads"][k] - p.grad).norm() <= 1e-10 * p.grad.norm(), k
     roles = [r["role"] for r in out["report"]]

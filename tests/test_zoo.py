@@ -20,7 +20,8 @@ KEEP = (1, 4)  # forced keep set: 2 of 6 rows, gathered
 
 def _timm(arch, **kw):
     import timm
-    return lambda: timm.create_model(arch, pretrained=False, num_classes=10, **kw)
+    kw = {"num_classes": 10, **kw}
+    return lambda: timm.create_model(arch, pretrained=False, **kw)
 
 
 def _mixer(**kw):
@@ -46,6 +47,8 @@ ZOO = {
                  "depth 1, img 32, patch 8", "selected"),
     "deit_tiny": (_timm("deit_tiny_patch16_224", img_size=32, patch_size=8, depth=1),
                   "depth 1, img 32, patch 8", "selected"),
+    "deit_small": (_timm("deit_small_patch16_224", img_size=32, patch_size=16, depth=1, num_classes=100),
+                   "DeiT-S width (384, 6 heads), depth 1, img 32, patch 16, 100 classes", "selected"),
     "cait_xxs24": (_timm("cait_xxs24_224", img_size=32, patch_size=8, depth=1, depth_token_only=1),
                    "depth 1 + 1 class-attention block, img 32, patch 8", "selected"),
     "beit_base": (_timm("beit_base_patch16_224", img_size=32, patch_size=8, depth=1, embed_dim=32, num_heads=2),
