@@ -53,9 +53,12 @@ class InsertSelectPass(CustomGraphPass):
         return hashlib.sha256(f"capskip:{self.backend.key}:{self.backend.config}".encode()).digest()
 
     def __call__(self, graph: fx.Graph) -> None:
-        if any(n.target in SELECTION_OPS for n in graph.nodes) or not _tangents(graph):
-            return  # already done (the pass may run twice), or an inference graph (no backward)
+        if any(n.target in SELECTION_OPS for n in graph.nodes):
+            return  # already done: the pass may run twice
         rec = self.backend.current_record()
+        if not _tangents(graph):
+            rec.backward = "none (inference graph)"
+            return
         try:
             self._apply(graph, rec)
         except Refused as e:
