@@ -65,7 +65,8 @@ class CapskipModule(nn.Module):
         self._state.set_step_inputs(capskip_targets, capskip_index)
         if self.config.backend == "eager":
             return self._eager_forward(*args, **kwargs)
-        if self.config.dynamic_batch and torch.is_grad_enabled() and _batch_size(args) == 1:
+        train = torch.is_grad_enabled()
+        if self.config.dynamic_batch and train and _batch_size(args) == 1:
             # a batch of 1 specialises the batch dim: a recompile (an Inductor compile per ragged last
             # batch) whose backward can't drop rows anyway.  The eager model is the same dense step.
             out = self.model(*args, **kwargs)
@@ -76,15 +77,15 @@ class CapskipModule(nn.Module):
                 if isinstance(a, Tensor) and a.dim() > 0 and a.shape[0] >= 2:
                     torch._dynamo.mark_dynamic(a, 0)
         out = self._compiled(*args, **kwargs)
-        if torch.is_grad_enabled():
+        if train:
             self._state.set_logits(_logits_of(out, self._backend.logits_index))
-        if torch.is_grad_enabled() and not self._backend.records:
-            # Dynamo ran the model without handing us a graph (e.g. its recompile_limit was reached by
-            # earlier compiles of the same forward code): an eager, dense step; say so
-            self._state.warn_once(_NO_GRAPH_REASON)
-            self._state.record_dense_step(_batch_size(args), _NO_GRAPH_REASON)
-        elif torch.is_grad_enabled() and self._state.fallback is not None and not self._backend.any_selected:
-            self._state.record_dense_step(_batch_size(args))
+            if not self._backend.records:
+                # Dynamo ran the model without handing us a graph (e.g. its recompile_limit was reached
+                # by earlier compiles of the same forward code): an eager, dense step; say so
+                self._state.warn_once(_NO_GRAPH_REASON)
+                self._state.record_dense_step(_batch_size(args), _NO_GRAPH_REASON)
+            elif self._state.fallback is not None and not self._backend.any_selected:
+                self._state.record_dense_step(_batch_size(args))
         return out
 
     # -- backend="eager": the reference semantics, dense cost ---------------------------

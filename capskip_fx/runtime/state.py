@@ -79,6 +79,8 @@ class RuntimeState:
         self.fallback: Optional[str] = None  # sticky reason for the current graph, if it runs dense
         self._warned: set[str] = set()
         self.head_bias = True  # set by the graph pass from the head it found
+        self._published: Optional[tuple[Tensor, int, int]] = None  # head's (0/1 mask, k, step) for body graphs
+        self._logits_node = None  # autograd node of the logits the model returned last
 
     # -- side inputs -----------------------------------------------------------------
     def set_step_inputs(self, targets: Optional[Tensor], index: Optional[Tensor]) -> None:
@@ -187,7 +189,7 @@ class RuntimeState:
         self._published = ((weight != 0).to(weight.dtype), k, self.step)
 
     def shared_mask(self, n: int) -> Optional[Tensor]:
-        pub = getattr(self, "_published", None)
+        pub = self._published
         return pub[0] if pub is not None and pub[0].shape[0] == n else None
 
     def set_logits(self, out) -> None:
@@ -202,13 +204,13 @@ class RuntimeState:
 
     def is_logits_backward(self) -> bool:
         """Is the running backward the one of the returned logits?  (True when unknown.)"""
-        node = getattr(self, "_logits_node", None)
+        node = self._logits_node
         current = getattr(torch._C, "_current_autograd_node", lambda: None)()
         return node is None or current is None or current is node
 
     def consume(self, record, n: int, like: Tensor) -> tuple[Tensor, int]:
         """A body graph's rows: this step's published mask, once per graph; else all rows."""
-        pub = getattr(self, "_published", None)
+        pub = self._published
         if pub is None or pub[0].shape[0] != n or record.consumed_step == pub[2]:
             reason = record.no_head or "no head selection published for this step"
             record.refuse(reason)
