@@ -516,7 +516,7 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
                 if not math.isfinite(loss_v):
                     raise FloatingPointError(f"non-finite loss {loss_v} at step {step} (epoch {epoch})")
                 kept, n = int(st.kept), int(st.n)
-                bound = _finite(float(st.bound)) if st.bound is not None else None
+                bound = _finite(st.bound)
                 if do_check:
                     chk = distortion_check(model, head, x, y, autocast, rng)
                     checks += 1
@@ -534,12 +534,11 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
                 sync()
                 t3 = time.perf_counter()
                 step_s = (t1 - t0) + (t3 - t2)
-                variants = getattr(st, "variants", None)
-                is_compile = step == 0 or (variants is not None and prev_variants is not None
-                                           and variants > prev_variants)
+                variants = st.variants
+                is_compile = step == 0 or (prev_variants is not None and variants > prev_variants)
                 prev_variants = variants
                 clock.add(data_s, step_s, is_compile)
-                fallback = getattr(st, "fallback", None)
+                fallback = st.fallback
                 fallbacks += fallback is not None
                 backward_rows += kept
                 rows += n
@@ -549,9 +548,9 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
                 ep_rows += n
                 steps_f.write(json.dumps({
                     "step": step, "epoch": epoch, "loss": loss_v, "kept": kept, "n": n, "bound": bound,
-                    "rows_run": getattr(st, "rows", None), "lr": lr, "step_time_s": step_s, "data_time_s": data_s, "compile_step": is_compile,
+                    "rows_run": st.rows, "lr": lr, "step_time_s": step_s, "data_time_s": data_s, "compile_step": is_compile,
                     "variants": variants, "fallback": fallback,
-                    "selection_ms": _finite(getattr(st, "selection_ms", None))}) + "\n")
+                    "selection_ms": _finite(st.selection_ms)}) + "\n")
                 step += 1
                 ep_wall = clock.wall_s - ep_wall0
                 ips = ep_rows / ep_wall if ep_wall > 0 else float("nan")
