@@ -70,3 +70,18 @@ def test_capskip_bound_is_head_gradient_change():
     num = sum((grads[k].double() - dense[k]).pow(2).sum() for k in head).sqrt()
     den = sum(dense[k].pow(2).sum() for k in head).sqrt()
     assert abs((num / den).item() - st.bound) < 1e-9 and st.bound <= 0.3
+
+
+@pytest.mark.slow
+def test_full_depth_deit_inductor_float32():
+    """All 12 blocks of deit_tiny through Inductor (a ~1-2 min compile on 2 cores): --runslow."""
+    from conftest import make_deit
+
+    torch.manual_seed(0)
+    model = make_deit(depth=12)
+    cm = capskip_fx.compile(model, rule=Forced(keep=lambda n: torch.tensor([0, 5, 9, 14])))
+    x = make_input("deit", 16, torch.float32, seed=7)
+    y = _labels(model, x, 7)
+    grads, w = selected_step(cm, x, y)
+    assert max_rel_err(grads, reference_grads(model, x, y, w)) < 1e-5
+    assert capskip_fx.report(cm)[0]["backward"] == "selected rows" and capskip_fx.stats(cm).rows == 4
