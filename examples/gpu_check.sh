@@ -5,8 +5,12 @@
 #  2. a few hundred steps of Fashion-MNIST fine-tuning (dense, capskip b=0.3), same model  -> $OUT/train-*
 # TINY=1 runs the same path on the CPU with a tiny config: that is how it is tested without a GPU.
 # Data: $DATA_DIR (default data/fashion-mnist if present, else Debian's /usr/share/datasets/fashion-mnist).
+# With the device tool: `cp -r /usr/share/datasets/fashion-mnist data/` here (data/ is git-ignored), then
+#   run(command="examples/gpu_check.sh", carry=["data/fashion-mnist"], timeout_s=540)
+# The device image has torch, timm, tqdm, matplotlib, scikit-learn and pyyaml; capskip_fx runs from the tree.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 OUT=${OUT:-benchmarks/results}
 DATA_DIR=${DATA_DIR:-$( [[ -d data/fashion-mnist ]] && echo data/fashion-mnist || echo /usr/share/datasets/fashion-mnist )}
 PY=${PYTHON:-python}
