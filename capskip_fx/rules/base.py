@@ -18,6 +18,11 @@ import torch
 from torch import Tensor
 
 
+def selection_dtype(t: Tensor) -> torch.dtype:
+    """Selection math runs in float64 for float64 models, else float32."""
+    return torch.float64 if t.dtype == torch.float64 else torch.float32
+
+
 @dataclass
 class HeadView:
     """What the head saw in one step.  All row-indexed tensors have N rows."""

@@ -24,12 +24,8 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from .base import HeadView, Rule, Selection
+from .base import HeadView, Rule, Selection, selection_dtype
 from .labels import correct_mask
-
-
-def _selection_dtype(t: Tensor) -> torch.dtype:
-    return torch.float64 if t.dtype == torch.float64 else torch.float32
 
 
 def capskip_weights(delta: Tensor, h: Tensor, correct: Tensor, budget: float, bias: bool = True):
@@ -38,7 +34,7 @@ def capskip_weights(delta: Tensor, h: Tensor, correct: Tensor, budget: float, bi
     ``weight``: (N,) 1 for kept rows, 0 for skipped.  ``bound``: ``||S_k|| / ||G||`` of the
     chosen prefix (0 when nothing is skipped; 0 when G = 0).  ``n_skip``: 0-dim int64.
     """
-    dt = _selection_dtype(delta)
+    dt = selection_dtype(delta)
     d = delta.to(dt)
     x = h.to(dt)
     n = d.shape[0]

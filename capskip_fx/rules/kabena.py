@@ -30,8 +30,8 @@ import math
 import torch
 from torch import Tensor
 
-from .base import HeadView, Selection
-from .random_skip import SeededRule, selection_dtype
+from .base import HeadView, Selection, selection_dtype
+from .random_skip import SeededRule
 from .selective_backprop import view_losses
 
 

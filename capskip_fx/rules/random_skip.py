@@ -23,11 +23,7 @@ from typing import Any, Optional, Union
 import torch
 from torch import Tensor
 
-from .base import HeadView, Rule, Selection
-
-
-def selection_dtype(t: Tensor) -> torch.dtype:
-    return torch.float64 if t.dtype == torch.float64 else torch.float32
+from .base import HeadView, Rule, Selection, selection_dtype
 
 
 class SeededRule(Rule):

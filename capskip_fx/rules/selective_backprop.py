@@ -28,9 +28,9 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from .base import HeadView, Selection
+from .base import HeadView, Selection, selection_dtype
 from .labels import infer_targets, per_example_ce
-from .random_skip import SeededRule, selection_dtype
+from .random_skip import SeededRule
 
 
 def view_losses(view: HeadView, dtype: torch.dtype) -> Tensor:

@@ -33,8 +33,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from .base import HeadView, Selection
-from .random_skip import selection_dtype
+from .base import HeadView, Selection, selection_dtype
 from .selective_backprop import SelectiveBackprop, sb_keep_prob, view_losses
 
 #: ``cache_epoch`` of an index never seen (far enough below any epoch to never be fresh)

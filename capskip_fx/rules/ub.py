@@ -34,8 +34,8 @@ from typing import Optional, Union
 import torch
 from torch import Tensor
 
-from .base import HeadView, Selection
-from .random_skip import SeededRule, selection_dtype
+from .base import HeadView, Selection, selection_dtype
+from .random_skip import SeededRule
 
 
 def ub_probs(delta: Tensor, smooth: float = 0.0) -> Tensor:
