@@ -194,3 +194,17 @@ def test_graph_break_body_graph_reuses_head_selection(backend):
     if backend == "aot_eager":
         body = next(r for r in cm.backend.records if r.body)
         assert [s for _, s in body.matmul_shapes] == [[(8, 2), (2, 6)]]  # dW_a from the 2 kept rows
+
+
+def test_varying_batch_and_k_on_inductor_deit_compiles_once():
+    """Ragged batches and data-dependent k on a ViT through Inductor: one graph, one backward variant
+    (LayerNorm backward with a dynamic batch must not specialise)."""
+    model, cm = compiled("deit", torch.float32, "inductor")
+    cm.rule = Forced(keep=lambda n: torch.arange(0, n, 2))
+    for n in (8, 5, 8, 3, 12, 7):
+        x = make_input("deit", n, torch.float32, seed=n)
+        y = torch.randint(0, 10, (n,))
+        grads, w = selected_step(cm, x, y)
+        assert max_rel_err(grads, reference_grads(model, x, y, w)) < 1e-5
+        assert capskip_fx.stats(cm).rows == (n + 1) // 2
+    assert len(cm.backend.records) == 1 and capskip_fx.stats(cm).variants == 1
