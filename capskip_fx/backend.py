@@ -33,12 +33,10 @@ class GraphRecord:
     no_head: Optional[str] = None
     consumed_step: int = -1
     coupled: bool = False
-    head_bias: bool = True
     masked_tangents: int = 0
     backward: str = "not compiled yet"  # "selected rows" | "dense-masked" | "dense"
     reason: Optional[str] = None  # why this graph runs dense, if it does
     plan: Optional[BackwardPlan] = None
-    backward_graph: Optional[fx.GraphModule] = None  # the rewritten graph, before Inductor
     row_counts: set = field(default_factory=set)  # distinct gathered row counts seen
     matmul_shapes: list = field(default_factory=list)  # aot_eager: (op, operand shapes) of the last backward's matmuls
 
@@ -175,12 +173,11 @@ class CapskipBackend:
 
     def _inner(self, rec: GraphRecord, gm: fx.GraphModule, example_inputs, **kwargs):
         base = self._base(rec)
-        if kwargs.get("is_backward", False):
-            _no_donated_buffers()
-        else:
+        if not kwargs.get("is_backward", False):
             out_idx = _batch_outputs(gm)
             compiled = base(gm, example_inputs, **kwargs)
             return _MarkBatchDynamic(compiled, out_idx) if out_idx else compiled
+        _no_donated_buffers()
         if not any(n.target in SELECTION_OPS for n in gm.graph.nodes):
             rec.backward = "dense"
             return base(gm, example_inputs, **kwargs)
@@ -192,7 +189,6 @@ class CapskipBackend:
             self.on_refused(str(e))
             return base(gm, example_inputs, **kwargs)
         rec.plan = plan
-        rec.backward_graph = fx.GraphModule(gm, gm.graph)  # snapshot before Inductor's post-grad passes
         compiled = base(gm, list(example_inputs) + [w_val], **kwargs)
         try:
             check_not_specialised(example_inputs, plan.sym)

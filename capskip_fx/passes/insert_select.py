@@ -75,7 +75,6 @@ class InsertSelectPass(CustomGraphPass):
         plan = _batch_tangents(graph, sym)
         w = self._insert(graph, head.z, SELECT, (head.h, head.z, head.g, self.backend.key))
         _mask_tangents(graph, w, plan)
-        rec.head_bias = head.bias
         rec.selected = True
         rec.masked_tangents = len(plan)
         self.backend.state.head_bias = head.bias
