@@ -33,14 +33,20 @@ class CapskipModule(nn.Module):
         self._state = state
         key = ops.register_state(state)
         self._backend = CapskipBackend(config, state, key, logits_index)
-        self._eager_head: Optional[nn.Linear] = None
+        head: Optional[nn.Linear] = None
         if config.backend == "eager":
-            self._compiled = model
+            compiled = model
             self._eager_h: Optional[Tensor] = None
-            self._eager_head = _last_linear(model)
-            self._eager_head.register_forward_hook(self._capture_h)
+            head = _last_linear(model)
+            head.register_forward_hook(self._capture_h)
         else:
-            self._compiled = torch.compile(model, backend=self._backend)
+            compiled = torch.compile(model, backend=self._backend)
+        # not submodules (they are, or live in, self.model): no duplicate state_dict keys
+        object.__setattr__(self, "_compiled", compiled)
+        object.__setattr__(self, "_eager_head", head)
+        # checkpoints carry the original model's keys plus the rule's state, also when nested (DDP(...))
+        self.register_state_dict_post_hook(_state_dict_hook)
+        self.register_load_state_dict_pre_hook(_load_state_dict_pre_hook)
 
     @property
     def rule(self) -> Rule:
@@ -107,18 +113,20 @@ class CapskipModule(nn.Module):
             z.register_hook(mask)
         return z
 
-    # -- checkpointing: the model's keys, plus the rule's state ----------------------------
-    def state_dict(self, *args, **kwargs):
-        sd = self.model.state_dict(*args, **kwargs)
-        sd[_RULE_STATE_KEY] = self._state.state_dict()
-        return sd
+def _state_dict_hook(module: "CapskipModule", state_dict, prefix: str, local_metadata) -> None:
+    inner = prefix + "model."
+    for k in [k for k in state_dict if k.startswith(inner)]:
+        state_dict[prefix + k[len(inner):]] = state_dict.pop(k)
+    state_dict[prefix + _RULE_STATE_KEY] = module._state.state_dict()
 
-    def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
-        sd = dict(state_dict)
-        extra = sd.pop(_RULE_STATE_KEY, None)
-        if extra is not None:
-            self._state.load_state_dict(extra)
-        return self.model.load_state_dict(sd, strict=strict, assign=assign)
+
+def _load_state_dict_pre_hook(module: "CapskipModule", state_dict, prefix: str, *args) -> None:
+    extra = state_dict.pop(prefix + _RULE_STATE_KEY, None)
+    if extra is not None:
+        module._state.load_state_dict(extra)
+    inner = prefix + "model."
+    for k in [k for k in state_dict if k.startswith(prefix) and not k.startswith(inner)]:
+        state_dict[inner + k[len(prefix):]] = state_dict.pop(k)
 
 
 _NO_GRAPH_REASON = ("torch.compile produced no graph for this model (Dynamo's recompile_limit reached? see "

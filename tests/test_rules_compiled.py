@@ -61,3 +61,27 @@ def test_state_dict_roundtrip_gives_identical_decisions(name):
     resumed = [_step(cm2, x, y, i)[1] for x, y, i in batches[3:]]
     for a, b in zip(after, resumed):
         assert torch.equal(a, b), name
+
+
+def test_checkpoint_keys_are_the_models_and_nest():
+    """state_dict keys = the original model's + the rule's state, also inside a parent module."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(12, 16), nn.GELU(), nn.Linear(16, 5))
+    cm = capskip_fx.compile(model, rule="sb", backend="aot_eager")
+    sd = cm.state_dict()
+    assert set(sd) == set(model.state_dict()) | {"_capskip"}
+    parent = nn.ModuleDict({"net": cm})
+    psd = parent.state_dict()
+    assert set(psd) == {f"net.{k}" for k in sd}
+    F.cross_entropy(cm(torch.randn(N, 12)), torch.randint(0, 5, (N,))).backward()  # the rule gains state
+    psd = parent.state_dict()
+    parent.load_state_dict(psd)  # strict
+    fresh = nn.ModuleDict({"net": capskip_fx.compile(
+        nn.Sequential(nn.Linear(12, 16), nn.GELU(), nn.Linear(16, 5)), rule="sb", backend="aot_eager")})
+    fresh.load_state_dict(psd)
+    for k, v in model.state_dict().items():
+        assert torch.equal(fresh["net"].model.state_dict()[k], v)
+    a, b = fresh["net"].state_dict()["_capskip"], cm.state_dict()["_capskip"]
+    assert a["step"] == b["step"] == 1
+    torch.testing.assert_close(a["rule"]["history"], b["rule"]["history"], rtol=0, atol=0, equal_nan=True)
+    assert a["rule"]["hist_pos"] == b["rule"]["hist_pos"] == N
