@@ -64,5 +64,10 @@ def batch_symbol_of(val: Any) -> sympy.Symbol:
     return e
 
 
+def tangent_nodes(graph) -> list:
+    """The joint graph's tangent placeholders (incoming gradients of the forward's outputs)."""
+    return [n for n in graph.nodes if n.op == "placeholder" and n.name.startswith("tangents")]
+
+
 def evaluate(e: sympy.Expr, sym: sympy.Symbol, value: int) -> int:
     return int(e.xreplace({sym: value}))

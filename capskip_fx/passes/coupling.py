@@ -16,12 +16,12 @@ import sympy
 import torch
 from torch import fx
 
-from .batch import has_symbol, is_tensor_value
+from .batch import has_symbol, is_tensor_value, tangent_nodes
 
 
 def _backward_nodes(graph: fx.Graph) -> set[fx.Node]:
     seen: set[fx.Node] = set()
-    stack = [n for n in graph.nodes if n.op == "placeholder" and n.name.startswith("tangents")]
+    stack = tangent_nodes(graph)
     while stack:
         n = stack.pop()
         if n in seen:

@@ -13,7 +13,7 @@ from typing import Optional
 import torch
 from torch import fx
 
-from .batch import Refused
+from .batch import Refused, tangent_nodes
 
 aten = torch.ops.aten
 _VIEWS = {aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.alias.default,
@@ -41,7 +41,7 @@ def _outputs_and_tangents(graph: fx.Graph) -> list[tuple[int, fx.Node, Optional[
             return sorted(out, key=lambda x: x[0])
     except Exception:  # older torch without descriptors: positional fallback below
         pass
-    tangents = [n for n in graph.nodes if n.op == "placeholder" and n.name.startswith("tangents")]
+    tangents = tangent_nodes(graph)
     outs = list(graph.find_nodes(op="output"))[0].args[0]
     outs = outs[0] if isinstance(outs, (tuple, list)) and outs and isinstance(outs[0], (tuple, list)) else outs
     return [(i, o, t) for i, (o, t) in enumerate(zip(outs, tangents)) if isinstance(o, fx.Node)]

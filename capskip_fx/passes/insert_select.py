@@ -25,7 +25,7 @@ from torch import fx
 from torch._inductor.custom_graph_pass import CustomGraphPass
 
 from .. import ops  # noqa: F401  (registers capskip::select)
-from .batch import Refused, batch_dim, batch_symbol_of
+from .batch import Refused, batch_dim, batch_symbol_of, tangent_nodes
 from .coupling import find_coupling
 from .find_head import find_head
 
@@ -111,16 +111,14 @@ class InsertSelectPass(CustomGraphPass):
 
 
 def _tangents(graph: fx.Graph) -> list[fx.Node]:
-    return [n for n in graph.nodes if n.op == "placeholder" and n.name.startswith("tangents")
-            and isinstance(n.meta.get("val"), torch.Tensor)]
+    return [n for n in tangent_nodes(graph) if isinstance(n.meta.get("val"), torch.Tensor)]
 
 
 def _dim0_symbol(t: fx.Node):
-    v = t.meta["val"]
-    if v.dim() == 0 or not isinstance(v.shape[0], torch.SymInt):
+    try:
+        return batch_symbol_of(t.meta["val"])
+    except Refused:
         return None
-    e = v.shape[0].node.expr
-    return e if getattr(e, "is_Symbol", False) else None
 
 
 def _batch_tangents(graph: fx.Graph, sym) -> list[fx.Node]:
