@@ -11,7 +11,7 @@ from torch import Tensor, nn
 from . import ops
 from .backend import CapskipBackend
 from .config import CapskipConfig
-from .rules import RULES, Rule, make_rule
+from .rules import Rule, make_rule, rule_class
 from .runtime.state import RuntimeState, StepStats
 
 _CONFIG_FIELDS = set(CapskipConfig.__dataclass_fields__)
@@ -188,17 +188,16 @@ def build_rule(rule: Union[str, Rule], budget: Optional[float], options: dict) -
     """A Rule from a name + options; ``budget`` goes to rules that take one (also a ``match=`` rule)."""
     if isinstance(rule, Rule):
         return make_rule(rule, **options)
-    if not isinstance(rule, str) or rule not in RULES:
-        raise ValueError(f"unknown rule {rule!r}; valid names: {', '.join(sorted(RULES))}")
+    cls = rule_class(rule)
     options = dict(options)
     if isinstance(options.get("match"), str):
         options["match"] = build_rule(options["match"], budget, {})
-    if "budget" in inspect.signature(RULES[rule]).parameters:
+    if "budget" in inspect.signature(cls).parameters:
         if budget is None or isinstance(budget, bool) or not isinstance(budget, (int, float)) \
                 or math.isnan(budget) or not 0 <= budget <= 1:
             raise ValueError(f"budget must be a number in [0, 1], got {budget!r}")
         options["budget"] = budget
-    return make_rule(rule, **options)
+    return cls(**options)
 
 
 def _check_not_fsdp2(model: nn.Module) -> None:

@@ -32,10 +32,15 @@ def make_rule(rule: Union[str, Rule], **options: Any) -> Rule:
         if options:
             raise TypeError(f"options {sorted(options)} given with a Rule object; set them on the object")
         return rule
-    if not isinstance(rule, str) or rule not in RULES:
-        raise ValueError(f"unknown rule {rule!r}; valid names: {', '.join(sorted(RULES))}")
-    return RULES[rule](**options)
+    return rule_class(rule)(**options)
 
 
-__all__ = ["HeadView", "Rule", "Selection", "RULES", "make_rule", "CAPSkip", "Dense", "Forced",
+def rule_class(name: str) -> type:
+    """The Rule class registered under ``name``; the error lists the valid names."""
+    if not isinstance(name, str) or name not in RULES:
+        raise ValueError(f"unknown rule {name!r}; valid names: {', '.join(sorted(RULES))}")
+    return RULES[name]
+
+
+__all__ = ["HeadView", "Rule", "Selection", "RULES", "make_rule", "rule_class", "CAPSkip", "Dense", "Forced",
            "KABENA", "RandomSkip", "SelectiveBackprop", "StaleSB", "UpperBoundIS"]
