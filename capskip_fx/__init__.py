@@ -7,7 +7,8 @@
 from .api import CapskipModule, compile, report, stats
 from .config import CapskipConfig
 from .rules import RULES, HeadView, Rule, Selection, make_rule
+from .rules.vcas import VCAS
 
 __all__ = ["compile", "stats", "report", "CapskipModule", "CapskipConfig", "RULES", "Rule", "HeadView",
-           "Selection", "make_rule"]
+           "Selection", "make_rule", "VCAS"]
 __version__ = "0.1.0"

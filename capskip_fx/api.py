@@ -176,12 +176,22 @@ def compile(model: nn.Module, *, rule: Union[str, Rule] = "capskip", budget: Opt
     if not isinstance(model, nn.Module):
         raise TypeError(f"capskip_fx.compile expects an nn.Module, got {type(model).__name__}")
     cfg_opts = {k: options.pop(k) for k in list(options) if k in _CONFIG_FIELDS}
+    rule = _vcas_alias(rule, cfg_opts)
     config = CapskipConfig(**cfg_opts)
     rule_obj = build_rule(rule, budget, options)
     _check_device(model)
     _check_not_fsdp2(model)
     state = RuntimeState(rule_obj, seed=seed, scope=config.scope)
     return CapskipModule(model, state, config, logits_index)
+
+
+def _vcas_alias(rule, cfg_opts: dict):
+    """``rule="vcas"``: every row reaches the backward (dense rule), VCAS samples inside it."""
+    if isinstance(rule, str) and rule == "vcas":
+        if cfg_opts.get("vcas") in (None, False):
+            cfg_opts["vcas"] = True
+        return "dense"
+    return rule
 
 
 def build_rule(rule: Union[str, Rule], budget: Optional[float], options: dict) -> Rule:
@@ -234,8 +244,10 @@ def _registered_backend(gm, example_inputs, options: Optional[dict] = None, **_)
     entry = _REGISTERED.get(id(options))
     if entry is None or entry[0] is not options:
         opts = dict(options)
-        cfg = CapskipConfig(**{k: opts.pop(k) for k in list(opts) if k in _CONFIG_FIELDS})
-        rule = build_rule(opts.pop("rule", "capskip"), opts.pop("budget", 0.1), opts)
+        cfg_opts = {k: opts.pop(k) for k in list(opts) if k in _CONFIG_FIELDS}
+        rule_name = _vcas_alias(opts.pop("rule", "capskip"), cfg_opts)
+        cfg = CapskipConfig(**cfg_opts)
+        rule = build_rule(rule_name, opts.pop("budget", 0.1), opts)
         state = RuntimeState(rule, scope=cfg.scope)
         entry = (options, CapskipBackend(cfg, state, ops.register_state(state)))
         _REGISTERED[id(options)] = entry

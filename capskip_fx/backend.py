@@ -16,8 +16,11 @@ from torch import fx
 from .config import CapskipConfig
 from .passes.batch import Refused
 from .passes.insert_select import SELECTION_OPS, InsertSelectPass
-from .passes.selected_rows import BackwardPlan, SelectedRowBackward, check_not_specialised, plan_backward
+from .passes.sample_wgrad import sample_wgrad
+from .passes.segment_backward import descendants, find_cuts, split_backward
+from .passes.selected_rows import BackwardPlan, SelectedRowBackward, _spec, check_not_specialised, plan_backward
 from .runtime.state import RuntimeState
+from .runtime.vcas import VcasBackward
 
 _MATMULS = ("mm", "addmm", "bmm", "baddbmm")
 
@@ -39,6 +42,7 @@ class GraphRecord:
     plan: Optional[BackwardPlan] = None
     row_counts: set = field(default_factory=set)  # distinct gathered row counts seen
     matmul_shapes: list = field(default_factory=list)  # aot_eager: (op, operand shapes) of the last backward's matmuls
+    vcas: Optional[str] = None  # VCAS: segments and sampled matmuls, or why it did not apply
 
     def refuse(self, reason: str) -> None:
         if self.reason is None:
@@ -48,7 +52,7 @@ class GraphRecord:
         return {"graph": self.index, "nodes": self.nodes, "role": "head" if self.selected else "body" if self.body else "-",
                 "backward": self.backward,
                 "reason": self.reason, "gathered_inputs": self.plan.gathered_inputs if self.plan else 0,
-                "row_counts": sorted(self.row_counts)}
+                "row_counts": sorted(self.row_counts), "vcas": self.vcas}
 
 
 class _Interpreted:
@@ -74,7 +78,10 @@ class _Interpreted:
         out = _I(self.gm).run(*args)
         args.clear()
         if record is not None:
-            record.matmul_shapes = rows
+            if record.vcas is not None:  # a segment: the runner clears the list once per backward
+                record.matmul_shapes.extend(rows)
+            else:
+                record.matmul_shapes = rows
         return out
 
 
@@ -189,7 +196,11 @@ class CapskipBackend:
             self.on_refused(str(e))
             return base(gm, example_inputs, **kwargs)
         rec.plan = plan
-        compiled = base(gm, list(example_inputs) + [w_val], **kwargs)
+        compiled = None
+        if self.config.vcas is not None:
+            compiled = self._vcas(rec, gm, list(example_inputs) + [w_val], plan.sym, base, kwargs)
+        if compiled is None:
+            compiled = base(gm, list(example_inputs) + [w_val], **kwargs)
         try:
             check_not_specialised(example_inputs, plan.sym)
             rec.backward = "selected rows"
@@ -201,3 +212,24 @@ class CapskipBackend:
         self.state.variants += 1
         return SelectedRowBackward(compiled, plan, self.state, self.config, rec,
                                    dense_only=rec.backward != "selected rows")
+
+    def _vcas(self, rec: GraphRecord, gm: fx.GraphModule, example_inputs: list, sym, base, kwargs):
+        """VCAS: SampleW rewrite, then the backward cut into segments compiled one by one.
+        None (and the reason recorded) when the graph has no residual fork to cut at."""
+        cfg = self.config.vcas
+        cuts = find_cuts(gm.graph, sym, cfg.every)
+        if not cuts:
+            reason = "VCAS: no residual fork in this backward (no block structure): exact backward"
+            rec.vcas = reason
+            self.state.warn_once(reason)
+            return None
+        runner = VcasBackward(cfg, self.state, rec, self.config.min_rows)
+        slots = sample_wgrad(gm, sym, runner.key, descendants(gm.graph, cuts[0])) if cfg.sample_w else 0
+        plan = split_backward(gm, example_inputs, sym, cuts)
+        kw = dict(kwargs, static_input_idxs=())
+        compiled = [base(s.gm, s.examples, **kw) for s in plan.segments]
+        for s in plan.segments:
+            check_not_specialised(s.examples, sym)
+        runner.finish(plan, compiled, [_spec(v, sym) for v in example_inputs], slots)
+        rec.vcas = f"{len(plan.segments)} segments, {slots} sampled weight-gradient matmuls"
+        return runner

@@ -3,6 +3,9 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Optional
+
+from .rules.vcas import VCAS
 
 BACKENDS = ("inductor", "aot_eager", "eager")
 
@@ -25,6 +28,9 @@ class CapskipConfig:
     verify:     on each graph's first gathered step also run the dense-masked backward and compare
                 (catches a flattened batch dim that is not batch-major); on mismatch, run dense-masked.
     on_coupling: "dense" (warn once, run the exact dense backward, record why) or "error".
+    vcas:       a :class:`~capskip_fx.rules.vcas.VCAS` (or True / a dict of its options): sample inside
+                the backward (activation rows at residual forks, token rows of weight gradients) on
+                the rows the rule kept.  ``rule="vcas"`` is the dense rule with ``vcas=VCAS()``.
     scope:      under torch.distributed, "per_rank" (each rank selects among its own rows; no
                 communication) or "global" (the head's h, z, dL/dz are all-gathered once per step and
                 every rank makes the same decision over the global batch; equal per-rank N required).
@@ -38,8 +44,19 @@ class CapskipConfig:
     on_coupling: str = "dense"
     dynamic_batch: bool = True
     scope: str = "per_rank"
+    vcas: Optional[VCAS] = None
 
     def __post_init__(self):
+        if self.vcas is True:
+            object.__setattr__(self, "vcas", VCAS())
+        elif isinstance(self.vcas, dict):
+            object.__setattr__(self, "vcas", VCAS(**self.vcas))
+        elif self.vcas is False:
+            object.__setattr__(self, "vcas", None)
+        if self.vcas is not None and not isinstance(self.vcas, VCAS):
+            raise TypeError(f"vcas must be a capskip_fx.VCAS, True or a dict of its options, got {self.vcas!r}")
+        if self.vcas is not None and self.backend == "eager":
+            raise ValueError("vcas needs compiled graphs: use backend='inductor' or 'aot_eager', not 'eager'")
         if self.backend not in BACKENDS:
             raise ValueError(f"backend must be one of {BACKENDS}, got {self.backend!r}")
         if not (isinstance(self.granule, int) and self.granule >= 1):

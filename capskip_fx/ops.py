@@ -58,3 +58,20 @@ def shared(g: Tensor, key: int) -> Tensor:
 @shared.register_fake
 def _shared_fake(g: Tensor, key: int) -> Tensor:
     return g.new_empty(g.shape[0])
+
+
+@torch.library.custom_op("capskip::sampled_wgrad", mutates_args=())
+def sampled_wgrad(g: Tensor, x: Tensor, key: int, slot: int) -> Tensor:
+    """VCAS SampleW: ``g.T @ x`` over Bernoulli-sampled rows reweighted by 1/p (see passes/sample_wgrad.py).
+
+    ``key`` names the :class:`~capskip_fx.runtime.vcas.VcasBackward` running this backward; it holds
+    the ratio ``nu`` of matmul ``slot`` and whether this pass samples, probes or runs exact.
+    """
+    from .runtime.vcas import runner_for
+
+    return runner_for(key).wgrad(g, x, slot)
+
+
+@sampled_wgrad.register_fake
+def _sampled_wgrad_fake(g: Tensor, x: Tensor, key: int, slot: int) -> Tensor:
+    return g.new_empty(g.shape[1], x.shape[1])

@@ -204,17 +204,25 @@ class SelectedRowBackward:
         new_args.append(w_kb)
         self.state.last.rows = kb
         self.record.row_counts.add(kb)
+        stochastic = getattr(self.compiled, "stochastic", False)  # VCAS samples inside: verify its exact pass
+        check_args = list(new_args) if full_args is not None and stochastic else None
         outs = self.compiled(new_args)
         outs = [(_scatter(o, s, idx, n) if (s is not None and s.kind == "batch" and o is not None) else o)
                 for o, s in zip(outs, p.out_specs)]
-        if self.config.verify and not self.verified:
+        if full_args is not None:
+            if stochastic:
+                exact = [(_scatter(o, s, idx, n) if (s is not None and s.kind == "batch" and o is not None) else o)
+                         for o, s in zip(self.compiled.exact(check_args), p.out_specs)]
+                res = self._verify(full_args, weight, exact)
+                return outs if res is exact else res
             outs = self._verify(full_args, weight, outs)
         return outs
 
     def _verify(self, full_args: list, weight: torch.Tensor, outs: list) -> list:
         """First gathered step: compare with the same graph on all N rows (dense-masked)."""
         self.verified = True
-        ref = self.compiled(full_args + [weight])
+        run = getattr(self.compiled, "exact", self.compiled)
+        ref = run(full_args + [weight])
         for o, r in zip(outs, ref):
             if isinstance(o, torch.Tensor) and isinstance(r, torch.Tensor) and r.numel():
                 tol = 1e-3 if r.dtype in (torch.float32, torch.float64) else 5e-2

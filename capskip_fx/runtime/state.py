@@ -45,6 +45,7 @@ class StepStats:
     variants: int = 0
     selection_ms: float = 0.0
     weight: Optional[Tensor] = None
+    vcas: Optional[dict] = None  # with VCAS: probe?, rows per segment, s, rho, nu, (kept, total) per sampled matmul
     _bound: Optional[Tensor] = field(default=None, repr=False)
 
     @property
@@ -81,6 +82,8 @@ class RuntimeState:
         self.head_bias = True  # set by the graph pass from the head it found
         self._published: Optional[tuple[Tensor, int, int]] = None  # head's (0/1 mask, k, step) for body graphs
         self._logits_node = None  # autograd node of the logits the model returned last
+        self.vcas_runners: list = []  # VCAS backwards, one per compiled backward graph (runtime/vcas.py)
+        self.vcas_pending: list = []  # their controller states from a checkpoint loaded before they compiled
 
     # -- side inputs -----------------------------------------------------------------
     def set_step_inputs(self, targets: Optional[Tensor], index: Optional[Tensor]) -> None:
@@ -234,12 +237,16 @@ class RuntimeState:
     def state_dict(self) -> dict:
         return {"rule": self.rule.state_dict(), "step": self.step, "epoch": self.epoch,
                 "generator": None if self._generator is None else self._generator.get_state(),
-                "generator_device": None if self._generator is None else str(self._generator.device)}
+                "generator_device": None if self._generator is None else str(self._generator.device),
+                "vcas": [r.ctrl.state_dict() for r in self.vcas_runners] or list(self.vcas_pending)}
 
     def load_state_dict(self, state: dict) -> None:
         self.rule.load_state_dict(state.get("rule", {}))
         self.step = state.get("step", 0)
         self.epoch = state.get("epoch", 0)
+        self.vcas_pending = list(state.get("vcas", []))
+        for r, st in zip(self.vcas_runners, self.vcas_pending):
+            r.ctrl.load_state_dict(st)
         if state.get("generator") is not None:
             self._generator = torch.Generator(device=state.get("generator_device") or "cpu")
             self._generator.set_state(state["generator"])

@@ -1,0 +1,80 @@
+"""Backward-graph pass (VCAS SampleW): sample token rows in each Linear's weight-gradient matmul.
+
+A Linear's weight gradient in the decomposed backward is ``mm(permute(G, [1, 0]), X)``: ``G``
+(R, out) the output gradient (a gradient node), ``X`` (R, in) the saved input (not a gradient),
+``R`` a batch row count (``a*s``).  Each such matmul below the first cut (inside the blocks; the
+head and embeddings stay exact, as in VCAS) becomes ``capskip::sampled_wgrad(G, X, key, slot)``:
+rows kept with Bernoulli(soft-top-k of ``||g_t|| ||x_t||``) and scaled by ``1/p`` (unbiased).
+The bias gradient (a sum over rows) and the input gradient ``mm(G, W)`` are untouched (exact).
+
+Invariants: only matmuls contracting over the batch rows are rewritten (attention's bmm contract
+over tokens within a row: untouched); with ``nu = 1`` the op is the plain matmul (exact).
+"""
+from __future__ import annotations
+
+import sympy
+import torch
+from torch import fx
+
+from .batch import batch_dim, tangent_nodes
+from .segment_backward import Refused
+
+aten = torch.ops.aten
+
+
+def _grad_nodes(graph: fx.Graph) -> set:
+    grad = set(tangent_nodes(graph))
+    for n in graph.nodes:
+        if n.op == "call_function" and any(a in grad for a in n.all_input_nodes):
+            grad.add(n)
+    return grad
+
+
+def _rows_are_batch(v, sym) -> bool:
+    if not isinstance(v, torch.Tensor) or v.dim() != 2:
+        return False
+    try:
+        bd = batch_dim(v.shape, sym)
+    except Refused:
+        return False
+    return bd is not None and bd[0] == 0
+
+
+def find_wgrad_matmuls(graph: fx.Graph, sym: sympy.Symbol, region: set) -> list[tuple[fx.Node, fx.Node, fx.Node]]:
+    """(mm, G, X) for every weight-gradient matmul in ``region``."""
+    grad = _grad_nodes(graph)
+    found = []
+    for mm in graph.find_nodes(op="call_function", target=aten.mm.default):
+        if mm not in region:
+            continue
+        a, x = mm.args
+        if not isinstance(a, fx.Node) or not isinstance(x, fx.Node):
+            continue
+        if a.target is aten.t.default or (a.target is aten.permute.default and list(a.args[1]) == [1, 0]):
+            g = a.args[0]
+        else:
+            continue
+        gv, xv = g.meta.get("val"), x.meta.get("val")
+        if g in grad and x not in grad and _rows_are_batch(gv, sym) and _rows_are_batch(xv, sym) \
+                and gv.shape[0] == xv.shape[0]:
+            found.append((mm, g, x))
+    return found
+
+
+def sample_wgrad(gm: fx.GraphModule, sym: sympy.Symbol, key: int, region: set) -> int:
+    """Rewrite the weight-gradient matmuls in ``region`` in place; returns how many (= slots)."""
+    from .. import ops  # noqa: F401  (registers capskip::sampled_wgrad)
+
+    op = torch.ops.capskip.sampled_wgrad.default
+    found = find_wgrad_matmuls(gm.graph, sym, region)
+    for slot, (mm, g, x) in enumerate(found):
+        with gm.graph.inserting_before(mm):
+            new = gm.graph.call_function(op, (g, x, key, slot))
+        new.meta = dict(mm.meta)
+        mm.replace_all_uses_with(new)
+        gm.graph.erase_node(mm)
+    if found:
+        gm.graph.eliminate_dead_code()
+        gm.graph.lint()
+        gm.recompile()
+    return len(found)

@@ -1,0 +1,219 @@
+"""Backward-graph pass (VCAS SampleA): cut the backward at residual-stream forks into segments.
+
+A *residual fork* is a gradient value ``b`` with the batch in one dim that feeds a skip ``add``
+directly while the add's other summand comes from ``b`` through a matmul (the branch's backward):
+a transformer block's residual stream, not the diamonds inside a norm's backward.  ``b`` is a valid cut
+when everything below it reads gradients only through it: no batch-shaped gradient value from
+outside ``desc(b)`` flows into ``desc(b)`` (non-batch ones, e.g. a tied weight's partial
+gradient, may: they are summands the rows don't touch).  Valid cuts found from the graph alone
+(no module names) form a chain; the segments between them are compiled separately with the same
+symbolic batch, so each can run on its own row count.
+
+Invariants (asserted in tests/test_vcas.py): running the segments in order on all rows, with no
+sampling, gives the unsegmented graph's outputs exactly; every node lands in exactly one segment;
+a gradient node sits below every cut it descends from; a non-gradient node (recomputed from saved
+activations) sits in the first segment that reads it; multi-output nodes stay with their getitems.
+"""
+from __future__ import annotations
+
+import operator
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+import sympy
+import torch
+from torch import fx
+
+from .batch import Refused, batch_dim, expr_of, tangent_nodes
+from .selected_rows import Spec, _spec
+
+
+@dataclass
+class Segment:
+    gm: fx.GraphModule
+    inputs: list  # ("arg", i): backward input i | ("val", name): a value of an earlier segment
+    outputs: list[str]  # names of the values it produces for later segments / the final outputs
+    boundary: Optional[str] = None  # the cut value this segment starts from (None: the top segment)
+    examples: list = field(default_factory=list)
+
+
+@dataclass
+class SegmentPlan:
+    segments: list[Segment]
+    final: list  # per backward output: ("val", name) | ("arg", i) | ("const", value)
+    specs: dict  # value name -> Spec (crossing values)
+    boundaries: list[str]
+    sym: sympy.Symbol
+
+    def __len__(self) -> int:
+        return len(self.segments)
+
+
+def _val(n: Any) -> Any:
+    return n.meta.get("val") if isinstance(n, fx.Node) else None
+
+
+def _is_batch(v: Any, sym) -> bool:
+    if not isinstance(v, torch.Tensor):
+        return False
+    try:
+        return batch_dim(v.shape, sym) is not None
+    except Refused:
+        return False
+
+
+def find_cuts(graph: fx.Graph, sym: sympy.Symbol, every: int = 1) -> list[fx.Node]:
+    """The valid residual forks, top (closest to the loss) first."""
+    nodes = list(graph.nodes)
+    idx = {n: i for i, n in enumerate(nodes)}
+    tangents = set(tangent_nodes(graph))
+    grad = {}
+    for n in nodes:
+        grad[n] = n in tangents or (n.op == "call_function" and any(grad.get(a, False) for a in n.all_input_nodes))
+    compute_users = {n: [u for u in n.users if u.op != "output"] for n in nodes}
+    desc = {}
+    for n in reversed(nodes):
+        d = 0
+        for u in compute_users[n]:
+            d |= (1 << idx[u]) | desc[u]
+        desc[n] = d
+    users_bits = {n: sum(1 << idx[u] for u in compute_users[n]) for n in nodes}
+    batch_grads = [n for n in nodes if grad[n] and n.op != "output" and _is_batch(_val(n), sym)]
+    heavy = [n for n in nodes if n.target in _HEAVY]
+    cuts = []
+    for b in batch_grads:
+        if b.op == "placeholder" or len(compute_users[b]) < 2 or not _is_residual(b, desc, idx, heavy):
+            continue
+        lower = desc[b]
+        if any(u is not b and not (lower >> idx[u]) & 1 and users_bits[u] & lower for u in batch_grads):
+            continue  # another batch gradient enters below b: b does not carry all of it
+        if cuts and not (desc[cuts[-1]] >> idx[b]) & 1:
+            continue
+        cuts.append(b)
+    return cuts[::every]
+
+
+def _is_residual(b: fx.Node, desc: dict, idx: dict, heavy: list) -> bool:
+    """``b`` feeds a skip add directly whose other summand reaches it through a matmul: a residual
+    fork, not the diamonds inside a norm's backward."""
+    for j in b.users:
+        if j.target not in (_aten.add.Tensor, _aten.add_.Tensor) or len(j.args) < 2:
+            continue
+        for other in j.args:
+            if other is b or not isinstance(other, fx.Node) or not (desc[b] >> idx[other]) & 1:
+                continue
+            if any((desc[b] >> idx[h]) & 1 and (h is other or (desc[h] >> idx[other]) & 1) for h in heavy):
+                return True
+    return False
+
+
+_aten = torch.ops.aten
+_HEAVY = {_aten.mm.default, _aten.addmm.default, _aten.bmm.default, _aten.baddbmm.default,
+          _aten.convolution_backward.default}
+
+
+def descendants(graph: fx.Graph, node: fx.Node) -> set:
+    out, todo = set(), [node]
+    while todo:
+        for u in todo.pop().users:
+            if u.op != "output" and u not in out:
+                out.add(u)
+                todo.append(u)
+    return out
+
+
+def split_backward(gm: fx.GraphModule, example_inputs, sym: sympy.Symbol, cuts: list[fx.Node]) -> SegmentPlan:
+    """Segments of ``gm`` between ``cuts`` (from :func:`find_cuts`); ``gm`` is not modified."""
+    graph = gm.graph
+    nodes = list(graph.nodes)
+    idx = {n: i for i, n in enumerate(nodes)}
+    tangents = set(tangent_nodes(graph))
+    grad = {}
+    for n in nodes:
+        grad[n] = n in tangents or (n.op == "call_function" and any(grad.get(a, False) for a in n.all_input_nodes))
+    # descendants of each cut (bitsets)
+    desc = {}
+    for n in reversed(nodes):
+        d = 0
+        for u in n.users:
+            if u.op != "output":
+                d |= (1 << idx[u]) | desc[u]
+        desc[n] = d
+    seg: dict[fx.Node, int] = {}
+    for n in nodes:
+        if n.op == "call_function" and grad[n]:
+            seg[n] = sum(1 for b in cuts if (desc[b] >> idx[n]) & 1)
+    for n in reversed(nodes):
+        if n.op == "call_function" and not grad[n]:
+            us = [seg[u] for u in n.users if u.op != "output" and u in seg]
+            seg[n] = min(us) if us else 0
+    for n in nodes:  # multi-output nodes stay with their getitems (no tuple crosses a cut)
+        if n.op == "call_function" and n.target is operator.getitem and isinstance(n.args[0], fx.Node) \
+                and n.args[0] in seg and not grad[n]:
+            seg[n] = seg[n.args[0]]
+    placeholders = [n for n in nodes if n.op == "placeholder"]
+    pos = {n: i for i, n in enumerate(placeholders)}
+    out_node = next(iter(graph.find_nodes(op="output")))
+    outs = out_node.args[0]
+    n_seg = len(cuts) + 1
+    needed_later: dict[fx.Node, int] = {}  # value -> last segment (or n_seg for final outputs) that reads it
+    for n in nodes:
+        if n in seg:
+            for a in n.all_input_nodes:
+                if a in seg and seg[a] < seg[n]:
+                    needed_later[a] = max(needed_later.get(a, -1), seg[n])
+                elif a in seg and seg[a] > seg[n]:
+                    raise Refused(f"segmenting: {n.name} reads {a.name} from a later segment")
+    for o in outs:
+        if isinstance(o, fx.Node) and o in seg:
+            needed_later[o] = n_seg
+    for b in cuts:
+        if b not in needed_later:
+            raise Refused(f"segmenting: cut {b.name} is not read below itself")
+    segments = []
+    specs: dict[str, Spec] = {}
+    for i in range(n_seg):
+        g = fx.Graph()
+        env: dict[fx.Node, fx.Node] = {}
+        inputs, examples = [], []
+
+        def lookup(a: fx.Node) -> fx.Node:
+            if a in env:
+                return env[a]
+            ph = g.placeholder(a.name)
+            if a.op == "placeholder":
+                inputs.append(("arg", pos[a]))
+                ex = example_inputs[pos[a]]
+            else:
+                inputs.append(("val", a.name))
+                ex = _val(a)
+                specs.setdefault(a.name, _spec(ex, sym))
+            ph.meta["val"] = ex
+            examples.append(ex)
+            env[a] = ph
+            return ph
+
+        # placeholders first: create them lazily, then move them to the top
+        members = [n for n in nodes if seg.get(n) == i]
+        for n in members:
+            for a in n.all_input_nodes:
+                if a not in env and (a.op == "placeholder" or seg.get(a, i) < i):
+                    lookup(a)
+        for n in members:
+            env[n] = g.node_copy(n, lambda a: env[a])
+        produced = [n for n in members if n in needed_later]
+        g.output(tuple(env[n] for n in produced))
+        sgm = fx.GraphModule(gm, g)
+        segments.append(Segment(sgm, inputs, [n.name for n in produced],
+                                boundary=cuts[i - 1].name if i > 0 else None, examples=examples))
+        for n in produced:
+            specs.setdefault(n.name, _spec(_val(n), sym))
+    final = []
+    for o in outs:
+        if isinstance(o, fx.Node) and o.op == "placeholder":
+            final.append(("arg", pos[o]))
+        elif isinstance(o, fx.Node):
+            final.append(("val", o.name))
+        else:
+            final.append(("const", o))
+    return SegmentPlan(segments, final, specs, [b.name for b in cuts], sym)

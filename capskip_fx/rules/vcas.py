@@ -1,0 +1,194 @@
+"""VCAS (Xiao et al., ICLR 2024; spec: shared/research/algorithms.md §4): variance-controlled sampling
+inside the backward.  Not an example-selection rule: it runs on whatever rows the rule kept.
+
+This file holds the math and the controller; the graph side is passes/segment_backward.py
+(SampleA: the backward cut at residual-stream forks), passes/sample_wgrad.py (SampleW: the
+weight-gradient matmuls) and runtime/vcas.py (runs the segments, samples between them, probes).
+
+- ``soft_topk(a, k)``: ``p_i = min(1, c a_i)`` with ``sum p = k`` (water-filling; variance-minimising).
+- SampleA / SampleW keep row ``i`` with an independent Bernoulli(``p_i``) and scale it by ``1/p_i``
+  (unbiased; the closed-form added variance is ``sum (1/p - 1) ||y_i||^2``).
+- The controller (every ``freq`` steps, on the current batch): exact backward of two random halves
+  (their difference estimates the SGD variance, their sum is the step's gradient), ``probes``
+  activation-sampled backwards (Monte-Carlo activation variance), the closed-form weight variance;
+  then ``s``, ``rho_l``, ``nu_l`` as in VCAS.  Two quirks of the reference code are fixed:
+  the Monte-Carlo passes use distinct seeds (the reference reseeds each with the same value), and the
+  new ``rho`` schedule is computed at the new ``s`` (the reference pairs an increase of ``s`` with the
+  schedule for ``s - 0.01`` and vice versa).  The probe uses the current batch (halves for the SGD
+  variance) instead of extra batches from a cycling loader.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+
+def soft_topk(a: Tensor, k) -> Tensor:
+    """Inclusion probabilities ``min(1, c*a)`` with ``sum = min(k, #(a > 0))``; no host sync.
+
+    ``a`` (n,) >= 0; ``k`` a number or 0-d tensor.  Computed in float64.
+    """
+    a = a.detach().double()
+    n = a.shape[0]
+    if n == 0:
+        return a
+    k = torch.as_tensor(k, dtype=torch.float64, device=a.device)
+    srt, _ = torch.sort(a, descending=True)
+    tail = srt.flip(0).cumsum(0).flip(0)  # tail[j] = sum_{i >= j} srt[i]
+    j = torch.arange(n, device=a.device, dtype=torch.float64)
+    # j largest clipped to 1: c_j = (k - j) / tail[j], valid when c_j * srt[j] <= 1 (and k > j)
+    ok = ((k - j) * srt <= tail) & (k - j > 0) & (srt > 0)
+    first = torch.where(ok.any(), ok.to(torch.int8).argmax(), torch.tensor(n - 1, device=a.device))
+    c = (k - first.double()) / tail[first].clamp_min(1e-300)
+    p = torch.clamp(c * a, max=1.0)
+    p = torch.where(k >= (a > 0).sum(), (a > 0).double(), p)
+    return torch.where(a > 0, p, torch.zeros_like(p))
+
+
+def bernoulli_keep(p: Tensor, generator: Optional[torch.Generator] = None) -> Tensor:
+    """Independent keep-masks with P(keep_i) = p_i (p = 1 always kept, p = 0 never)."""
+    u = torch.rand(p.shape, generator=generator, device=p.device, dtype=torch.float64)
+    return u < p
+
+
+def ht_scale(p: Tensor, keep: Tensor) -> Tensor:
+    """Horvitz-Thompson weights: 1/p on kept rows, 0 elsewhere."""
+    return torch.where(keep, 1.0 / p.clamp_min(1e-300), torch.zeros_like(p))
+
+
+def closed_form_var(q: Tensor, p: Tensor) -> Tensor:
+    """Variance Bernoulli(p) + 1/p reweighting adds to a sum of rows with norms ``q``:
+    ``sum (1/p - 1) q^2`` over rows with q > 0 (rows with q = 0 add nothing)."""
+    q = q.double()
+    pos = q > 0
+    return torch.where(pos, (1.0 / p.clamp_min(1e-300) - 1.0) * q * q, torch.zeros_like(q)).sum()
+
+
+def find_top_sum(norms: Tensor, share: float) -> float:
+    """Smallest fraction of rows whose largest norms sum to at least ``share`` of the total."""
+    n = norms.numel()
+    if n == 0:
+        return 1.0
+    srt, _ = torch.sort(norms.detach().double().flatten(), descending=True)
+    total = float(srt.sum())
+    if total <= 0:
+        return 1.0 / n
+    need = share * total * (1 - 1e-12)
+    m = int(torch.searchsorted(srt.cumsum(0), torch.tensor([need], dtype=torch.float64)).item()) + 1
+    return min(n, max(1, m)) / n
+
+
+@dataclass(frozen=True)
+class VCAS:
+    """VCAS options (defaults of thu-ml/VCAS).
+
+    tau_act, tau_w: added-variance budgets relative to the SGD variance.  freq: a probe every F
+    backward steps (the first at step 0).  probes: M activation-sampled Monte-Carlo passes per probe.
+    s_step, w_mul, rho_decay: controller steps.  sample_act / sample_w switch SampleA / SampleW.
+    nu_min: floor of the weight ratios.  every: cut at every k-th residual fork (1 = each fork,
+    i.e. attention and MLP sub-blocks of a pre-norm transformer).
+    """
+
+    tau_act: float = 0.025
+    tau_w: float = 0.025
+    freq: int = 100
+    probes: int = 2
+    s_step: float = 0.01
+    w_mul: float = 0.95
+    rho_decay: float = 0.6
+    sample_act: bool = True
+    sample_w: bool = True
+    nu_min: float = 1e-3
+    every: int = 1
+
+    def __post_init__(self):
+        for name in ("tau_act", "tau_w"):
+            v = getattr(self, name)
+            if not (isinstance(v, (int, float)) and v > 0 and math.isfinite(v)):
+                raise ValueError(f"VCAS {name} must be a positive number, got {v!r}")
+        if not (isinstance(self.freq, int) and self.freq >= 1):
+            raise ValueError(f"VCAS freq must be a positive int, got {self.freq!r}")
+        if not (isinstance(self.probes, int) and self.probes >= 1):
+            raise ValueError(f"VCAS probes must be a positive int, got {self.probes!r}")
+        if not (isinstance(self.every, int) and self.every >= 1):
+            raise ValueError(f"VCAS every must be a positive int, got {self.every!r}")
+        if not 0 < self.w_mul < 1:
+            raise ValueError(f"VCAS w_mul must be in (0, 1), got {self.w_mul!r}")
+        if not 0 <= self.rho_decay <= 1:
+            raise ValueError(f"VCAS rho_decay must be in [0, 1], got {self.rho_decay!r}")
+        if not 0 < self.nu_min <= 1:
+            raise ValueError(f"VCAS nu_min must be in (0, 1], got {self.nu_min!r}")
+
+
+@dataclass
+class ProbeResult:
+    """What one probe measured (sums over the sampled part of the network)."""
+
+    sgd_var: float
+    act_var: float
+    w_var: list  # closed form per sampled weight-gradient matmul
+    w_sgd_var: list  # SGD variance of the same matmul's output
+    norms: list  # per boundary: exact per-row gradient norms (Tensor)
+
+
+@dataclass
+class VcasController:
+    """``s``, ``rho`` (per boundary, top first) and ``nu`` (per sampled matmul); VCAS's update."""
+
+    cfg: VCAS
+    s: float = 1.0
+    rho: list = field(default_factory=list)
+    nu: list = field(default_factory=list)
+    step: int = 0
+    probes_done: int = 0
+    last: dict = field(default_factory=dict)
+
+    def ensure(self, boundaries: int, matmuls: int) -> None:
+        if len(self.rho) != boundaries:
+            self.rho = [1.0] * boundaries
+        if len(self.nu) != matmuls:
+            self.nu = [1.0] * matmuls
+
+    def is_probe(self) -> bool:
+        return self.step % self.cfg.freq == 0
+
+    def update(self, r: ProbeResult) -> None:
+        cfg = self.cfg
+        act_ratio = r.act_var / r.sgd_var if r.sgd_var > 0 else 0.0
+        if act_ratio > cfg.tau_act:
+            self.s = min(1.0, self.s + cfg.s_step)
+        else:
+            self.s = max(0.0, self.s - cfg.s_step)
+        new = [find_top_sum(nm, self.s) for nm in r.norms]  # at the new s (the reference's quirk fixed)
+        for i in range(1, len(new)):  # closer to the loss keeps at least as many rows
+            new[i] = min(new[i], new[i - 1])
+        self.rho = [cfg.rho_decay * old + (1 - cfg.rho_decay) * nw for old, nw in zip(self.rho, new)]
+        w_ratio = []
+        for j, (wv, sv) in enumerate(zip(r.w_var, r.w_sgd_var)):
+            ratio = wv / sv if sv > 0 else (0.0 if wv == 0 else math.inf)
+            w_ratio.append(ratio)
+            self.nu[j] = min(1.0, self.nu[j] / cfg.w_mul) if ratio > cfg.tau_w else max(cfg.nu_min, self.nu[j] * cfg.w_mul)
+        self.probes_done += 1
+        self.last = {"act_ratio": act_ratio, "w_ratio": w_ratio, "sgd_var": r.sgd_var, "act_var": r.act_var}
+
+    def flops_fraction(self) -> float:
+        """VCAS's own accounting of a sampled step vs 3 units dense: (1 + mean rho + mean(nu*rho)) / 3."""
+        rho = self.rho or [1.0]
+        mean_rho = sum(rho) / len(rho)
+        nu = self.nu or [1.0]
+        return (1 + mean_rho + (sum(nu) / len(nu)) * mean_rho) / 3
+
+    def state_dict(self) -> dict:
+        return {"s": self.s, "rho": list(self.rho), "nu": list(self.nu), "step": self.step,
+                "probes_done": self.probes_done, "config": asdict(self.cfg)}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.s = float(state.get("s", 1.0))
+        self.rho = list(state.get("rho", self.rho))
+        self.nu = list(state.get("nu", self.nu))
+        self.step = int(state.get("step", 0))
+        self.probes_done = int(state.get("probes_done", 0))

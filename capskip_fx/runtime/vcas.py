@@ -1,0 +1,275 @@
+"""Runs a VCAS backward: the segments of passes/segment_backward.py, SampleA between them.
+
+Per step (``VcasBackward.__call__``, what AOTAutograd calls as the compiled backward):
+  - segment 0 runs on all rows it was given (the example-level rule's kept rows);
+  - at cut ``j`` the incoming gradient's per-row norms give soft-top-k probabilities with
+    ``sum p = rho_j * (rows with gradient)``; rows are kept with Bernoulli(p) and scaled by ``1/p``
+    (only where ``rho_j`` drops below the cut above it: VCAS resamples only there); the next
+    segments run on the kept rows only (their saved activations gathered), dropped rows stay dropped;
+  - each sampled weight-gradient matmul (``capskip::sampled_wgrad``) samples token rows (``nu``);
+  - batch-shaped outputs (input gradients) are scattered back with zeros for dropped rows.
+Every ``freq`` steps the step is a probe instead (see rules/vcas.py): the returned gradient is the
+exact one (two halves), and the controller updates ``s``, ``rho``, ``nu``.
+One host read per resampling cut (its kept count) and per sampled matmul.
+"""
+from __future__ import annotations
+
+import itertools
+import weakref
+from typing import Any, Optional
+
+import torch
+from torch import Tensor
+
+from ..passes.batch import evaluate
+from ..passes.segment_backward import SegmentPlan
+from ..passes.selected_rows import Spec, _gather, _scatter
+from ..rules.vcas import (VCAS, ProbeResult, VcasController, bernoulli_keep, closed_form_var, ht_scale,
+                          soft_topk)
+
+_RUNNERS: "weakref.WeakValueDictionary[int, VcasBackward]" = weakref.WeakValueDictionary()
+_KEYS = itertools.count(1)
+
+
+def runner_for(key: int) -> "VcasBackward":
+    try:
+        return _RUNNERS[key]
+    except KeyError:
+        raise RuntimeError(f"capskip_fx: no VCAS backward for key {key} (compiled model was freed)") from None
+
+
+def _row_norms(x: Tensor, spec: Spec, n: int) -> Tensor:
+    y = x.unflatten(spec.dim, (n, spec.factor)).movedim(spec.dim, 0).reshape(n, -1)
+    return torch.linalg.vector_norm(y.float() if y.dtype != torch.float64 else y, dim=1)
+
+
+def _scale_rows(x: Tensor, spec: Spec, scale: Tensor, n: int) -> Tensor:
+    shape = [1] * (x.dim() + 1)
+    shape[spec.dim] = n
+    return (x.unflatten(spec.dim, (n, spec.factor)) * scale.to(x.dtype).view(shape)).flatten(spec.dim, spec.dim + 1)
+
+
+def _conform(x: Tensor, sizes, strides) -> Tensor:
+    if tuple(x.shape) == tuple(sizes) and x.stride() == tuple(strides):
+        return x
+    out = torch.empty_strided(sizes, strides, dtype=x.dtype, device=x.device)
+    out.copy_(x)
+    return out
+
+
+class VcasBackward:
+    """The boxed callable AOTAutograd (or SelectedRowBackward) calls as the backward."""
+
+    stochastic = True
+
+    def __init__(self, cfg: VCAS, state, record, min_rows: int = 2):
+        self._boxed_call = True
+        self.cfg = cfg
+        self.state = state
+        self.record = record
+        self.min_rows = min_rows
+        self.key = next(_KEYS)
+        _RUNNERS[self.key] = self
+        self.ctrl = VcasController(cfg)
+        self.plan: Optional[SegmentPlan] = None
+        self.compiled: list = []
+        self.in_specs: list[Spec] = []
+        self.slots = 0
+        self.wmode = "sample"  # "sample" | "exact" (plain matmul) | "probe" (exact + stash dW, variance)
+        self._stash: dict[int, list] = {}
+        self.wrows: list[tuple[int, int, int]] = []  # (slot, kept, total) of the last pass
+        self.seg_rows: list[int] = []  # rows each segment ran on in the last pass
+        self._layouts: dict = {}
+        self._sampled_out: list[int] = []  # static outputs produced below the first cut
+        state.vcas_runners.append(self)
+        pending = state.vcas_pending
+        if pending and len(state.vcas_runners) <= len(pending):
+            self.ctrl.load_state_dict(pending[len(state.vcas_runners) - 1])
+
+    def finish(self, plan: SegmentPlan, compiled: list, in_specs: list[Spec], slots: int) -> None:
+        self.plan, self.compiled, self.in_specs, self.slots = plan, compiled, in_specs, slots
+        producer = {name: i for i, s in enumerate(plan.segments) for name in s.outputs}
+        self._sampled_out = [j for j, f in enumerate(plan.final)
+                             if f[0] == "val" and producer.get(f[1], 0) >= 1 and plan.specs[f[1]].kind == "static"]
+        self.ctrl.ensure(len(plan.boundaries), slots)
+
+    # -- SampleW (called from inside the compiled segments) ------------------------------------
+    def wgrad(self, g: Tensor, x: Tensor, slot: int) -> Tensor:
+        nu = self.ctrl.nu[slot] if self.cfg.sample_w else 1.0
+        mode = self.wmode
+        if mode == "exact" or (mode == "sample" and nu >= 1.0):
+            self.wrows.append((slot, g.shape[0], g.shape[0]))
+            return torch.mm(g.t(), x)
+        q = _row_norms(g, Spec("batch"), g.shape[0]) * _row_norms(x, Spec("batch"), x.shape[0])
+        p = soft_topk(q, nu * (q > 0).sum())
+        if mode == "probe":
+            out = torch.mm(g.t(), x)
+            self._stash.setdefault(slot, []).append((out.detach().clone(), closed_form_var(q, p)))
+            self.wrows.append((slot, g.shape[0], g.shape[0]))
+            return out
+        keep = bernoulli_keep(p, self.state.generator(g.device))
+        idx = keep.nonzero().squeeze(1)
+        self.wrows.append((slot, idx.numel(), g.shape[0]))
+        s = (1.0 / p.index_select(0, idx)).to(g.dtype).unsqueeze(1)
+        return torch.mm((g.index_select(0, idx) * s).t(), x.index_select(0, idx))
+
+    # -- one backward --------------------------------------------------------------------
+    def __call__(self, args: list) -> list:
+        args = list(args) if not isinstance(args, list) else args
+        a = list(args)
+        args.clear()
+        n0 = self._rows(a)
+        probe = self.ctrl.is_probe() and (self.cfg.sample_act or self.cfg.sample_w) and n0 >= 4
+        if probe:
+            outs = self._probe(a, n0)
+        else:
+            outs = self._run(a, n0, rows=None, act=self.cfg.sample_act, wmode="sample")[0]
+        self.ctrl.step += 1
+        last = self.state.last
+        last.vcas = {"probe": probe, "segment_rows": list(self.seg_rows), "s": self.ctrl.s,
+                     "rho": list(self.ctrl.rho), "nu": list(self.ctrl.nu),
+                     "wgrad_rows": [(k, t) for _, k, t in self.wrows]}
+        return outs
+
+    def exact(self, args: list) -> list:
+        """The same segments on the same rows with no sampling (verification, tests)."""
+        a = list(args)
+        args.clear()
+        return self._run(a, self._rows(a), rows=None, act=False, wmode="exact")[0]
+
+    def _rows(self, a: list) -> int:
+        for x, s in zip(a, self.in_specs):
+            if s.kind == "batch":
+                return x.shape[s.dim] // s.factor
+        raise RuntimeError("VCAS backward: no batch-shaped input")
+
+    def _layout(self, spec: Spec, n: int):
+        key = (id(spec), n)
+        if key not in self._layouts:
+            sym = self.plan.sym
+            self._layouts[key] = (tuple(evaluate(e, sym, n) for e in spec.sizes),
+                                  tuple(evaluate(e, sym, n) for e in spec.strides))
+        return self._layouts[key]
+
+    def _take(self, x: Any, spec: Spec, src_rows: Optional[Tensor], src_n: int, rows: Optional[Tensor],
+              n: int, n0: int) -> Any:
+        """Value produced on ``src_rows`` (None: all n0) -> on ``rows`` (a subset)."""
+        if spec.kind == "symint":
+            return evaluate(spec.expr, self.plan.sym, n)
+        if spec.kind != "batch":
+            return x
+        if rows is src_rows:
+            return _conform(x, *self._layout(spec, n))
+        if src_rows is None:
+            rel = rows
+        else:
+            inv = torch.full((n0,), -1, dtype=torch.long, device=rows.device)
+            inv[src_rows] = torch.arange(src_rows.numel(), device=rows.device)
+            rel = inv[rows]
+        return _gather(x, spec, rel, src_n, *self._layout(spec, n))
+
+    def _run(self, a: list, n0: int, rows: Optional[Tensor], act: bool, wmode: str):
+        """One pass over the segments.  Returns (outputs at n0 rows, exact boundary norms per cut)."""
+        plan = self.plan
+        self.wmode = wmode
+        self.wrows = []
+        self.record.matmul_shapes = []
+        self.seg_rows = []
+        gen = None
+        n = n0 if rows is None else rows.numel()
+        vals: dict[str, tuple] = {}
+        norms: list[Tensor] = []
+        n_ref = None
+        for i, seg in enumerate(plan.segments):
+            if i > 0:
+                j = i - 1
+                b, b_rows, b_n = vals[seg.boundary]
+                spec = plan.specs[seg.boundary]
+                nrm = _row_norms(b, spec, b_n)
+                norms.append(nrm if b_rows is None else (b_rows, nrm))
+                if n_ref is None:
+                    n_ref = (nrm > 0).sum()
+                rho = self.ctrl.rho[j]
+                if act and rho < (1.0 if j == 0 else self.ctrl.rho[j - 1]):
+                    gen = gen or self.state.generator(b.device)
+                    p = soft_topk(nrm, rho * n_ref)
+                    keep = bernoulli_keep(p, gen)
+                    kept = int(keep.sum())  # the host read of this cut
+                    cb = min(b_n, max(kept, self.min_rows))
+                    rel = torch.argsort((~keep).to(torch.int8), stable=True)[:cb]
+                    scale = ht_scale(p, keep).index_select(0, rel)
+                    b = _scale_rows(b.unflatten(spec.dim, (b_n, spec.factor)).index_select(spec.dim, rel)
+                                    .flatten(spec.dim, spec.dim + 1), spec, scale, cb)
+                    rows = rel if b_rows is None else b_rows.index_select(0, rel)
+                    n = cb
+                    vals[seg.boundary] = (b, rows, n)
+            inputs = []
+            for kind, ref in seg.inputs:
+                if kind == "arg":
+                    inputs.append(self._take(a[ref], self.in_specs[ref], None, n0, rows, n, n0))
+                else:
+                    x, x_rows, x_n = vals[ref]
+                    inputs.append(self._take(x, plan.specs[ref], x_rows, x_n, rows, n, n0))
+            self.seg_rows.append(n)
+            outs = self.compiled[i](inputs)
+            for name, o in zip(seg.outputs, outs):
+                vals[name] = (o, rows, n)
+        final = []
+        for kind, ref in plan.final:
+            if kind == "arg":
+                final.append(a[ref])
+            elif kind == "const":
+                final.append(ref)
+            else:
+                x, x_rows, x_n = vals[ref]
+                spec = plan.specs[ref]
+                if spec.kind == "batch" and x is not None and x_rows is not None:
+                    x = _scatter(x, spec, x_rows, n0)
+                final.append(x)
+        return final, norms
+
+    # -- the controller's probe ----------------------------------------------------------
+    def _probe(self, a: list, n0: int) -> list:
+        gen = self.state.generator(a[next(i for i, s in enumerate(self.in_specs) if s.kind == "batch")].device)
+        perm = torch.randperm(n0, generator=gen, device=gen.device)
+        halves = [perm[: n0 // 2].sort().values, perm[n0 // 2:].sort().values]
+        self._stash = {}
+        parts, norm_parts = [], []
+        for h in halves:
+            outs, nrm = self._run(a, n0, rows=h, act=False, wmode="probe")
+            parts.append(outs)
+            norm_parts.append(nrm)
+        exact = [x + y if isinstance(x, Tensor) and isinstance(y, Tensor) else x for x, y in zip(*parts)]
+        sel = self._sampled_out
+
+        def sq(x: Tensor) -> float:
+            return float(x.double().pow(2).sum())
+
+        sgd = sum(sq(parts[0][j] - parts[1][j]) for j in sel if isinstance(parts[0][j], Tensor))
+        w_var, w_sgd = [], []
+        for slot in range(self.slots):
+            st = self._stash.get(slot, [])
+            if len(st) == 2:
+                w_var.append(float(st[0][1] + st[1][1]))
+                w_sgd.append(sq(st[0][0] - st[1][0]))
+            else:
+                w_var.append(0.0)
+                w_sgd.append(0.0)
+        self._stash = {}
+        act_var = 0.0
+        if self.cfg.sample_act:
+            for _ in range(self.cfg.probes):  # distinct draws (the reference reseeded each pass identically)
+                outs, _ = self._run(a, n0, rows=None, act=True, wmode="exact")
+                act_var += sum(sq(outs[j] - exact[j]) for j in sel if isinstance(outs[j], Tensor)) / self.cfg.probes
+        norms = []
+        for j in range(len(self.plan.boundaries)):
+            norms.append(torch.cat([_unpack(norm_parts[0][j]), _unpack(norm_parts[1][j])]))
+        self.ctrl.update(ProbeResult(sgd_var=sgd, act_var=act_var, w_var=w_var, w_sgd_var=w_sgd, norms=norms))
+        if not self.cfg.sample_act:
+            self.ctrl.rho = [1.0] * len(self.ctrl.rho)
+        self.wmode = "sample"
+        return exact
+
+
+def _unpack(x) -> Tensor:
+    return x[1] if isinstance(x, tuple) else x
