@@ -303,7 +303,7 @@ def test_find_top_sum_share_one_all_positive(norms):
 def test_find_top_sum_examples():
     assert find_top_sum(torch.tensor([1.0, 1.0, 2.0]), 0.5) == pytest.approx(1 / 3)
     assert find_top_sum(torch.tensor([1.0, 1.0, 2.0]), 0.51) == pytest.approx(2 / 3)
-    assert find_top_sum(torch.ones(10), 0.3) == pytest.approx(0.3)  # 0.3*10 is 3.0000000000000004 in floats
+    assert find_top_sum(torch.ones(25), 0.28) == pytest.approx(0.28)  # 0.28*25 is 7.000000000000001 in floats
     assert find_top_sum(torch.ones(2, 5), 0.6) == pytest.approx(0.6)  # any shape, flattened
     assert find_top_sum(torch.zeros(0), 0.5) == 1.0
 
@@ -352,8 +352,6 @@ def test_controller_s_direction_and_clamps():
     assert c.last["act_ratio"] == 0.0 and c.last["sgd_var"] == 1.0
 
 
-@pytest.mark.xfail(strict=True, reason="vcas.py bug: act_ratio is 0.0 when sgd_var == 0 even if act_var > 0 "
-                   "(the weight branch uses inf), so infinite relative activation variance lowers s")
 def test_controller_s_increases_when_sgd_var_zero_but_act_var_positive():
     c = _ctrl(1, 1)
     c.s = 0.5
@@ -508,8 +506,6 @@ def test_vcas_config_accepts_edges():
         VCAS().freq = 3
 
 
-@pytest.mark.xfail(strict=True, reason="vcas.py bug: VCAS.__post_init__ does not validate s_step; "
-                   "s_step <= 0 (or nan) is accepted and silently freezes or inverts the s controller")
 @pytest.mark.parametrize("s_step", [0.0, -0.01, math.nan])
 def test_vcas_config_rejects_bad_s_step(s_step):
     with pytest.raises(ValueError):

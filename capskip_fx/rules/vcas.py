@@ -116,6 +116,8 @@ class VCAS:
             raise ValueError(f"VCAS probes must be a positive int, got {self.probes!r}")
         if not (isinstance(self.every, int) and self.every >= 1):
             raise ValueError(f"VCAS every must be a positive int, got {self.every!r}")
+        if not (isinstance(self.s_step, (int, float)) and 0 < self.s_step <= 1):
+            raise ValueError(f"VCAS s_step must be in (0, 1], got {self.s_step!r}")
         if not 0 < self.w_mul < 1:
             raise ValueError(f"VCAS w_mul must be in (0, 1), got {self.w_mul!r}")
         if not 0 <= self.rho_decay <= 1:
@@ -158,7 +160,7 @@ class VcasController:
 
     def update(self, r: ProbeResult) -> None:
         cfg = self.cfg
-        act_ratio = r.act_var / r.sgd_var if r.sgd_var > 0 else 0.0
+        act_ratio = r.act_var / r.sgd_var if r.sgd_var > 0 else (0.0 if r.act_var == 0 else math.inf)
         if act_ratio > cfg.tau_act:
             self.s = min(1.0, self.s + cfg.s_step)
         else:
