@@ -46,6 +46,9 @@ def parse():
     p.add_argument("--batch-size", type=int, default=128)
     p.add_argument("--fractions", type=float, nargs="+", default=[1.0, 0.5, 0.25])
     p.add_argument("--rules", nargs="*", default=["capskip", "random", "sb", "stale_sb", "kabena", "ub"])
+    p.add_argument("--vcas", nargs="*", default=["1,1", "0.5,1", "1,0.5", "0.5,0.5"],
+                   help="VCAS settings 'rho,nu' (fixed ratios: every cut rho, every sampled matmul nu)")
+    p.add_argument("--flop-draws", type=int, default=3, help="aot_eager backwards counted per VCAS setting")
     p.add_argument("--budget", type=float, default=0.1)
     p.add_argument("--correct-frac", type=float, default=0.7)
     p.add_argument("--reps", type=int, default=7)
@@ -163,6 +166,19 @@ def main():
                 return step(cm, lambda f: F.cross_entropy(f(xs, capskip_index=ids), ys))
         variants[label] = run_rule
 
+    vcas_settings = [tuple(float(t) for t in v.split(",")) for v in a.vcas]
+    if vcas_settings:
+        # VCAS has its own graphs (segments); fixed ratios (its controller adapts over hundreds of steps)
+        cm_v = capskip_fx.compile(model, rule="vcas", vcas=capskip_fx.VCAS(freq=10 ** 9))
+        for rho, nu in vcas_settings:
+            def run_vcas(rho=rho, nu=nu):
+                set_ratios(cm_v, rho, nu)
+                out = step(cm_v, mean_ce)
+                vcas_rows.setdefault((rho, nu), []).append(capskip_fx.stats(cm_v).vcas)
+                return out
+            variants[f"vcas rho={rho:g} nu={nu:g}"] = run_vcas
+    vcas_rows: dict = {}
+
     times = {v: [] for v in variants}
     kept = {v: [] for v in variants}
     sel_ms = {v: [] for v in variants}
@@ -191,6 +207,11 @@ def main():
                      "selection_ms": med(sel_ms[v]) if sel_ms[v][0] is not None else None,
                      "step_ratio": (fw + bw) / (F0 + B0), "ideal": (fr * F0 + kf * B0) / (F0 + B0)})
         rows[-1]["vs_ideal"] = rows[-1]["step_ratio"] / rows[-1]["ideal"]
+    vcas_table = vcas_flops(model, x, y, vcas_settings, a, amp) if vcas_settings else []
+    for r in vcas_table:
+        w = next(x for x in rows if x["variant"] == r["variant"])
+        r.update(wall_bwd_ratio=w["bwd_ratio"], wall_step_ratio=w["step_ratio"])
+        r["segment_rows"] = [statistics.mean(col) for col in zip(*(v["segment_rows"] for v in vcas_rows[r["setting"]]))]
     fmt = lambda v: "" if v is None else f"{v:.2f}"
     hdr = ("| variant | forwarded | kept | fwd ms | bwd ms | bwd/bwd_dense | selection ms | step ratio | ideal | vs ideal |\n"
            "|---|---|---|---|---|---|---|---|---|---|")
@@ -202,14 +223,66 @@ def main():
             "patch_size": a.patch_size, "batch_size": n, "amp": a.amp, "reps": a.reps, "warmup": a.warmup,
             "budget": a.budget, "correct_frac": a.correct_frac, "warmup_s": t_compile,
             "command": "python " + " ".join(sys.argv)}
+    if vcas_table:
+        lines += ["", "VCAS: backward FLOPs counted from the executed graph (aot_eager twin, FlopCounterMode, "
+                  f"mean of {a.flop_draws} draws) vs wall-clock (Inductor, above); total = fwd + bwd FLOPs.", "",
+                  "| variant | bwd GFLOP | bwd FLOP ratio | total FLOP ratio | VCAS accounting | bwd wall ratio | step wall ratio |",
+                  "|---|---|---|---|---|---|---|"]
+        lines += [f"| {r['variant']} | {r['bwd_gflop']:.1f} | {r['bwd_flop_ratio']:.2f} | {r['total_flop_ratio']:.2f} | "
+                  f"{r['vcas_accounting']:.2f} | {r['wall_bwd_ratio']:.2f} | {r['wall_step_ratio']:.2f} |" for r in vcas_table]
     table = "\n".join(lines)
     print(f"# {a.model} img {a.img_size} patch {a.patch_size}, N={n}, {a.amp}, {device}, torch {torch.__version__}; "
           f"median of {a.reps} interleaved rounds, warm-up excluded ({t_compile:.0f} s)\n")
     print(table)
     stem = Path(a.out) if a.out else Path(__file__).parent / "results" / f"{dev.split(':')[0]}_{a.model}_img{a.img_size}_n{n}"
     stem.parent.mkdir(parents=True, exist_ok=True)
-    stem.with_suffix(".json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+    for r in vcas_table:
+        r["setting"] = list(r["setting"])
+    stem.with_suffix(".json").write_text(json.dumps({"meta": meta, "rows": rows, "vcas": vcas_table}, indent=1))
     stem.with_suffix(".md").write_text(f"{json.dumps(meta)}\n\n{table}\n")
+
+
+def set_ratios(cm, rho: float, nu: float) -> None:
+    for r in cm.backend.state.vcas_runners:
+        r.ctrl.rho = [rho] * len(r.ctrl.rho)
+        r.ctrl.nu = [nu] * len(r.ctrl.nu)
+
+
+def vcas_flops(model, x, y, settings, a, amp) -> list[dict]:
+    """Backward FLOPs of each VCAS setting as executed: the same passes on aot_eager (FX interpreter),
+    so FlopCounterMode sees every aten matmul, the sampled ones included."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    cm = capskip_fx.compile(model, rule="vcas", backend="aot_eager", vcas=capskip_fx.VCAS(freq=10 ** 9))
+    ctx = lambda: amp or torch.autocast(device_type="cpu", enabled=False)
+
+    def count(draws):
+        bw = 0
+        for _ in range(draws):
+            model.zero_grad(set_to_none=True)
+            with ctx():  # the forward outside the counter: its module hooks would make Dynamo recompile
+                loss = F.cross_entropy(cm(x), y)
+            with FlopCounterMode(display=False) as fc:
+                loss.backward()
+            bw += fc.get_total_flops() + sum(r.wgrad_flops() for r in cm.backend.state.vcas_runners)
+        return bw / draws
+
+    with FlopCounterMode(display=False) as fc, torch.no_grad(), ctx():
+        model(x)  # the eager forward: the same FLOPs as the compiled one
+    fw0 = fc.get_total_flops()
+    count(1)  # step 0 compiles and probes
+    set_ratios(cm, 1.0, 1.0)
+    bw0 = count(1)
+    out = []
+    for rho, nu in settings:
+        set_ratios(cm, rho, nu)
+        bw = count(a.flop_draws)
+        runner = cm.backend.state.vcas_runners[0]
+        out.append({"variant": f"vcas rho={rho:g} nu={nu:g}", "setting": (rho, nu), "bwd_gflop": bw / 1e9,
+                    "bwd_flop_ratio": bw / bw0, "total_flop_ratio": (fw0 + bw) / (fw0 + bw0),
+                    "vcas_accounting": runner.ctrl.flops_fraction(), "dense_bwd_gflop": bw0 / 1e9,
+                    "fwd_gflop": fw0 / 1e9})
+    return out
 
 
 if __name__ == "__main__":

@@ -77,7 +77,7 @@ class VcasBackward:
         self.slots = 0
         self.wmode = "sample"  # "sample" | "exact" (plain matmul) | "probe" (exact + stash dW, variance)
         self._stash: dict[int, list] = {}
-        self.wrows: list[tuple[int, int, int]] = []  # (slot, kept, total) of the last pass
+        self.wrows: list[tuple[int, int, int, int]] = []  # (slot, kept, total, out*in) of the last pass
         self.seg_rows: list[int] = []  # rows each segment ran on in the last pass
         self._layouts: dict = {}
         self._sampled_out: list[int] = []  # static outputs produced below the first cut
@@ -98,18 +98,18 @@ class VcasBackward:
         nu = self.ctrl.nu[slot] if self.cfg.sample_w else 1.0
         mode = self.wmode
         if mode == "exact" or (mode == "sample" and nu >= 1.0):
-            self.wrows.append((slot, g.shape[0], g.shape[0]))
+            self.wrows.append((slot, g.shape[0], g.shape[0], g.shape[1] * x.shape[1]))
             return torch.mm(g.t(), x)
         q = _row_norms(g, Spec("batch"), g.shape[0]) * _row_norms(x, Spec("batch"), x.shape[0])
         p = soft_topk(q, nu * (q > 0).sum())
         if mode == "probe":
             out = torch.mm(g.t(), x)
             self._stash.setdefault(slot, []).append((out.detach().clone(), closed_form_var(q, p)))
-            self.wrows.append((slot, g.shape[0], g.shape[0]))
+            self.wrows.append((slot, g.shape[0], g.shape[0], g.shape[1] * x.shape[1]))
             return out
         keep = bernoulli_keep(p, self.state.generator(g.device))
         idx = keep.nonzero().squeeze(1)
-        self.wrows.append((slot, idx.numel(), g.shape[0]))
+        self.wrows.append((slot, idx.numel(), g.shape[0], g.shape[1] * x.shape[1]))
         s = (1.0 / p.index_select(0, idx)).to(g.dtype).unsqueeze(1)
         return torch.mm((g.index_select(0, idx) * s).t(), x.index_select(0, idx))
 
@@ -128,8 +128,13 @@ class VcasBackward:
         last = self.state.last
         last.vcas = {"probe": probe, "segment_rows": list(self.seg_rows), "s": self.ctrl.s,
                      "rho": list(self.ctrl.rho), "nu": list(self.ctrl.nu),
-                     "wgrad_rows": [(k, t) for _, k, t in self.wrows]}
+                     "wgrad_rows": [(k, t) for _, k, t, _ in self.wrows]}
         return outs
+
+    def wgrad_flops(self) -> int:
+        """FLOPs of the last pass's sampled weight-gradient matmuls (inside the op: invisible to
+        FlopCounterMode, which sees the op, not the matmul it runs)."""
+        return sum(2 * k * oi for _, k, _, oi in self.wrows)
 
     def exact(self, args: list) -> list:
         """The same segments on the same rows with no sampling (verification, tests)."""
