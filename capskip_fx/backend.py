@@ -223,7 +223,7 @@ class CapskipBackend:
             rec.vcas = reason
             self.state.warn_once(reason)
             return None
-        runner = VcasBackward(cfg, self.state, rec, self.config.min_rows)
+        runner = VcasBackward(cfg, self.state, rec, self.config.min_rows, self.config.gather_below)
         slots = sample_wgrad(gm, sym, runner.key, descendants(gm.graph, cuts[0])) if cfg.sample_w else 0
         plan = split_backward(gm, example_inputs, sym, cuts)
         kw = dict(kwargs, static_input_idxs=())

@@ -49,6 +49,11 @@ def run_label(cfg: dict[str, Any]) -> str:
     if cfg.get("keep") is not None:
         parts.append(f"keep={float(cfg['keep']):g}")
     parts += [f"{k}={v}" for k, v in sorted((cfg.get("rule_options") or {}).items())]
+    vcas = cfg.get("vcas_options")
+    if vcas is not None and rule != "vcas":
+        parts.append("+vcas")
+    if vcas:
+        parts += [f"vcas.{k}={v}" for k, v in sorted(vcas.items())]
     if cfg.get("time_budget"):
         parts.append("time-matched")
     return " ".join(parts)

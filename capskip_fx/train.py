@@ -48,6 +48,8 @@ from capskip_fx import plots
 from capskip_fx.data.datasets import DATASETS, DEFAULT_IMG_SIZE, load_dataset
 from capskip_fx.rules import RULES
 
+RULE_NAMES = sorted(RULES) + ["vcas"]
+
 BACKENDS = ("inductor", "aot_eager", "eager")
 AMP = ("none", "bf16")
 
@@ -76,6 +78,7 @@ class TrainConfig:
     keep: Optional[float] = None
     match: Optional[str] = None
     rule_options: dict = field(default_factory=dict)
+    vcas_options: Optional[dict] = None  # VCAS inside the backward (rule "vcas", or with another rule)
     backend: str = "inductor"
     # optimisation: AdamW, linear warm-up then cosine to min_lr
     epochs: int = 10
@@ -107,8 +110,8 @@ class TrainConfig:
 
         if self.dataset not in DATASETS:
             bad(f"dataset {self.dataset!r} not in {DATASETS}")
-        if self.rule not in RULES:
-            bad(f"rule {self.rule!r} not in {sorted(RULES)}")
+        if self.rule not in RULE_NAMES:
+            bad(f"rule {self.rule!r} not in {RULE_NAMES}")
         if self.backend not in BACKENDS:
             bad(f"backend {self.backend!r} not in {BACKENDS}")
         if self.amp not in AMP:
@@ -207,12 +210,15 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--model-kw", dest="model_kw", type=_key_value, action="append",
                    help="extra timm.create_model kwarg KEY=VALUE (YAML value), repeatable")
     g = t.add_argument_group("selection")
-    add("--rule", str, "selection rule", choices=sorted(RULES))
+    add("--rule", str, "selection rule ('vcas': all rows, VCAS samples inside the backward)", choices=RULE_NAMES)
     add("--budget", float, "relative last-layer gradient budget b")
     add("--keep", _optional(float), "keep fraction (forced, random, sb)")
     add("--match", _optional(str), "rule whose per-step kept counts to match (random)")
     g.add_argument("--rule-opt", dest="rule_opt", type=_key_value, action="append",
                    help="extra rule option KEY=VALUE (YAML value), repeatable")
+    g.add_argument("--vcas-opt", dest="vcas_opt", type=_key_value, action="append",
+                   help="VCAS option KEY=VALUE (capskip_fx.VCAS fields, e.g. freq=16); with a rule other "
+                        "than vcas it turns VCAS on inside that rule's kept rows; repeatable")
     add("--backend", str, choices=BACKENDS)
     g = t.add_argument_group("optimisation")
     add("--epochs", int)
@@ -263,9 +269,11 @@ def config_from_args(ns: argparse.Namespace) -> TrainConfig:
         values.update(_normalise_keys(loaded, cfg_file))
     flags = {k: v for k, v in vars(ns).items() if k in FIELDS}
     values.update(flags)
-    for flag, key in (("model_kw", "model_kwargs"), ("rule_opt", "rule_options")):
+    for flag, key in (("model_kw", "model_kwargs"), ("rule_opt", "rule_options"), ("vcas_opt", "vcas_options")):
         if getattr(ns, flag, None):
-            values[key] = {**values.get(key, {}), **dict(getattr(ns, flag))}
+            values[key] = {**(values.get(key) or {}), **dict(getattr(ns, flag))}
+    if values.get("rule") == "vcas" and values.get("vcas_options") is None:
+        values["vcas_options"] = {}
     try:
         return TrainConfig(**values)
     except (TypeError, ValueError) as e:
@@ -283,6 +291,15 @@ def resolve_device(name: str) -> torch.device:
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     return torch.device(name)
+
+
+def _vcas_log(v: Optional[dict]) -> Optional[dict]:
+    """The step's VCAS state, compact: probe step?, s, mean rho / nu, mean rows per segment."""
+    if not v:
+        return None
+    mean = lambda xs: statistics.mean(xs) if xs else 1.0
+    return {"probe": v["probe"], "s": v["s"], "rho": mean(v["rho"]), "nu": mean(v["nu"]),
+            "rows": mean(v["segment_rows"])}
 
 
 def rule_options(cfg: TrainConfig) -> dict[str, Any]:
@@ -453,8 +470,9 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
 
     model.to(device)
     head = find_head(model)
+    vcas = capskip_fx.VCAS(**cfg.vcas_options) if cfg.vcas_options is not None else None
     cm = capskip_fx.compile(model, rule=cfg.rule, budget=cfg.budget, backend=cfg.backend, seed=cfg.seed,
-                            **rule_options(cfg))
+                            vcas=vcas, **rule_options(cfg))
     cm.train()
     from timm.optim import create_optimizer_v2  # AdamW without decay on biases/norms/tokens
 
@@ -550,7 +568,7 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
                     "step": step, "epoch": epoch, "loss": loss_v, "kept": kept, "n": n, "bound": bound,
                     "rows_run": st.rows, "lr": lr, "step_time_s": step_s, "data_time_s": data_s, "compile_step": is_compile,
                     "variants": variants, "fallback": fallback,
-                    "selection_ms": _finite(st.selection_ms)}) + "\n")
+                    "selection_ms": _finite(st.selection_ms), "vcas": _vcas_log(st.vcas)}) + "\n")
                 step += 1
                 ep_wall = clock.wall_s - ep_wall0
                 ips = ep_rows / ep_wall if ep_wall > 0 else float("nan")

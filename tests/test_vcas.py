@@ -106,7 +106,7 @@ def test_sampled_backward_drops_rows_and_is_unbiased(deit2):
         exact = _ref_grads(ref, x, y)
         cm.model.zero_grad(set_to_none=True)
         loss = F.cross_entropy(cm(x), y)
-        draws, seg_rows, w_rows = 300, [], []
+        draws, seg_rows, w_rows, mm_rows = 300, [], [], []
         acc = [torch.zeros_like(g) for g in exact]
         sq = [torch.zeros_like(g) for g in exact]
         for _ in range(draws):
@@ -117,9 +117,12 @@ def test_sampled_backward_drops_rows_and_is_unbiased(deit2):
                 s += p.grad ** 2
             st = capskip_fx.stats(cm).vcas
             seg_rows.append(st["segment_rows"])
+            # the executed graph: token-row matmuls below a resampling cut run on fewer than 8*65 rows
+            mm_rows.extend(s[0][0] for op, s in cm.backend.records[0].matmul_shapes if op == "aten.mm.default")
             w_rows.append(st["wgrad_rows"])
         assert any(rows[-1] < 8 for rows in seg_rows)  # rows really dropped below the cuts
         assert all(rows[0] == 8 for rows in seg_rows)
+        assert 8 * 65 in mm_rows and any(8 < r < 8 * 65 for r in mm_rows)
         assert sum(k for rows in w_rows for k, _ in rows) < 0.8 * sum(t for rows in w_rows for _, t in rows)
         for a, s, e, (name, _) in zip(acc, sq, exact, cm.model.named_parameters()):
             mean = a / draws

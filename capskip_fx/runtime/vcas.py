@@ -62,9 +62,10 @@ class VcasBackward:
 
     stochastic = True
 
-    def __init__(self, cfg: VCAS, state, record, min_rows: int = 2):
+    def __init__(self, cfg: VCAS, state, record, min_rows: int = 2, gather_below: float = 0.9):
         self._boxed_call = True
         self.cfg = cfg
+        self.gather_below = gather_below  # keep more than this fraction: mask the rows instead of gathering
         self.state = state
         self.record = record
         self.min_rows = min_rows
@@ -108,7 +109,11 @@ class VcasBackward:
             self.wrows.append((slot, g.shape[0], g.shape[0], g.shape[1] * x.shape[1]))
             return out
         keep = bernoulli_keep(p, self.state.generator(g.device))
-        idx = keep.nonzero().squeeze(1)
+        idx = keep.nonzero().squeeze(1)  # the host read of this matmul
+        if idx.numel() > self.gather_below * g.shape[0]:
+            # copying the kept rows would cost more than the dropped rows save: mask instead (same value)
+            self.wrows.append((slot, g.shape[0], g.shape[0], g.shape[1] * x.shape[1]))
+            return torch.mm((g * ht_scale(p, keep).to(g.dtype).unsqueeze(1)).t(), x)
         self.wrows.append((slot, idx.numel(), g.shape[0], g.shape[1] * x.shape[1]))
         s = (1.0 / p.index_select(0, idx)).to(g.dtype).unsqueeze(1)
         return torch.mm((g.index_select(0, idx) * s).t(), x.index_select(0, idx))
@@ -168,9 +173,12 @@ class VcasBackward:
         if src_rows is None:
             rel = rows
         else:
-            inv = torch.full((n0,), -1, dtype=torch.long, device=rows.device)
-            inv[src_rows] = torch.arange(src_rows.numel(), device=rows.device)
-            rel = inv[rows]
+            key = (id(src_rows), id(rows))
+            rel = self._rel.get(key)
+            if rel is None:  # positions of `rows` within `src_rows` (a superset)
+                inv = torch.full((n0,), -1, dtype=torch.long, device=rows.device)
+                inv[src_rows] = torch.arange(src_rows.numel(), device=rows.device)
+                rel = self._rel[key] = inv[rows]
         return _gather(x, spec, rel, src_n, *self._layout(spec, n))
 
     def _run(self, a: list, n0: int, rows: Optional[Tensor], act: bool, wmode: str):
@@ -180,34 +188,40 @@ class VcasBackward:
         self.wrows = []
         self.record.matmul_shapes = []
         self.seg_rows = []
+        self._rel: dict = {}
         gen = None
         n = n0 if rows is None else rows.numel()
         vals: dict[str, tuple] = {}
         norms: list[Tensor] = []
         n_ref = None
+        rho_all = self.ctrl.rho
+        resample = [act and r < (1.0 if j == 0 else rho_all[j - 1]) for j, r in enumerate(rho_all)]
         for i, seg in enumerate(plan.segments):
-            if i > 0:
-                j = i - 1
+            j = i - 1
+            if i > 0 and (wmode == "probe" or resample[j] or (j == 0 and any(resample))):
                 b, b_rows, b_n = vals[seg.boundary]
                 spec = plan.specs[seg.boundary]
                 nrm = _row_norms(b, spec, b_n)
                 norms.append(nrm if b_rows is None else (b_rows, nrm))
-                if n_ref is None:
+                if n_ref is None:  # rows that carry gradient (the rule's kept rows)
                     n_ref = (nrm > 0).sum()
-                rho = self.ctrl.rho[j]
-                if act and rho < (1.0 if j == 0 else self.ctrl.rho[j - 1]):
+                rho = rho_all[j]
+                if resample[j]:
                     gen = gen or self.state.generator(b.device)
                     p = soft_topk(nrm, rho * n_ref)
                     keep = bernoulli_keep(p, gen)
                     kept = int(keep.sum())  # the host read of this cut
-                    cb = min(b_n, max(kept, self.min_rows))
-                    rel = torch.argsort((~keep).to(torch.int8), stable=True)[:cb]
-                    scale = ht_scale(p, keep).index_select(0, rel)
-                    b = _scale_rows(b.unflatten(spec.dim, (b_n, spec.factor)).index_select(spec.dim, rel)
-                                    .flatten(spec.dim, spec.dim + 1), spec, scale, cb)
-                    rows = rel if b_rows is None else b_rows.index_select(0, rel)
-                    n = cb
-                    vals[seg.boundary] = (b, rows, n)
+                    if kept > self.gather_below * b_n:  # gathers would cost more than they save: mask
+                        vals[seg.boundary] = (_scale_rows(b, spec, ht_scale(p, keep), b_n), b_rows, b_n)
+                    else:
+                        cb = min(b_n, max(kept, self.min_rows))  # pad rows: dropped ones, scale 0
+                        rel = torch.argsort((~keep).to(torch.int8), stable=True)[:cb]
+                        b = b.unflatten(spec.dim, (b_n, spec.factor)).index_select(spec.dim, rel)
+                        b = _scale_rows(b.flatten(spec.dim, spec.dim + 1), spec,
+                                        ht_scale(p, keep).index_select(0, rel), cb)
+                        rows = rel if b_rows is None else b_rows.index_select(0, rel)
+                        n = cb
+                        vals[seg.boundary] = (b, rows, n)
             inputs = []
             for kind, ref in seg.inputs:
                 if kind == "arg":
@@ -262,7 +276,7 @@ class VcasBackward:
                 w_sgd.append(0.0)
         self._stash = {}
         act_var = 0.0
-        if self.cfg.sample_act:
+        if self.cfg.sample_act and any(r < 1.0 for r in self.ctrl.rho):  # rho = 1: no draw, no variance
             for _ in range(self.cfg.probes):  # distinct draws (the reference reseeded each pass identically)
                 outs, _ = self._run(a, n0, rows=None, act=True, wmode="exact")
                 act_var += sum(sq(outs[j] - exact[j]) for j in sel if isinstance(outs[j], Tensor)) / self.cfg.probes
