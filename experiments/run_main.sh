@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The README experiment: a small ViT on Fashion-MNIST, on this machine's CPU.
 #   dense E epochs | capskip E epochs | dense time-matched to capskip's wall-clock |
-#   random with capskip's per-step kept counts | SB (fixed count) at capskip's mean keep rate;
+#   random with capskip's per-step kept counts | SB (fixed count) at capskip's mean keep rate |
+#   VCAS alone | CAPSkip then VCAS inside its kept rows (VCAS_FREQ="" skips these two);
 # SEEDS seeds each, then one compare table + plots in $OUT/compare.
 # Finished runs (with result.json) are skipped, so the script can be resumed; FORCE=1 reruns.
 #
@@ -17,6 +18,7 @@ SB_KEEP=${SB_KEEP:-}                # empty: capskip's measured kept fraction, s
 BACKEND=${BACKEND:-inductor}
 CONFIG=${CONFIG:-configs/fashion_mnist_tiny.yaml}
 OUT=${OUT:-runs/main}
+VCAS_FREQ=${VCAS_FREQ-16}           # VCAS probe period (~steps/50, the reference's advice); empty: no VCAS runs
 EXTRA=${EXTRA:-}                    # flags for every run, e.g. "--threads 2 --device cpu"
 PY=${PYTHON:-python}
 
@@ -45,6 +47,10 @@ for s in $SEEDS; do
   run "dense-timematched-b$BUDGET-s$s" --rule dense --time-budget "$wall" --seed "$s"
   run "random-matched-b$BUDGET-s$s" --rule random --match capskip --budget "$BUDGET" --seed "$s"
   run "sb-b$BUDGET-s$s" --rule sb --keep "$keep" --label "sb (capskip's keep rate)" --seed "$s"
+  if [[ -n "$VCAS_FREQ" ]]; then
+    run "vcas-s$s" --rule vcas --vcas-opt freq="$VCAS_FREQ" --seed "$s"
+    run "capskip-vcas-b$BUDGET-s$s" --rule capskip --budget "$BUDGET" --vcas-opt freq="$VCAS_FREQ" --seed "$s"
+  fi
 done
 
 "$PY" -m capskip_fx.train compare "$OUT" --out "$OUT/compare"

@@ -282,7 +282,8 @@ class VcasBackward:
                 act_var += sum(sq(outs[j] - exact[j]) for j in sel if isinstance(outs[j], Tensor)) / self.cfg.probes
         norms = []
         for j in range(len(self.plan.boundaries)):
-            norms.append(torch.cat([_unpack(norm_parts[0][j]), _unpack(norm_parts[1][j])]))
+            nm = torch.cat([_unpack(norm_parts[0][j]), _unpack(norm_parts[1][j])])
+            norms.append(nm[nm > 0])  # rho is a fraction of the rows that carry gradient (as n_ref)
         self.ctrl.update(ProbeResult(sgd_var=sgd, act_var=act_var, w_var=w_var, w_sgd_var=w_sgd, norms=norms))
         if not self.cfg.sample_act:
             self.ctrl.rho = [1.0] * len(self.ctrl.rho)
