@@ -1,12 +1,13 @@
 #!/usr/bin/env bash
-# The one prepared GPU check (<= 8 min on one H200): run it where a GPU is lent.
+# The one prepared GPU check (<= 10 min on one H200): run it where a GPU is lent.
 #  1. step-time table: DeiT-S img 224, bf16, N=256, compiled; dense vs capskip forced f in {1, 0.5, 0.35},
 #     the naive alternatives, selection overhead and every rule  -> benchmarks/results/cuda_*.{md,json}
+#     then VCAS at fixed (rho, nu): wall-clock and backward FLOPs  -> $OUT/vcas_check_bench.{md,json}
 #  2. a few hundred steps of Fashion-MNIST fine-tuning (dense, capskip b=0.3), same model  -> $OUT/train-*
 # TINY=1 runs the same path on the CPU with a tiny config: that is how it is tested without a GPU.
 # Data: $DATA_DIR (default data/fashion-mnist if present, else Debian's /usr/share/datasets/fashion-mnist).
 # With the device tool: `cp -r /usr/share/datasets/fashion-mnist data/` here (data/ is git-ignored), then
-#   run(command="examples/gpu_check.sh", carry=["data/fashion-mnist"], timeout_s=540)
+#   run(command="examples/gpu_check.sh", carry=["data/fashion-mnist"], timeout_s=600)
 # The device image has torch, timm, tqdm, matplotlib, scikit-learn and pyyaml; capskip_fx runs from the tree.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -31,11 +32,16 @@ else
 fi
 
 echo "== step-time table"
-timeout 330 "$PY" benchmarks/step_time.py "${BENCH[@]}" || echo "step-time benchmark failed or timed out: $?"
+timeout 280 "$PY" benchmarks/step_time.py "${BENCH[@]}" --vcas || echo "step-time benchmark failed or timed out: $?"
+
+# VCAS separately (its own segment compiles; a timeout here must not cost the table above)
+echo "== VCAS step time and backward FLOPs"
+timeout 150 "$PY" benchmarks/step_time.py "${BENCH[@]}" --fractions 1 --rules --vcas 1,1 0.5,1 1,0.5 0.5,0.5 \
+  --out "$OUT/${TINY:+tiny_}vcas_check_bench" || echo "VCAS benchmark failed or timed out: $?"
 
 for rule in dense capskip; do
   echo "== fine-tune: $rule"
-  timeout 120 "$PY" -m capskip_fx.train --config configs/fashion_mnist_tiny.yaml --data-dir "$DATA_DIR" \
+  timeout 80 "$PY" -m capskip_fx.train --config configs/fashion_mnist_tiny.yaml --data-dir "$DATA_DIR" \
     --rule "$rule" --budget 0.3 --check-every 50 "${TRAIN[@]}" --out "$OUT/train-$rule${TINY:+-tiny}" \
     || echo "fine-tune $rule failed or timed out: $?"
 done

@@ -236,3 +236,54 @@ def test_inductor_segments_exact_then_sampled_without_recompiles():
         F.cross_entropy(cm(x), y).backward()
     assert len(capskip_fx.report(cm)) == 1 and len(r.compiled) == compiled_before
     assert capskip_fx.stats(cm).variants == 1
+
+
+class _ResMLP(nn.Module):
+    """Pre-norm residual MLP blocks over tokens: one residual fork per block."""
+
+    def __init__(self, depth, dim, classes=4):
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.Sequential(nn.LayerNorm(dim), nn.Linear(dim, 2 * dim), nn.GELU(),
+                                                  nn.Linear(2 * dim, dim)) for _ in range(depth))
+        self.head = nn.Linear(dim, classes)
+
+    def forward(self, x):
+        for b in self.blocks:
+            x = x + b(x)
+        return self.head(x.mean(1))
+
+
+from hypothesis import HealthCheck, given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+
+@settings(max_examples=6, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck))
+@given(depth=st.integers(2, 3), tokens=st.integers(1, 4), dim=st.sampled_from([4, 8]), n=st.integers(4, 9),
+       every=st.integers(1, 2))
+def test_segmenting_any_residual_stack_is_exact(depth, tokens, dim, n, every):
+    """One cut per block (every k-th; the input needs no gradient, so the lowest block's cut is its
+    output's join; one block alone shows no residual: see the MLP test), two sampled matmuls per
+    block, and the probe step's
+    gradient (exact halves through the segments) equals the float64 eager gradient."""
+    torch.manual_seed(depth * 100 + n)
+    # one fresh model per example, same forward code: no automatic-dynamic token dim from the last one
+    with torch._dynamo.config.patch(recompile_limit=64, automatic_dynamic_shapes=False):
+        _check_residual_stack(depth, tokens, dim, n, every)
+
+
+def _check_residual_stack(depth, tokens, dim, n, every):
+    model = _ResMLP(depth, dim).double()
+    ref = copy.deepcopy(model)
+    cm = capskip_fx.compile(model, rule="vcas", backend="aot_eager", vcas=VCAS(freq=NO_PROBE, every=every))
+    x, y = torch.randn(n, tokens, dim, dtype=torch.float64), torch.randint(0, 4, (n,))
+    F.cross_entropy(cm(x), y).backward()
+    r = _runner(cm)
+    assert len(r.plan.boundaries) == len(range(0, depth, every))
+    assert r.slots == 2 * depth
+    assert r.ctrl.probes_done == 1
+    assert _rel(_grads(model), _ref_grads(ref, x, y)) < 1e-10
+    # and with nothing to sample (rho = nu = 1), a plain step is the exact gradient too
+    r.ctrl.rho, r.ctrl.nu = [1.0] * len(r.ctrl.rho), [1.0] * r.slots
+    model.zero_grad(set_to_none=True)
+    F.cross_entropy(cm(x), y).backward()
+    assert _rel(_grads(model), _ref_grads(ref, x, y)) < 1e-10

@@ -16,18 +16,10 @@ import sympy
 import torch
 from torch import fx
 
-from .batch import batch_dim, tangent_nodes
-from .segment_backward import Refused
+from .batch import Refused, batch_dim
+from .segment_backward import Flow
 
 aten = torch.ops.aten
-
-
-def _grad_nodes(graph: fx.Graph) -> set:
-    grad = set(tangent_nodes(graph))
-    for n in graph.nodes:
-        if n.op == "call_function" and any(a in grad for a in n.all_input_nodes):
-            grad.add(n)
-    return grad
 
 
 def _rows_are_batch(v, sym) -> bool:
@@ -42,7 +34,7 @@ def _rows_are_batch(v, sym) -> bool:
 
 def find_wgrad_matmuls(graph: fx.Graph, sym: sympy.Symbol, region: set) -> list[tuple[fx.Node, fx.Node, fx.Node]]:
     """(mm, G, X) for every weight-gradient matmul in ``region``."""
-    grad = _grad_nodes(graph)
+    grad = Flow.of(graph).grad
     found = []
     for mm in graph.find_nodes(op="call_function", target=aten.mm.default):
         if mm not in region:
@@ -55,7 +47,7 @@ def find_wgrad_matmuls(graph: fx.Graph, sym: sympy.Symbol, region: set) -> list[
         else:
             continue
         gv, xv = g.meta.get("val"), x.meta.get("val")
-        if g in grad and x not in grad and _rows_are_batch(gv, sym) and _rows_are_batch(xv, sym) \
+        if grad.get(g) and not grad.get(x) and _rows_are_batch(gv, sym) and _rows_are_batch(xv, sym) \
                 and gv.shape[0] == xv.shape[0]:
             found.append((mm, g, x))
     return found

@@ -62,54 +62,81 @@ def _is_batch(v: Any, sym) -> bool:
         return False
 
 
+@dataclass
+class Flow:
+    """Gradient flow of a backward graph: which nodes carry gradient (depend on a tangent) and each
+    node's descendants as a bitset over the node order."""
+
+    nodes: list
+    idx: dict
+    grad: dict
+    desc: dict
+
+    @classmethod
+    def of(cls, graph: fx.Graph) -> "Flow":
+        nodes = list(graph.nodes)
+        idx = {n: i for i, n in enumerate(nodes)}
+        tangents = set(tangent_nodes(graph))
+        grad = {}
+        for n in nodes:
+            grad[n] = n in tangents or (n.op == "call_function" and any(grad.get(a, False) for a in n.all_input_nodes))
+        desc = {}
+        for n in reversed(nodes):
+            d = 0
+            for u in n.users:
+                if u.op != "output":
+                    d |= (1 << idx[u]) | desc[u]
+            desc[n] = d
+        return cls(nodes, idx, grad, desc)
+
+    def below(self, b: fx.Node, n: fx.Node) -> bool:
+        return bool((self.desc[b] >> self.idx[n]) & 1)
+
+
 def find_cuts(graph: fx.Graph, sym: sympy.Symbol, every: int = 1) -> list[fx.Node]:
-    """The valid residual forks, top (closest to the loss) first."""
-    nodes = list(graph.nodes)
-    idx = {n: i for i, n in enumerate(nodes)}
-    tangents = set(tangent_nodes(graph))
-    grad = {}
-    for n in nodes:
-        grad[n] = n in tangents or (n.op == "call_function" and any(grad.get(a, False) for a in n.all_input_nodes))
+    """The valid residual cuts, top (closest to the loss) first, a matmul between any two."""
+    f = Flow.of(graph)
+    nodes, idx, grad, desc = f.nodes, f.idx, f.grad, f.desc
     compute_users = {n: [u for u in n.users if u.op != "output"] for n in nodes}
-    desc = {}
-    for n in reversed(nodes):
-        d = 0
-        for u in compute_users[n]:
-            d |= (1 << idx[u]) | desc[u]
-        desc[n] = d
     users_bits = {n: sum(1 << idx[u] for u in compute_users[n]) for n in nodes}
     batch_grads = [n for n in nodes if grad[n] and n.op != "output" and _is_batch(_val(n), sym)]
     heavy = [n for n in nodes if n.target in _HEAVY]
     cuts = []
     for b in batch_grads:
-        if b.op == "placeholder" or len(compute_users[b]) < 2 or not _is_residual(b, desc, idx, heavy):
+        if b.op == "placeholder" or not _is_residual(b, desc, idx, heavy):
             continue
         lower = desc[b]
         if any(u is not b and not (lower >> idx[u]) & 1 and users_bits[u] & lower for u in batch_grads):
             continue  # another batch gradient enters below b: b does not carry all of it
+        if not any((lower >> idx[h]) & 1 for h in heavy):
+            continue  # no matmul below (e.g. the patch embedding's input gradient)
         if cuts and not (desc[cuts[-1]] >> idx[b]) & 1:
             continue
+        if cuts and not any((desc[cuts[-1]] >> idx[h]) & 1 and not (lower >> idx[h]) & 1 for h in heavy):
+            continue  # no matmul between this cut and the one above: one segment would be empty
         cuts.append(b)
     return cuts[::every]
 
 
 def _is_residual(b: fx.Node, desc: dict, idx: dict, heavy: list) -> bool:
-    """``b`` feeds a skip add directly whose other summand reaches it through a matmul: a residual
-    fork, not the diamonds inside a norm's backward."""
-    for j in b.users:
-        if j.target not in (_aten.add.Tensor, _aten.add_.Tensor) or len(j.args) < 2:
-            continue
-        for other in j.args:
-            if other is b or not isinstance(other, fx.Node) or not (desc[b] >> idx[other]) & 1:
-                continue
-            if any((desc[b] >> idx[h]) & 1 and (h is other or (desc[h] >> idx[other]) & 1) for h in heavy):
-                return True
-    return False
+    """``b`` is the residual stream's gradient: it feeds a skip add whose other summand comes from
+    ``b`` through a matmul (a fork), or it is such an add (a join: the lowest block's input gradient
+    has no fork when the model's input needs no gradient).  Not the diamonds inside a norm's backward."""
+
+    def through_matmul(src: fx.Node, dst: Any) -> bool:
+        return isinstance(dst, fx.Node) and dst is not src and bool((desc[src] >> idx[dst]) & 1) and any(
+            (desc[src] >> idx[h]) & 1 and (h is dst or (desc[h] >> idx[dst]) & 1) for h in heavy)
+
+    if b.target in _ADDS and len(b.args) == 2 and all(isinstance(a, fx.Node) for a in b.args):
+        x, y = b.args
+        if through_matmul(x, y) or through_matmul(y, x):
+            return True
+    return any(j.target in _ADDS and b in j.args and any(through_matmul(b, o) for o in j.args) for j in b.users)
 
 
 _aten = torch.ops.aten
-_HEAVY = {_aten.mm.default, _aten.addmm.default, _aten.bmm.default, _aten.baddbmm.default,
-          _aten.convolution_backward.default}
+_HEAVY = {_aten.mm.default, _aten.addmm.default, _aten.bmm.default, _aten.baddbmm.default}
+_ADDS = (_aten.add.Tensor,)
 
 
 def descendants(graph: fx.Graph, node: fx.Node) -> set:
@@ -125,24 +152,12 @@ def descendants(graph: fx.Graph, node: fx.Node) -> set:
 def split_backward(gm: fx.GraphModule, example_inputs, sym: sympy.Symbol, cuts: list[fx.Node]) -> SegmentPlan:
     """Segments of ``gm`` between ``cuts`` (from :func:`find_cuts`); ``gm`` is not modified."""
     graph = gm.graph
-    nodes = list(graph.nodes)
-    idx = {n: i for i, n in enumerate(nodes)}
-    tangents = set(tangent_nodes(graph))
-    grad = {}
-    for n in nodes:
-        grad[n] = n in tangents or (n.op == "call_function" and any(grad.get(a, False) for a in n.all_input_nodes))
-    # descendants of each cut (bitsets)
-    desc = {}
-    for n in reversed(nodes):
-        d = 0
-        for u in n.users:
-            if u.op != "output":
-                d |= (1 << idx[u]) | desc[u]
-        desc[n] = d
+    f = Flow.of(graph)
+    nodes, grad = f.nodes, f.grad
     seg: dict[fx.Node, int] = {}
     for n in nodes:
         if n.op == "call_function" and grad[n]:
-            seg[n] = sum(1 for b in cuts if (desc[b] >> idx[n]) & 1)
+            seg[n] = sum(1 for b in cuts if f.below(b, n))
     for n in reversed(nodes):
         if n.op == "call_function" and not grad[n]:
             us = [seg[u] for u in n.users if u.op != "output" and u in seg]
