@@ -115,8 +115,8 @@ class VcasBackward:
             self.wrows.append((slot, g.shape[0], g.shape[0], g.shape[1] * x.shape[1]))
             return torch.mm((g * ht_scale(p, keep).to(g.dtype).unsqueeze(1)).t(), x)
         self.wrows.append((slot, idx.numel(), g.shape[0], g.shape[1] * x.shape[1]))
-        s = (1.0 / p.index_select(0, idx)).to(g.dtype).unsqueeze(1)
-        return torch.mm((g.index_select(0, idx) * s).t(), x.index_select(0, idx))
+        gs = g.index_select(0, idx).mul_((1.0 / p.index_select(0, idx)).to(g.dtype).unsqueeze(1))
+        return torch.mm(gs.t(), x.index_select(0, idx))
 
     # -- one backward --------------------------------------------------------------------
     def __call__(self, args: list) -> list:
