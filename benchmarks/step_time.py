@@ -4,6 +4,8 @@ and every rule, in ONE process, interleaved round-robin, warm-up (compile) exclu
     python benchmarks/step_time.py                       # CPU default: deit_tiny img 32 patch 4, N=128
     python benchmarks/step_time.py --device cuda --model deit_small_patch16_224 --img-size 224 \
         --patch-size 16 --batch-size 256 --amp bf16 --fractions 1 0.5 0.35
+    python benchmarks/step_time.py --fractions 1 0.5 --rules --vcas 1,1 0.5,1 1,0.5 0.5,0.5 \
+        --out benchmarks/results/cpu_deit_tiny_patch16_224_img32_n128_vcas     # VCAS, its own process
 
 Rows: dense = torch.compile(inductor, dynamic batch) with mean CE; capskip f = forced keep fraction
 on the capskip-compiled model (the rule is swapped, the graphs are the same); "loss masking" =
@@ -46,8 +48,10 @@ def parse():
     p.add_argument("--batch-size", type=int, default=128)
     p.add_argument("--fractions", type=float, nargs="+", default=[1.0, 0.5, 0.25])
     p.add_argument("--rules", nargs="*", default=["capskip", "random", "sb", "stale_sb", "kabena", "ub"])
-    p.add_argument("--vcas", nargs="*", default=["1,1", "0.5,1", "1,0.5", "0.5,0.5"],
-                   help="VCAS settings 'rho,nu' (fixed ratios: every cut rho, every sampled matmul nu)")
+    p.add_argument("--vcas", nargs="*", default=[],
+                   help="VCAS settings 'rho,nu' (fixed ratios: every cut rho, every sampled matmul nu), e.g. "
+                        "1,1 0.5,1 1,0.5 0.5,0.5; run them in their own process (--rules --fractions 1 0.5): "
+                        "a second compiled model with different allocation sizes slows the others' gathers")
     p.add_argument("--flop-draws", type=int, default=3, help="aot_eager backwards counted per VCAS setting")
     p.add_argument("--budget", type=float, default=0.1)
     p.add_argument("--correct-frac", type=float, default=0.7)

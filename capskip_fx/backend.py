@@ -43,6 +43,7 @@ class GraphRecord:
     row_counts: set = field(default_factory=set)  # distinct gathered row counts seen
     matmul_shapes: list = field(default_factory=list)  # aot_eager: (op, operand shapes) of the last backward's matmuls
     vcas: Optional[str] = None  # VCAS: segments and sampled matmuls, or why it did not apply
+    segmented: bool = False  # the backward runs as VCAS segments (aot_eager: matmul shapes accumulate per pass)
 
     def refuse(self, reason: str) -> None:
         if self.reason is None:
@@ -78,7 +79,7 @@ class _Interpreted:
         out = _I(self.gm).run(*args)
         args.clear()
         if record is not None:
-            if record.vcas is not None:  # a segment: the runner clears the list once per backward
+            if record.segmented:  # a segment: the runner clears the list once per backward
                 record.matmul_shapes.extend(rows)
             else:
                 record.matmul_shapes = rows
@@ -232,4 +233,5 @@ class CapskipBackend:
             check_not_specialised(s.examples, sym)
         runner.finish(plan, compiled, [_spec(v, sym) for v in example_inputs], slots)
         rec.vcas = f"{len(plan.segments)} segments, {slots} sampled weight-gradient matmuls"
+        rec.segmented = True
         return runner

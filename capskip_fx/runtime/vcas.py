@@ -120,9 +120,8 @@ class VcasBackward:
 
     # -- one backward --------------------------------------------------------------------
     def __call__(self, args: list) -> list:
-        args = list(args) if not isinstance(args, list) else args
         a = list(args)
-        args.clear()
+        args.clear()  # boxed call: drop the caller's references to the saved activations
         n0 = self._rows(a)
         probe = self.ctrl.is_probe() and (self.cfg.sample_act or self.cfg.sample_w) and n0 >= 4
         if probe:
