@@ -17,7 +17,7 @@ from .config import CapskipConfig
 from .passes.batch import Refused
 from .passes.insert_select import SELECTION_OPS, InsertSelectPass
 from .passes.sample_wgrad import sample_wgrad
-from .passes.segment_backward import descendants, find_cuts, split_backward
+from .passes.segment_backward import find_cuts, split_backward
 from .passes.selected_rows import BackwardPlan, SelectedRowBackward, _spec, check_not_specialised, plan_backward
 from .runtime.state import RuntimeState
 from .runtime.vcas import VcasBackward
@@ -216,22 +216,32 @@ class CapskipBackend:
 
     def _vcas(self, rec: GraphRecord, gm: fx.GraphModule, example_inputs: list, sym, base, kwargs):
         """VCAS: SampleW rewrite, then the backward cut into segments compiled one by one.
-        None (and the reason recorded) when the graph has no residual fork to cut at."""
+        None (reason recorded, ``gm`` untouched) when there is no residual cut or segmenting is refused:
+        the caller then compiles ``gm`` whole (exact backward)."""
         cfg = self.config.vcas
-        cuts = find_cuts(gm.graph, sym, cfg.every)
+        graph = fx.Graph()
+        env: dict = {}
+        graph.output(graph.graph_copy(gm.graph, env))  # rewritten below; gm stays the exact fallback
+        vgm = fx.GraphModule(gm, graph)
+        cuts = find_cuts(vgm.graph, sym, cfg.every)
         if not cuts:
-            reason = "VCAS: no residual fork in this backward (no block structure): exact backward"
-            rec.vcas = reason
-            self.state.warn_once(reason)
-            return None
+            return self._no_vcas(rec, "VCAS: no residual fork in this backward (no block structure): exact backward")
         runner = VcasBackward(cfg, self.state, rec, self.config.min_rows, self.config.gather_below)
-        slots = sample_wgrad(gm, sym, runner.key, descendants(gm.graph, cuts[0])) if cfg.sample_w else 0
-        plan = split_backward(gm, example_inputs, sym, cuts)
-        kw = dict(kwargs, static_input_idxs=())
-        compiled = [base(s.gm, s.examples, **kw) for s in plan.segments]
-        for s in plan.segments:
-            check_not_specialised(s.examples, sym)
+        try:
+            slots = sample_wgrad(vgm, sym, runner.key, cuts[0]) if cfg.sample_w else 0
+            plan = split_backward(vgm, example_inputs, sym, cuts)
+            kw = dict(kwargs, static_input_idxs=())
+            compiled = [base(s.gm, s.examples, **kw) for s in plan.segments]
+            check_not_specialised(example_inputs, sym)  # the segments share one shape env
+        except Refused as e:
+            self.state.vcas_runners.remove(runner)
+            return self._no_vcas(rec, f"VCAS: {e}: exact backward")
         runner.finish(plan, compiled, [_spec(v, sym) for v in example_inputs], slots)
         rec.vcas = f"{len(plan.segments)} segments, {slots} sampled weight-gradient matmuls"
         rec.segmented = True
         return runner
+
+    def _no_vcas(self, rec: GraphRecord, reason: str) -> None:
+        rec.vcas = reason
+        self.state.warn_once(reason)
+        return None

@@ -204,6 +204,24 @@ def test_no_residual_block_falls_back_exact_with_reason():
     assert _rel(_grads(model), _ref_grads(ref, x, y)) < 1e-10
 
 
+def test_refused_segmenting_leaves_the_exact_backward(monkeypatch):
+    """A refusal after the SampleW rewrite must not leak it: the unrewritten graph compiles, exact."""
+    import capskip_fx.backend as backend
+    from capskip_fx.passes.batch import Refused
+
+    def refuse(*a, **k):
+        raise Refused("test refusal")
+
+    monkeypatch.setattr(backend, "split_backward", refuse)
+    ref, cm = _build(depth=1)
+    x, y = _data()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        F.cross_entropy(cm(x), y).backward()
+    assert "test refusal" in capskip_fx.report(cm)[0]["vcas"] and not cm.backend.state.vcas_runners
+    assert _rel(_grads(cm.model), _ref_grads(ref, x, y)) < 1e-10
+
+
 def test_vcas_option_errors():
     with pytest.raises(ValueError, match="eager"):
         capskip_fx.compile(make_mlp(), rule="vcas", backend="eager")

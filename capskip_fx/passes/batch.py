@@ -55,6 +55,16 @@ def batch_dim(shape, sym: sympy.Symbol) -> Optional[tuple[int, int]]:
     return found
 
 
+def batch_dim_of(v: Any, sym: sympy.Symbol) -> Optional[tuple[int, int]]:
+    """(dim, factor) of a tensor value's batch dim; None if it has none or uses the symbol otherwise."""
+    if not isinstance(v, torch.Tensor):
+        return None
+    try:
+        return batch_dim(v.shape, sym)
+    except Refused:
+        return None
+
+
 def batch_symbol_of(val: Any) -> sympy.Symbol:
     """The batch symbol from the logits' fake value (batch in dim 0)."""
     e = expr_of(val.shape[0]) if isinstance(val, torch.Tensor) and val.dim() >= 1 else None

@@ -16,28 +16,24 @@ import sympy
 import torch
 from torch import fx
 
-from .batch import Refused, batch_dim
+from .batch import batch_dim_of
 from .segment_backward import Flow
 
 aten = torch.ops.aten
 
 
 def _rows_are_batch(v, sym) -> bool:
-    if not isinstance(v, torch.Tensor) or v.dim() != 2:
-        return False
-    try:
-        bd = batch_dim(v.shape, sym)
-    except Refused:
-        return False
-    return bd is not None and bd[0] == 0
+    bd = batch_dim_of(v, sym)
+    return bd is not None and bd[0] == 0 and v.dim() == 2
 
 
-def find_wgrad_matmuls(graph: fx.Graph, sym: sympy.Symbol, region: set) -> list[tuple[fx.Node, fx.Node, fx.Node]]:
-    """(mm, G, X) for every weight-gradient matmul in ``region``."""
-    grad = Flow.of(graph).grad
+def find_wgrad_matmuls(graph: fx.Graph, sym: sympy.Symbol, below: fx.Node) -> list[tuple[fx.Node, fx.Node, fx.Node]]:
+    """(mm, G, X) for every weight-gradient matmul below the cut ``below``."""
+    flow = Flow.of(graph)
+    grad = flow.grad
     found = []
     for mm in graph.find_nodes(op="call_function", target=aten.mm.default):
-        if mm not in region:
+        if not flow.below(below, mm):
             continue
         a, x = mm.args
         if not isinstance(a, fx.Node) or not isinstance(x, fx.Node):
@@ -53,12 +49,12 @@ def find_wgrad_matmuls(graph: fx.Graph, sym: sympy.Symbol, region: set) -> list[
     return found
 
 
-def sample_wgrad(gm: fx.GraphModule, sym: sympy.Symbol, key: int, region: set) -> int:
-    """Rewrite the weight-gradient matmuls in ``region`` in place; returns how many (= slots)."""
+def sample_wgrad(gm: fx.GraphModule, sym: sympy.Symbol, key: int, below: fx.Node) -> int:
+    """Rewrite the weight-gradient matmuls below the cut ``below`` in place; returns how many (= slots)."""
     from .. import ops  # noqa: F401  (registers capskip::sampled_wgrad)
 
     op = torch.ops.capskip.sampled_wgrad.default
-    found = find_wgrad_matmuls(gm.graph, sym, region)
+    found = find_wgrad_matmuls(gm.graph, sym, below)
     for slot, (mm, g, x) in enumerate(found):
         with gm.graph.inserting_before(mm):
             new = gm.graph.call_function(op, (g, x, key, slot))

@@ -24,7 +24,7 @@ import sympy
 import torch
 from torch import fx
 
-from .batch import Refused, batch_dim, expr_of, tangent_nodes
+from .batch import Refused, batch_dim_of, tangent_nodes
 from .selected_rows import Spec, _spec
 
 
@@ -51,15 +51,6 @@ class SegmentPlan:
 
 def _val(n: Any) -> Any:
     return n.meta.get("val") if isinstance(n, fx.Node) else None
-
-
-def _is_batch(v: Any, sym) -> bool:
-    if not isinstance(v, torch.Tensor):
-        return False
-    try:
-        return batch_dim(v.shape, sym) is not None
-    except Refused:
-        return False
 
 
 @dataclass
@@ -99,7 +90,7 @@ def find_cuts(graph: fx.Graph, sym: sympy.Symbol, every: int = 1) -> list[fx.Nod
     nodes, idx, grad, desc = f.nodes, f.idx, f.grad, f.desc
     compute_users = {n: [u for u in n.users if u.op != "output"] for n in nodes}
     users_bits = {n: sum(1 << idx[u] for u in compute_users[n]) for n in nodes}
-    batch_grads = [n for n in nodes if grad[n] and n.op != "output" and _is_batch(_val(n), sym)]
+    batch_grads = [n for n in nodes if grad[n] and n.op != "output" and batch_dim_of(_val(n), sym) is not None]
     heavy = [n for n in nodes if n.target in _HEAVY]
     cuts = []
     for b in batch_grads:
@@ -137,16 +128,6 @@ def _is_residual(b: fx.Node, desc: dict, idx: dict, heavy: list) -> bool:
 _aten = torch.ops.aten
 _HEAVY = {_aten.mm.default, _aten.addmm.default, _aten.bmm.default, _aten.baddbmm.default}
 _ADDS = (_aten.add.Tensor,)
-
-
-def descendants(graph: fx.Graph, node: fx.Node) -> set:
-    out, todo = set(), [node]
-    while todo:
-        for u in todo.pop().users:
-            if u.op != "output" and u not in out:
-                out.add(u)
-                todo.append(u)
-    return out
 
 
 def split_backward(gm: fx.GraphModule, example_inputs, sym: sympy.Symbol, cuts: list[fx.Node]) -> SegmentPlan:

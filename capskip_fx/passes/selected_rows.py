@@ -62,16 +62,21 @@ def _spec(v: Any, sym: sympy.Symbol) -> Spec:
     return Spec("static")
 
 
+def _conform(x: torch.Tensor, sizes, strides) -> torch.Tensor:
+    """``x`` with the exact sizes/strides a compiled graph asserts for this input (a copy if needed)."""
+    if tuple(x.shape) == tuple(sizes) and x.stride() == tuple(strides):
+        return x
+    out = torch.empty_strided(sizes, strides, dtype=x.dtype, device=x.device)
+    out.copy_(x)
+    return out
+
+
 def _gather(x: torch.Tensor, spec: Spec, idx: torch.Tensor, n: int, sizes, strides) -> torch.Tensor:
     if spec.factor == 1:
         y = x.index_select(spec.dim, idx)
     else:
         y = x.unflatten(spec.dim, (n, spec.factor)).index_select(spec.dim, idx).flatten(spec.dim, spec.dim + 1)
-    if y.stride() != strides:  # Inductor asserts input strides
-        out = torch.empty_strided(sizes, strides, dtype=y.dtype, device=y.device)
-        out.copy_(y)
-        y = out
-    return y
+    return _conform(y, sizes, strides)  # Inductor asserts input strides
 
 
 def _scatter(y: torch.Tensor, spec: Spec, idx: torch.Tensor, n: int) -> torch.Tensor:
@@ -206,17 +211,19 @@ class SelectedRowBackward:
         self.record.row_counts.add(kb)
         stochastic = getattr(self.compiled, "stochastic", False)  # VCAS samples inside: verify its exact pass
         check_args = list(new_args) if full_args is not None and stochastic else None
-        outs = self.compiled(new_args)
-        outs = [(_scatter(o, s, idx, n) if (s is not None and s.kind == "batch" and o is not None) else o)
-                for o, s in zip(outs, p.out_specs)]
+        outs = self._scatter_outs(self.compiled(new_args), idx, n)
         if full_args is not None:
             if stochastic:
-                exact = [(_scatter(o, s, idx, n) if (s is not None and s.kind == "batch" and o is not None) else o)
-                         for o, s in zip(self.compiled.exact(check_args), p.out_specs)]
+                exact = self._scatter_outs(self.compiled.exact(check_args), idx, n)
                 res = self._verify(full_args, weight, exact)
                 return outs if res is exact else res
             outs = self._verify(full_args, weight, outs)
         return outs
+
+    def _scatter_outs(self, outs: list, idx: torch.Tensor, n: int) -> list:
+        """Batch-shaped outputs (input gradients) of the gathered rows back to N rows."""
+        return [(_scatter(o, s, idx, n) if (s is not None and s.kind == "batch" and o is not None) else o)
+                for o, s in zip(outs, self.plan.out_specs)]
 
     def _verify(self, full_args: list, weight: torch.Tensor, outs: list) -> list:
         """First gathered step: compare with the same graph on all N rows (dense-masked)."""

@@ -23,7 +23,7 @@ from torch import Tensor
 
 from ..passes.batch import evaluate
 from ..passes.segment_backward import SegmentPlan
-from ..passes.selected_rows import Spec, _gather, _scatter
+from ..passes.selected_rows import Spec, _conform, _gather, _scatter
 from ..rules.vcas import (VCAS, ProbeResult, VcasController, bernoulli_keep, closed_form_var, ht_scale,
                           soft_topk)
 
@@ -47,14 +47,6 @@ def _scale_rows(x: Tensor, spec: Spec, scale: Tensor, n: int) -> Tensor:
     shape = [1] * (x.dim() + 1)
     shape[spec.dim] = n
     return (x.unflatten(spec.dim, (n, spec.factor)) * scale.to(x.dtype).view(shape)).flatten(spec.dim, spec.dim + 1)
-
-
-def _conform(x: Tensor, sizes, strides) -> Tensor:
-    if tuple(x.shape) == tuple(sizes) and x.stride() == tuple(strides):
-        return x
-    out = torch.empty_strided(sizes, strides, dtype=x.dtype, device=x.device)
-    out.copy_(x)
-    return out
 
 
 class VcasBackward:
