@@ -252,25 +252,25 @@ class VcasBackward:
         exact = [x + y if isinstance(x, Tensor) and isinstance(y, Tensor) else x for x, y in zip(*parts)]
         sel = self._sampled_out
 
-        def sq(x: Tensor) -> float:
-            return float(x.double().pow(2).sum())
+        def sq(x: Tensor) -> Tensor:  # on the device: one host read per probe, not one per tensor
+            return x.double().pow(2).sum()
 
-        sgd = sum(sq(parts[0][j] - parts[1][j]) for j in sel if isinstance(parts[0][j], Tensor))
+        zero = torch.zeros((), dtype=torch.float64, device=gen.device)
+        sgd = sum((sq(parts[0][j] - parts[1][j]) for j in sel if isinstance(parts[0][j], Tensor)), zero)
         w_var, w_sgd = [], []
         for slot in range(self.slots):
             st = self._stash.get(slot, [])
-            if len(st) == 2:
-                w_var.append(float(st[0][1] + st[1][1]))
-                w_sgd.append(sq(st[0][0] - st[1][0]))
-            else:
-                w_var.append(0.0)
-                w_sgd.append(0.0)
+            w_var.append(st[0][1] + st[1][1] if len(st) == 2 else zero)
+            w_sgd.append(sq(st[0][0] - st[1][0]) if len(st) == 2 else zero)
         self._stash = {}
-        act_var = 0.0
+        act_var = zero
         if self.cfg.sample_act and any(r < 1.0 for r in self.ctrl.rho):  # rho = 1: no draw, no variance
             for _ in range(self.cfg.probes):  # distinct draws (the reference reseeded each pass identically)
                 outs, _ = self._run(a, n0, rows=None, act=True, wmode="exact")
-                act_var += sum(sq(outs[j] - exact[j]) for j in sel if isinstance(outs[j], Tensor)) / self.cfg.probes
+                act_var = act_var + sum((sq(outs[j] - exact[j]) for j in sel if isinstance(outs[j], Tensor)),
+                                        zero) / self.cfg.probes
+        sgd, act_var, *w = torch.stack([sgd, act_var, *w_var, *w_sgd]).tolist()
+        w_var, w_sgd = w[:self.slots], w[self.slots:]
         norms = []
         for j in range(len(self.plan.boundaries)):
             nm = torch.cat([_unpack(norm_parts[0][j]), _unpack(norm_parts[1][j])])
