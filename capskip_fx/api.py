@@ -12,7 +12,7 @@ from . import ops
 from .backend import CapskipBackend
 from .config import CapskipConfig
 from .rules import Rule, make_rule, rule_class
-from .runtime.state import RuntimeState, StepStats
+from .runtime.state import ForwardContext, RuntimeState, StepStats
 
 _CONFIG_FIELDS = set(CapskipConfig.__dataclass_fields__)
 _RULE_STATE_KEY = "_capskip"
@@ -31,7 +31,7 @@ class CapskipModule(nn.Module):
         self.model = model
         self.config = config
         self._state = state
-        key = ops.register_state(state)
+        key = ops.register(state)
         self._backend = CapskipBackend(config, state, key, logits_index)
         head: Optional[nn.Linear] = None
         if config.backend == "eager":
@@ -68,37 +68,42 @@ class CapskipModule(nn.Module):
     def forward(self, *args, capskip_targets: Optional[Tensor] = None, capskip_index: Optional[Tensor] = None,
                 **kwargs):
         _check_targets(capskip_targets)
-        self._state.set_step_inputs(capskip_targets, capskip_index)
+        fwd = ForwardContext(capskip_targets, capskip_index)
         if self.config.backend == "eager":
-            return self._eager_forward(*args, **kwargs)
+            return self._eager_forward(fwd, *args, **kwargs)
         train = torch.is_grad_enabled()
-        if self.config.dynamic_batch and train and _batch_size(args) == 1:
+        n = _batch_size(args, kwargs)
+        if self.config.dynamic_batch and train and n == 1:
             # a batch of 1 specialises the batch dim: a recompile (an Inductor compile per ragged last
             # batch) whose backward can't drop rows anyway.  The eager model is the same dense step.
             out = self.model(*args, **kwargs)
             self._state.record_dense_step(1, _N1_REASON)
             return out
-        if self.config.dynamic_batch:
-            for a in args:
-                if isinstance(a, Tensor) and a.dim() > 0 and a.shape[0] >= 2:
-                    torch._dynamo.mark_dynamic(a, 0)
+        if self.config.dynamic_batch and n >= 2:
+            _mark_batch_dynamic((args, kwargs), n)
         out = self._compiled(*args, **kwargs)
         if train:
-            self._state.set_logits(_logits_of(out, self._backend.logits_index))
+            bound = self._state.end_forward(fwd, _logits_of(out, self._backend.logits_index))
             if not self._backend.records:
                 # Dynamo ran the model without handing us a graph (e.g. its recompile_limit was reached
                 # by earlier compiles of the same forward code): an eager, dense step; say so
                 self._state.warn_once(_NO_GRAPH_REASON)
-                self._state.record_dense_step(_batch_size(args), _NO_GRAPH_REASON)
-            elif self._state.fallback is not None and not self._backend.any_selected:
-                self._state.record_dense_step(_batch_size(args))
+                self._state.record_dense_step(n, _NO_GRAPH_REASON)
+            elif not self._backend.any_selected:  # no graph found the head: every step is dense
+                reason = self._state.fallback or next((r.no_head for r in self._backend.records if r.no_head),
+                                                      "no graph holds the classifier head")
+                self._state.warn_once(f"{reason} -> dense backward")
+                self._state.record_dense_step(n, reason)
+            elif not bound and self._backend.any_selected:
+                self._state.warn_once(_UNBOUND_REASON)
+                self._state.record_dense_step(n, _UNBOUND_REASON)
         return out
 
     # -- backend="eager": the reference semantics, dense cost ---------------------------
     def _capture_h(self, mod, inp, out):
         self._eager_h = inp[0]
 
-    def _eager_forward(self, *args, **kwargs):
+    def _eager_forward(self, fwd, *args, **kwargs):
         z = self.model(*args, **kwargs)
         if torch.is_grad_enabled() and isinstance(z, Tensor) and z.requires_grad:
             h = self._eager_h.detach()
@@ -107,7 +112,7 @@ class CapskipModule(nn.Module):
             state.head_bias = self._eager_head.bias is not None
 
             def mask(g):
-                w, _ = state.select(h.reshape(-1, h.shape[-1]), zd, g)
+                w, _ = state.select(h.reshape(-1, h.shape[-1]), zd, g, fwd)
                 return g * w.view(-1, *([1] * (g.dim() - 1)))
 
             z.register_hook(mask)
@@ -131,6 +136,8 @@ def _load_state_dict_pre_hook(module: "CapskipModule", state_dict, prefix: str, 
 
 _NO_GRAPH_REASON = ("torch.compile produced no graph for this model (Dynamo's recompile_limit reached? see "
                     "its log): the step ran eagerly, dense backward")
+_UNBOUND_REASON = ("the returned logits are not the output of a compiled graph (eager code after a graph "
+                   "break?): no rule runs, dense backward")
 _N1_REASON = "batch of size 1: ran the eager model (dense backward) instead of a static-batch recompile"
 
 
@@ -153,8 +160,19 @@ def _logits_of(out, index: Optional[int]):
     return next((v for v in vals if isinstance(v, Tensor) and v.dim() == 2), None)
 
 
-def _batch_size(args) -> int:
-    return next((a.shape[0] for a in args if isinstance(a, Tensor) and a.dim() > 0), 0)
+def _batch_size(args, kwargs=None) -> int:
+    """The batch: dim 0 of the first tensor argument (positional first, then keyword)."""
+    leaves = torch.utils._pytree.tree_leaves((args, kwargs or {}))
+    return next((a.shape[0] for a in leaves if isinstance(a, Tensor) and a.dim() > 0), 0)
+
+
+def _mark_batch_dynamic(inputs, n: int) -> None:
+    """Mark dim 0 dynamic on every input tensor whose dim 0 is the batch (positional or keyword, in any
+    container).  ``maybe_mark_dynamic``: a model that fixes the batch size specialises it without an
+    error (and its graph runs dense, with the reason).  Other tensors stay static."""
+    for a in torch.utils._pytree.tree_leaves(inputs):
+        if isinstance(a, Tensor) and a.dim() > 0 and a.shape[0] == n:
+            torch._dynamo.maybe_mark_dynamic(a, 0)
 
 
 def _last_linear(model: nn.Module) -> nn.Linear:
@@ -249,7 +267,7 @@ def _registered_backend(gm, example_inputs, options: Optional[dict] = None, **_)
         cfg = CapskipConfig(**cfg_opts)
         rule = build_rule(rule_name, opts.pop("budget", 0.1), opts)
         state = RuntimeState(rule, scope=cfg.scope)
-        entry = (options, CapskipBackend(cfg, state, ops.register_state(state)))
+        entry = (options, CapskipBackend(cfg, state, ops.register(state)))
         _REGISTERED[id(options)] = entry
     return entry[1](gm, example_inputs)
 

@@ -7,7 +7,6 @@ rewrote and why it refused (``records``), like Thunder's backend.
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass, field
 from typing import Any, Optional
 
 import torch
@@ -18,42 +17,14 @@ from .passes.batch import Refused
 from .passes.insert_select import SELECTION_OPS, InsertSelectPass
 from .passes.sample_wgrad import sample_wgrad
 from .passes.segment_backward import find_cuts, split_backward
-from .passes.selected_rows import BackwardPlan, SelectedRowBackward, _spec, check_not_specialised, plan_backward
+from .passes.selected_rows import check_not_specialised, plan_backward
+from .records import BackwardMode, GraphRecord, counters
+from .rows import spec_of
+from .runtime.backward import SelectedRowBackward
 from .runtime.state import RuntimeState
 from .runtime.vcas import VcasBackward
 
 _MATMULS = ("mm", "addmm", "bmm", "baddbmm")
-
-
-@dataclass
-class GraphRecord:
-    """What happened to one Dynamo graph."""
-
-    index: int
-    nodes: int
-    selected: bool = False  # the joint pass inserted the selection node (head graph)
-    body: bool = False  # no head: uses the head graph's published rows (capskip::shared)
-    no_head: Optional[str] = None
-    consumed_step: int = -1
-    coupled: bool = False
-    masked_tangents: int = 0
-    backward: str = "not compiled yet"  # "selected rows" | "dense-masked" | "dense"
-    reason: Optional[str] = None  # why this graph runs dense, if it does
-    plan: Optional[BackwardPlan] = None
-    row_counts: set = field(default_factory=set)  # distinct gathered row counts seen
-    matmul_shapes: list = field(default_factory=list)  # aot_eager: (op, operand shapes) of the last backward's matmuls
-    vcas: Optional[str] = None  # VCAS: segments and sampled matmuls, or why it did not apply
-    segmented: bool = False  # the backward runs as VCAS segments (aot_eager: matmul shapes accumulate per pass)
-
-    def refuse(self, reason: str) -> None:
-        if self.reason is None:
-            self.reason = reason
-
-    def as_dict(self) -> dict:
-        return {"graph": self.index, "nodes": self.nodes, "role": "head" if self.selected else "body" if self.body else "-",
-                "backward": self.backward,
-                "reason": self.reason, "gathered_inputs": self.plan.gathered_inputs if self.plan else 0,
-                "row_counts": sorted(self.row_counts), "vcas": self.vcas}
 
 
 class _Interpreted:
@@ -86,19 +57,22 @@ class _Interpreted:
         return out
 
 
-class _MarkBatchDynamic:
-    """Forward wrapper: tag batch-carrying outputs as (weakly) dynamic in dim 0.
+class _Forward:
+    """Forward wrapper: refuse compiled autograd; tag batch-carrying outputs as (weakly) dynamic in dim 0.
 
     Across a graph break Dynamo traces the next graph from real tensors, so its batch would be
     static and the head graph could not drop rows.  The tag is what ``maybe_mark_dynamic`` sets.
     """
 
-    def __init__(self, compiled, out_idx: list[int]):
+    def __init__(self, compiled, out_idx: list[int], training: bool):
         self._boxed_call = True
         self.compiled = compiled
         self.out_idx = out_idx
+        self.training = training
 
     def __call__(self, args):
+        if self.training:
+            RuntimeState.check_not_compiled_autograd()
         outs = self.compiled(args)
         for i in self.out_idx:
             o = outs[i]
@@ -108,6 +82,19 @@ class _MarkBatchDynamic:
 
     def __getattr__(self, name):
         return getattr(self.compiled, name)
+
+
+class _RaiseOnCall:
+    """Forward of a graph refused with ``on_coupling="error"``: raise at its first run, not at compile
+    time (Dynamo would wrap a compile-time error in BackendCompilerFailed)."""
+
+    def __init__(self, message: str):
+        self._boxed_call = True
+        self.message = message
+
+    def __call__(self, args):
+        args.clear()
+        raise ValueError(self.message)
 
 
 def _batch_outputs(gm: fx.GraphModule) -> list[int]:
@@ -165,6 +152,7 @@ class CapskipBackend:
 
         rec = GraphRecord(index=len(self.records), nodes=len(gm.graph.nodes))
         self.records.append(rec)
+        counters()["graphs"] += 1
         self._current = rec
         patches = {"joint_custom_pre_pass": InsertSelectPass(self)}
         # AOTAutogradCache keys on graph + Inductor config, not on inner_compile: it once served
@@ -182,18 +170,19 @@ class CapskipBackend:
     def _inner(self, rec: GraphRecord, gm: fx.GraphModule, example_inputs, **kwargs):
         base = self._base(rec)
         if not kwargs.get("is_backward", False):
+            if rec.error is not None:
+                return _RaiseOnCall(rec.error)
             out_idx = _batch_outputs(gm)
             compiled = base(gm, example_inputs, **kwargs)
-            return _MarkBatchDynamic(compiled, out_idx) if out_idx else compiled
+            return _Forward(compiled, out_idx, training=rec.backward != BackwardMode.INFERENCE)
         _no_donated_buffers()
         if not any(n.target in SELECTION_OPS for n in gm.graph.nodes):
-            rec.backward = "dense"
+            rec.backward = BackwardMode.DENSE
             return base(gm, example_inputs, **kwargs)
         try:
             gm, plan, w_val = plan_backward(gm, example_inputs)
         except Refused as e:
-            rec.refuse(str(e))
-            rec.backward = "dense-masked"
+            rec.refuse(str(e), BackwardMode.DENSE_MASKED)
             self.on_refused(str(e))
             return base(gm, example_inputs, **kwargs)
         rec.plan = plan
@@ -204,15 +193,16 @@ class CapskipBackend:
             compiled = base(gm, list(example_inputs) + [w_val], **kwargs)
         try:
             check_not_specialised(example_inputs, plan.sym)
-            rec.backward = "selected rows"
+            rec.backward = BackwardMode.SELECTED
+            counters()["rewritten"] += 1
         except Refused as e:
             # the rewritten graph at N rows is the dense-masked backward: still exact
-            rec.refuse(str(e))
-            rec.backward = "dense-masked"
+            rec.refuse(str(e), BackwardMode.DENSE_MASKED)
             self.on_refused(str(e))
         self.state.variants += 1
+        counters()["variants"] += 1
         return SelectedRowBackward(compiled, plan, self.state, self.config, rec,
-                                   dense_only=rec.backward != "selected rows")
+                                   dense_only=rec.backward != BackwardMode.SELECTED)
 
     def _vcas(self, rec: GraphRecord, gm: fx.GraphModule, example_inputs: list, sym, base, kwargs):
         """VCAS: SampleW rewrite, then the backward cut into segments compiled one by one.
@@ -236,7 +226,7 @@ class CapskipBackend:
         except Refused as e:
             self.state.vcas_runners.remove(runner)
             return self._no_vcas(rec, f"VCAS: {e}: exact backward")
-        runner.finish(plan, compiled, [_spec(v, sym) for v in example_inputs], slots)
+        runner.finish(plan, compiled, [spec_of(v, sym) for v in example_inputs], slots)
         rec.vcas = f"{len(plan.segments)} segments, {slots} sampled weight-gradient matmuls"
         rec.segmented = True
         return runner

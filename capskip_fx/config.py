@@ -25,8 +25,10 @@ class CapskipConfig:
     gather_below: run the gathered backward only when it runs on at most this fraction of the
                 rows; above it the gathers cost more than the skipped rows save, so the backward
                 runs on all N rows with the skipped rows' weight 0 (same result).
-    verify:     on each graph's first gathered step also run the dense-masked backward and compare
-                (catches a flattened batch dim that is not batch-major); on mismatch, run dense-masked.
+    verify:     on each graph's first informative gathered step (0 < kept < N, nonzero gradient) also run
+                the dense-masked backward and compare; on mismatch, run dense-masked from then on.  A spot
+                check: the batch layout itself is proven from the graph before the first step.
+    verify_every: also re-check every K-th informative gathered step of a graph (None: only the first).
     on_coupling: "dense" (warn once, run the exact dense backward, record why) or "error".
     vcas:       a :class:`~capskip_fx.rules.vcas.VCAS` (or True / a dict of its options): sample inside
                 the backward (activation rows at residual forks, token rows of weight gradients) on
@@ -41,6 +43,7 @@ class CapskipConfig:
     min_rows: int = 2
     gather_below: float = 0.9
     verify: bool = True
+    verify_every: Optional[int] = None
     on_coupling: str = "dense"
     dynamic_batch: bool = True
     scope: str = "per_rank"
@@ -65,6 +68,8 @@ class CapskipConfig:
             raise ValueError(f"gather_below must be in [0, 1], got {self.gather_below!r}")
         if self.scope not in ("per_rank", "global"):
             raise ValueError(f"scope must be 'per_rank' or 'global', got {self.scope!r}")
+        if self.verify_every is not None and not (isinstance(self.verify_every, int) and self.verify_every >= 1):
+            raise ValueError(f"verify_every must be a positive int or None, got {self.verify_every!r}")
         if self.on_coupling not in ("dense", "error"):
             raise ValueError(f"on_coupling must be 'dense' or 'error', got {self.on_coupling!r}")
 

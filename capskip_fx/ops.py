@@ -1,42 +1,45 @@
-"""The selection node: ``capskip::select(h, z, g, key) -> w``.
+"""capskip's custom ops and the key registry they use to reach run-time objects.
 
-Inserted by the joint-graph pass; opaque to AOTAutograd/Inductor (a custom op with a fake
-implementation), so the partitioner saves ``h`` and ``z`` for the backward because the node
-uses them.  The selected-row backward pass replaces it by a graph input; where that rewrite
-is refused, Inductor calls this eager implementation and the backward runs dense-masked
-(exact, no speed-up).  ``key`` names the :class:`RuntimeState` of the compiled model.
+- ``capskip::select(h, z, g, key) -> w``: the head graph's selection (runs the rule).
+- ``capskip::shared(g, key) -> w``: graphs without the head: the rows that carry gradient.
+- ``capskip::sampled_wgrad(g, x, key, slot)``: VCAS's sampled weight gradient.
+
+The ops are opaque to AOTAutograd/Inductor (fake implementations below), so the partitioner saves
+``h`` and ``z`` for the backward.  The selected-row backward replaces select/shared by a
+graph input; where that rewrite is refused, Inductor calls the eager implementations here and the
+backward runs dense-masked (exact, no speed-up).  ``key`` names a run-time object registered with
+:func:`register`; this module imports nothing of the runtime (no import cycle).
 """
 from __future__ import annotations
 
 import itertools
 import weakref
+from typing import Any
 
 import torch
 from torch import Tensor
 
-from .runtime.state import RuntimeState
-
-_STATES: "weakref.WeakValueDictionary[int, RuntimeState]" = weakref.WeakValueDictionary()
+_OBJECTS: "weakref.WeakValueDictionary[int, Any]" = weakref.WeakValueDictionary()
 _KEYS = itertools.count(1)
 
 
-def register_state(state: RuntimeState) -> int:
+def register(obj: Any) -> int:
+    """A key for ``obj`` (held weakly) that graphs can carry as an int argument."""
     key = next(_KEYS)
-    _STATES[key] = state
+    _OBJECTS[key] = obj
     return key
 
 
-def state_for(key: int) -> RuntimeState:
+def lookup(key: int) -> Any:
     try:
-        return _STATES[key]
+        return _OBJECTS[key]
     except KeyError:
-        raise RuntimeError(f"capskip_fx: no runtime state for key {key} (compiled model was freed)") from None
+        raise RuntimeError(f"capskip_fx: no run-time object for key {key} (the compiled model was freed)") from None
 
 
 @torch.library.custom_op("capskip::select", mutates_args=())
 def select(h: Tensor, z: Tensor, g: Tensor, key: int) -> Tensor:
-    weight, _ = state_for(key).select(h, z, g)
-    return weight.clone()
+    return lookup(key).select_op(h, z, g).clone()
 
 
 @select.register_fake
@@ -46,13 +49,8 @@ def _select_fake(h: Tensor, z: Tensor, g: Tensor, key: int) -> Tensor:
 
 @torch.library.custom_op("capskip::shared", mutates_args=())
 def shared(g: Tensor, key: int) -> Tensor:
-    """Body graphs (no head: below a graph break, DDP bucket splits): the head graph's kept rows.
-
-    Rows the head graph skipped already carry a zero gradient here, so the 0/1 mask changes
-    nothing numerically; it marks which rows the backward may drop.
-    """
-    mask = state_for(key).shared_mask(g.shape[0])
-    return (mask if mask is not None else g.new_ones(g.shape[0])).to(g.dtype).clone()
+    """Eager (refused) body graphs: all rows (the dense-masked backward of a body is the dense one)."""
+    return g.new_ones(g.shape[0])
 
 
 @shared.register_fake
@@ -62,14 +60,8 @@ def _shared_fake(g: Tensor, key: int) -> Tensor:
 
 @torch.library.custom_op("capskip::sampled_wgrad", mutates_args=())
 def sampled_wgrad(g: Tensor, x: Tensor, key: int, slot: int) -> Tensor:
-    """VCAS SampleW: ``g.T @ x`` over Bernoulli-sampled rows reweighted by 1/p (see passes/sample_wgrad.py).
-
-    ``key`` names the :class:`~capskip_fx.runtime.vcas.VcasBackward` running this backward; it holds
-    the ratio ``nu`` of matmul ``slot`` and whether this pass samples, probes or runs exact.
-    """
-    from .runtime.vcas import runner_for
-
-    return runner_for(key).wgrad(g, x, slot)
+    """VCAS SampleW: ``g.T @ x`` over Bernoulli-sampled rows reweighted by 1/p (see passes/sample_wgrad.py)."""
+    return lookup(key).wgrad(g, x, slot)
 
 
 @sampled_wgrad.register_fake

@@ -6,9 +6,10 @@ gradient is scaled by ``w_i`` (0 = skipped), so the parameter gradients are
 tangent (not only the logits') keeps auxiliary outputs of skipped rows out of the gradient.
 
 Graphs without the head (below a graph break, DDPOptimizer's bucket splits) get
-``w = capskip::shared(t, key)`` instead: the head graph's kept rows as a 0/1 mask, published by
-its backward, which runs first.  Rows it skipped already reach these graphs with zero gradient,
-so the mask is exact; it tells the backward pass which rows it may drop.
+``w = capskip::shared(t, key)`` instead: a 0/1 mask of the rows that reach the graph with a nonzero
+gradient (its forward's kept rows, when the head's backward ran first), computed at run time from
+the incoming gradients themselves, so it changes nothing numerically whatever code lies between
+the graphs; it tells the backward pass which rows it may drop.
 
 Invariants: at most one selection node per graph (the pass is idempotent: some torch versions
 ran joint pre-passes twice); ``select`` reads ``h``, ``z`` and ``g`` so the partitioner saves
@@ -18,19 +19,17 @@ ran joint pre-passes twice); ``select`` reads ``h``, ``z`` and ``g`` so the part
 from __future__ import annotations
 
 import hashlib
-from typing import TYPE_CHECKING, Optional
+from typing import Any, Optional
 
 import torch
 from torch import fx
 from torch._inductor.custom_graph_pass import CustomGraphPass
 
 from .. import ops  # noqa: F401  (registers capskip::select)
+from ..records import BackwardMode
 from .batch import Refused, batch_dim, batch_symbol_of, tangent_nodes
 from .coupling import find_coupling
 from .find_head import find_head
-
-if TYPE_CHECKING:
-    from ..backend import CapskipBackend
 
 aten = torch.ops.aten
 SELECT = torch.ops.capskip.select.default
@@ -45,7 +44,7 @@ def _fake_mode(val):
 class InsertSelectPass(CustomGraphPass):
     """``joint_custom_pre_pass`` of one ``capskip_fx.compile`` call."""
 
-    def __init__(self, backend: "CapskipBackend"):
+    def __init__(self, backend: Any):  # the CapskipBackend (duck-typed: passes don't import the backend)
         self.backend = backend
 
     def uuid(self) -> Optional[bytes]:
@@ -57,7 +56,7 @@ class InsertSelectPass(CustomGraphPass):
             return  # already done: the pass may run twice
         rec = self.backend.current_record()
         if not _tangents(graph):
-            rec.backward = "none (inference graph)"
+            rec.backward = BackwardMode.INFERENCE
             return
         try:
             self._apply(graph, rec)
@@ -99,6 +98,8 @@ class InsertSelectPass(CustomGraphPass):
         reason = find_coupling(graph, sym)
         if reason is not None:
             rec.coupled = True
+            if self.backend.config.on_coupling == "error":
+                rec.error = f"capskip_fx (on_coupling='error'): {reason}"
             raise Refused(reason)
 
     def _insert(self, graph: fx.Graph, after: fx.Node, op, args) -> fx.Node:

@@ -25,7 +25,7 @@ import torch
 from torch import fx
 
 from .batch import Refused, batch_dim_of, tangent_nodes
-from .selected_rows import Spec, _spec
+from ..rows import Spec, spec_of
 
 
 @dataclass
@@ -183,7 +183,7 @@ def split_backward(gm: fx.GraphModule, example_inputs, sym: sympy.Symbol, cuts: 
             else:
                 inputs.append(("val", a.name))
                 ex = _val(a)
-                specs.setdefault(a.name, _spec(ex, sym))
+                specs.setdefault(a.name, spec_of(ex, sym))
             ph.meta["val"] = ex
             examples.append(ex)
             env[a] = ph
@@ -203,7 +203,7 @@ def split_backward(gm: fx.GraphModule, example_inputs, sym: sympy.Symbol, cuts: 
         segments.append(Segment(sgm, inputs, [n.name for n in produced],
                                 boundary=cuts[i - 1].name if i > 0 else None, examples=examples))
         for n in produced:
-            specs.setdefault(n.name, _spec(_val(n), sym))
+            specs.setdefault(n.name, spec_of(_val(n), sym))
     final = []
     for o in outs:
         if isinstance(o, fx.Node) and o.op == "placeholder":

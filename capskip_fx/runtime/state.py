@@ -1,8 +1,14 @@
-"""Per-model runtime state: the rule, the step's side inputs (targets, dataset indices) and stats.
+"""Per-model runtime state: the rule, each forward's side inputs and selection, and step stats.
 
-The compiled backward calls :meth:`RuntimeState.select` once per step with what the head saw.
-Stats are kept as tensors where reading them would sync the device; ``StepStats.bound`` syncs
-lazily, only when read.
+Every forward of the compiled model is a :class:`ForwardContext`, attached to the autograd node of
+the logits it returned (the head graph's compiled function); the head graph's backward reads it
+from the running node, so it always uses *its own* forward's labels and indices, whatever the order
+of forwards and backwards (several forwards per backward, retain_graph, metrics forwards never
+back-propagated, two models interleaved).  The context lives exactly as long as that node: no
+registry to evict.  The head graph's backward calls :meth:`RuntimeState.select` once per forward.
+A step is one autograd backward (graph task): ``stats()`` shows the last one, with its forwards
+when there were several.  Stats are kept as tensors where reading them would sync the device;
+``StepStats.bound`` syncs lazily, only when read.
 """
 from __future__ import annotations
 
@@ -10,7 +16,7 @@ import math
 import time
 import warnings
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 from torch import Tensor
@@ -46,7 +52,22 @@ class StepStats:
     selection_ms: float = 0.0
     weight: Optional[Tensor] = None
     vcas: Optional[dict] = None  # with VCAS: probe?, rows per segment, s, rho, nu, (kept, total) per sampled matmul
+    forwards: list = field(default_factory=list, repr=False)  # per-forward StepStats when a step had several
     _bound: Optional[Tensor] = field(default=None, repr=False)
+
+    def add(self, fwd: "StepStats") -> None:
+        """Fold one forward's stats into this step's (n, kept, rows add up; weight/bound per forward)."""
+        self.forwards.append(fwd)
+        self.refresh()
+
+    def refresh(self) -> None:
+        fs = self.forwards
+        self.n, self.kept, self.rows = (sum(f.n for f in fs), sum(f.kept for f in fs), sum(f.rows for f in fs))
+        self.fallback = next((f.fallback for f in fs if f.fallback), None)
+        self.selection_ms = sum(f.selection_ms for f in fs)
+        one = fs[0] if len(fs) == 1 else None
+        self.weight = one.weight if one else None
+        self._bound = one._bound if one else None
 
     @property
     def bound(self) -> float:
@@ -58,9 +79,24 @@ class StepStats:
         return self.kept / self.n if self.n else math.nan
 
     def as_dict(self) -> dict:
-        return {"step": self.step, "n": self.n, "kept": self.kept, "rows": self.rows,
-                "bound": self.bound, "fallback": self.fallback, "variants": self.variants,
-                "selection_ms": self.selection_ms}
+        d = {"step": self.step, "n": self.n, "kept": self.kept, "rows": self.rows,
+             "bound": self.bound, "fallback": self.fallback, "variants": self.variants,
+             "selection_ms": self.selection_ms}
+        if len(self.forwards) > 1:
+            d["forwards"] = [f.as_dict() for f in self.forwards]
+        return d
+
+
+@dataclass(eq=False)
+class ForwardContext:
+    """One forward of a CapskipModule: its side inputs, and its stats once its head backward ran."""
+
+    targets: Optional[Tensor] = None
+    index: Optional[Tensor] = None
+    stats: Optional[StepStats] = None
+
+
+_ATTR = "_capskip_forward"  # the attribute on the logits' autograd node that holds its ForwardContext
 
 
 class RuntimeState:
@@ -73,22 +109,54 @@ class RuntimeState:
         self.epoch = 0
         self.seed = seed
         self._generator: Optional[torch.Generator] = None
-        self.targets: Optional[Tensor] = None
-        self.index: Optional[Tensor] = None
+        self.bound_forwards = False  # CapskipModule binds each forward to its logits' node (string backend: no)
+        self._task: Optional[int] = None  # autograd graph task of the current step
         self.last = StepStats()
         self.variants = 0  # compiled selected-row backward variants
         self.fallback: Optional[str] = None  # sticky reason for the current graph, if it runs dense
         self._warned: set[str] = set()
         self.head_bias = True  # set by the graph pass from the head it found
-        self._published: Optional[tuple[Tensor, int, int]] = None  # head's (0/1 mask, k, step) for body graphs
-        self._logits_node = None  # autograd node of the logits the model returned last
         self.vcas_runners: list = []  # VCAS backwards, one per compiled backward graph (runtime/vcas.py)
         self.vcas_pending: list = []  # their controller states from a checkpoint loaded before they compiled
 
-    # -- side inputs -----------------------------------------------------------------
-    def set_step_inputs(self, targets: Optional[Tensor], index: Optional[Tensor]) -> None:
-        self.targets = targets
-        self.index = index
+    # -- forwards ----------------------------------------------------------------------
+    def end_forward(self, fwd: ForwardContext, logits: Any) -> bool:
+        """Bind ``fwd`` to the compiled function that produced the returned logits.  False if there is
+        none (the logits come from eager code after the compiled graphs): no graph will select."""
+        self.bound_forwards = True
+        node = _compiled_node(getattr(logits, "grad_fn", None))
+        if node is None:
+            return False
+        try:
+            setattr(node, _ATTR, fwd)
+        except (AttributeError, TypeError):
+            return False
+        return True
+
+    def running_forward(self) -> tuple[bool, Optional[ForwardContext]]:
+        """(is this backward the rule's head?, its forward) for the head graph's running backward.
+
+        Bound forwards (CapskipModule): the head is the node a forward bound; a head graph whose node
+        is unbound (a Linear output that is not the returned logits) is not.  String backend: every
+        head graph is, with no side inputs."""
+        current = getattr(torch._C, "_current_autograd_node", lambda: None)()
+        fwd = getattr(current, _ATTR, None) if current is not None else None
+        if fwd is not None:
+            return True, fwd
+        return not self.bound_forwards, None
+
+    @staticmethod
+    def check_not_compiled_autograd() -> None:
+        """Compiled autograd replays the AOT backward graph itself: our backward (and so the rule) would
+        never run and the step would silently be dense.  Refuse, at the forward and at the backward."""
+        import torch._dynamo.compiled_autograd as ca
+
+        if torch._dynamo.config.compiled_autograd or getattr(ca, "compiled_autograd_enabled", False) \
+                or getattr(ca, "in_compiled_autograd_region", False):
+            raise RuntimeError(
+                "capskip_fx does not support compiled autograd (torch._dynamo.config.compiled_autograd / "
+                "torch._dynamo.compiled_autograd.enable): its traced backward cannot see which rows a step "
+                "keeps. Turn compiled autograd off for models compiled with capskip_fx.")
 
     def generator(self, device: torch.device) -> torch.Generator:
         if self._generator is None or self._generator.device != device:
@@ -102,14 +170,15 @@ class RuntimeState:
             warnings.warn(f"capskip_fx: {reason}", stacklevel=3)
 
     # -- the selection ---------------------------------------------------------------
-    def select(self, h: Tensor, z: Tensor, g: Tensor) -> tuple[Tensor, int]:
-        """Run the rule on one step.  Returns ``(weight (N,), k)``; two host reads (checks, then k)."""
+    def select(self, h: Tensor, z: Tensor, g: Tensor, fwd: Optional[ForwardContext]) -> tuple[Tensor, int]:
+        """Run the rule on one forward's head.  Returns ``(weight (N,), k)``; two host reads (checks, then k)."""
         t0 = time.perf_counter()
         n = g.shape[0]
-        targets = self.targets
+        fwd = fwd if fwd is not None else ForwardContext()
+        targets = fwd.targets
         if targets is not None and targets.shape[0] != n:
             raise ValueError(f"capskip_targets has {targets.shape[0]} rows but the batch has {n}")
-        h, z, g, index, lo = self._global_view(h.detach(), z.detach(), g.detach(), targets)
+        h, z, g, index, lo = self._global_view(h.detach(), z.detach(), g.detach(), targets, fwd.index)
         if lo is not None:
             targets = self._gathered_targets
         finite = torch.isfinite(g).all() & torch.isfinite(z).all() & torch.isfinite(h).all()
@@ -118,7 +187,8 @@ class RuntimeState:
         fallback = self._precheck(finite, g, targets)
         if fallback is None:
             # selection math in float32 whatever the autocast dtype (bf16 Grams/losses are too coarse)
-            view = HeadView(delta=_f32(g), h=_f32(h), z=_f32(z), targets=targets, index=index, step=self.step,
+            step = self._begin_step()
+            view = HeadView(delta=_f32(g), h=_f32(h), z=_f32(z), targets=targets, index=index, step=step,
                             epoch=self.epoch, generator=self.generator(g.device), head_bias=self.head_bias)
             sel: Selection = self.rule.select(view) if g.shape[0] > 0 else Selection(weight=g.new_ones(0))
             weight = sel.weight.to(g.dtype)
@@ -127,13 +197,46 @@ class RuntimeState:
             k = int((weight != 0).sum())  # the second host read
         else:
             self.warn_once(fallback)
+            step = self._begin_step()
             sel = Selection(weight=g.new_ones(n))
             weight, k = sel.weight, n
-        self.last = StepStats(step=self.step, n=n, kept=int(k), rows=n, fallback=fallback or self.fallback,
+        fwd.stats = StepStats(step=step, n=n, kept=int(k), rows=n, fallback=fallback or self.fallback,
                               variants=self.variants, weight=weight.detach(), _bound=sel.bound,
                               selection_ms=(time.perf_counter() - t0) * 1e3)
-        self.step += 1
+        self.last.add(fwd.stats)
         return weight, int(k)
+
+    def select_op(self, h: Tensor, z: Tensor, g: Tensor) -> Tensor:
+        """ops.select in a head graph whose backward runs dense-masked (not rewritten): the rule's weight
+        for the returned logits, all ones for another Linear output."""
+        head, fwd = self.running_forward()
+        if not head:
+            return g.new_ones(g.shape[0])
+        weight, _ = self.select(h, z, g, fwd)
+        return weight
+
+    def _begin_step(self) -> int:
+        """The step number of the running backward: a new step per autograd graph task."""
+        task = getattr(torch._C, "_current_graph_task_id", lambda: -1)()
+        if task == -1 or task != self._task:
+            self._task = task
+            self.last = StepStats(step=self.step, variants=self.variants)
+            self.step += 1
+        return self.last.step
+
+    def set_rows(self, stats: Optional[StepStats], rows: int) -> None:
+        """Rows a head graph's backward ran on, for its forward's stats."""
+        if stats is not None:
+            stats.rows = rows
+            if any(f is stats for f in self.last.forwards):
+                self.last.refresh()
+
+    def dense_backward(self, stats: Optional[StepStats], reason: str) -> None:
+        """A head backward that runs all rows for ``reason`` (exact): warn once, say so in the stats."""
+        self.warn_once(f"{reason} -> dense backward")
+        if stats is not None:
+            stats.fallback = stats.fallback or reason
+            self.last.refresh()
 
     def _precheck(self, finite: Tensor, g: Tensor, targets: Optional[Tensor]) -> Optional[str]:
         """One host read before the rule: why to skip it (dense step), or None.  Bad labels raise."""
@@ -163,13 +266,13 @@ class RuntimeState:
                     "Selection skipped, dense backward")
         return None
 
-    def _global_view(self, h, z, g, targets):
+    def _global_view(self, h, z, g, targets, index):
         """scope="global": all-gather the head's tensors (and labels, indices) across ranks."""
         import torch.distributed as dist
 
         if self.scope != "global" or not (dist.is_available() and dist.is_initialized()) \
                 or dist.get_world_size() == 1:
-            return h, z, g, self.index, None
+            return h, z, g, index, None
         world, rank, n = dist.get_world_size(), dist.get_rank(), g.shape[0]
         sizes = [torch.zeros(1, dtype=torch.long, device=g.device) for _ in range(world)]
         dist.all_gather(sizes, torch.tensor([n], device=g.device))
@@ -182,55 +285,16 @@ class RuntimeState:
             return torch.cat(parts)
 
         # ranks without explicit labels contribute the ones dL/dz implies, so every rank sees one label set
-        y = self.targets if self.targets is not None else infer_targets(g)
+        y = targets if targets is not None else infer_targets(g)
         self._gathered_targets = cat(y.to(g.device).long())
-        idx = cat(self.index.to(g.device)) if self.index is not None else None
+        idx = cat(index.to(g.device)) if index is not None else None
         return cat(h), cat(z), cat(g), idx, rank * n
-
-    # -- sharing the head's decision with body graphs (graph breaks, DDP splits) -------------
-    def publish(self, weight: Tensor, k: int) -> None:
-        self._published = ((weight != 0).to(weight.dtype), k, self.step)
-
-    def shared_mask(self, n: int) -> Optional[Tensor]:
-        pub = self._published
-        return pub[0] if pub is not None and pub[0].shape[0] == n else None
-
-    def set_logits(self, out) -> None:
-        """Remember the autograd node of the logits the model returned (the head's backward)."""
-        node = getattr(out, "grad_fn", None)
-        for _ in range(4):  # views that AOTAutograd replays on top of the compiled function's node
-            if node is None or "CompiledFunction" in type(node).__name__:
-                break
-            nxt = [f for f, _ in node.next_functions if f is not None]
-            node = nxt[0] if len(nxt) == 1 else None
-        self._logits_node = node
-
-    def is_logits_backward(self) -> bool:
-        """Is the running backward the one of the returned logits?  (True when unknown.)"""
-        node = self._logits_node
-        current = getattr(torch._C, "_current_autograd_node", lambda: None)()
-        return node is None or current is None or current is node
-
-    def consume(self, record, n: int, like: Tensor) -> tuple[Tensor, int]:
-        """A body graph's rows: this step's published mask, once per graph; else all rows."""
-        pub = self._published
-        if pub is None or pub[0].shape[0] != n or record.consumed_step == pub[2]:
-            reason = record.no_head or "no head selection published for this step"
-            record.refuse(reason)
-            record.backward = "dense-masked"
-            if pub is None:
-                self.fallback = self.fallback or reason
-                self.warn_once(f"{reason} -> dense backward")
-                self.last = StepStats(step=self.step, n=n, kept=n, rows=n, fallback=self.fallback,
-                                      variants=self.variants)
-            return like.new_ones(n), n
-        record.consumed_step = pub[2]
-        return pub[0].to(like.dtype), pub[1]
 
     def record_dense_step(self, n: int, reason: Optional[str] = None) -> None:
         """Stats for a step whose graph was refused (or that ran eagerly): every row ran, and why."""
         self.last = StepStats(step=self.step, n=n, kept=n, rows=n, fallback=reason or self.fallback,
                               variants=self.variants)
+        self._task = None
         self.step += 1
 
     # -- checkpointing ---------------------------------------------------------------
@@ -250,3 +314,13 @@ class RuntimeState:
         if state.get("generator") is not None:
             self._generator = torch.Generator(device=state.get("generator_device") or "cpu")
             self._generator.set_state(state["generator"])
+
+
+def _compiled_node(node):
+    """The compiled function's autograd node under the views AOTAutograd replays on its outputs."""
+    for _ in range(4):
+        if node is None or "CompiledFunction" in type(node).__name__:
+            break
+        nxt = [f for f, _ in node.next_functions if f is not None]
+        node = nxt[0] if len(nxt) == 1 else None
+    return node

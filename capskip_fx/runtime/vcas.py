@@ -14,29 +14,17 @@ One host read per resampling cut (its kept count) and per sampled matmul.
 """
 from __future__ import annotations
 
-import itertools
-import weakref
 from typing import Any, Optional
 
 import torch
 from torch import Tensor
 
+from .. import ops
 from ..passes.batch import evaluate
 from ..passes.segment_backward import SegmentPlan
-from ..passes.selected_rows import Spec, _conform, _gather, _scatter
+from ..rows import Spec, conform, gather_rows, scatter_rows
 from ..rules.vcas import (VCAS, ProbeResult, VcasController, bernoulli_keep, closed_form_var, ht_scale,
                           soft_topk)
-
-_RUNNERS: "weakref.WeakValueDictionary[int, VcasBackward]" = weakref.WeakValueDictionary()
-_KEYS = itertools.count(1)
-
-
-def runner_for(key: int) -> "VcasBackward":
-    try:
-        return _RUNNERS[key]
-    except KeyError:
-        raise RuntimeError(f"capskip_fx: no VCAS backward for key {key} (compiled model was freed)") from None
-
 
 def _row_norms(x: Tensor, spec: Spec, n: int) -> Tensor:
     y = x.unflatten(spec.dim, (n, spec.factor)).movedim(spec.dim, 0).reshape(n, -1)
@@ -61,8 +49,7 @@ class VcasBackward:
         self.state = state
         self.record = record
         self.min_rows = min_rows
-        self.key = next(_KEYS)
-        _RUNNERS[self.key] = self
+        self.key = ops.register(self)
         self.ctrl = VcasController(cfg)
         self.plan: Optional[SegmentPlan] = None
         self.compiled: list = []
@@ -160,7 +147,7 @@ class VcasBackward:
         if spec.kind != "batch":
             return x
         if rows is src_rows:
-            return _conform(x, *self._layout(spec, n))
+            return conform(x, *self._layout(spec, n))
         if src_rows is None:
             rel = rows
         else:
@@ -170,7 +157,7 @@ class VcasBackward:
                 inv = torch.full((n0,), -1, dtype=torch.long, device=rows.device)
                 inv[src_rows] = torch.arange(src_rows.numel(), device=rows.device)
                 rel = self._rel[key] = inv[rows]
-        return _gather(x, spec, rel, src_n, *self._layout(spec, n))
+        return gather_rows(x, spec, rel, src_n, *self._layout(spec, n))
 
     def _run(self, a: list, n0: int, rows: Optional[Tensor], act: bool, wmode: str):
         """One pass over the segments.  Returns (outputs at n0 rows, exact boundary norms per cut)."""
@@ -234,7 +221,7 @@ class VcasBackward:
                 x, x_rows, x_n = vals[ref]
                 spec = plan.specs[ref]
                 if spec.kind == "batch" and x is not None and x_rows is not None:
-                    x = _scatter(x, spec, x_rows, n0)
+                    x = scatter_rows(x, spec, x_rows, n0)
                 final.append(x)
         return final, norms
 

@@ -1,0 +1,903 @@
+"""Where the batch lies in each forward value of an AOT joint graph (a dataflow analysis).
+
+The user's batch dim 0 is marked dynamic, so in the joint graph every batch-carrying size is an
+expression of one symbol ``s``.  ``analyze`` walks the *forward* nodes (those not reachable from a
+tangent placeholder) once, in topological order, and gives every tensor value a ``Layout``:
+
+* ``free``: the value does not depend on the batch (parameters, constants, their products);
+  its sizes do not involve ``s``.
+* ``batch``: exactly one dim ``dim`` holds the batch.  Its size is ``outer * s * inner`` and its
+  index is ``(o*s + b)*inner + r`` (``o < outer``, ``r < inner``): row ``b`` of the model's input
+  owns every element whose index along ``dim`` decomposes with that ``b``.  ``outer == 1`` is
+  batch-major (``x.reshape(N*T, D)``: ``inner = T``); ``outer > 1`` is token-major
+  (``x.transpose(0, 1).reshape(T*N, D)``: ``outer = T``), whose rows a gather on that dim cannot
+  select.  The two have equal sizes (``s*T == T*s``): only the dataflow tells them apart.
+* ``unknown``: an op the analysis does not model consumed a batch-carrying value (``why`` names
+  the op and its source line).  Every value computed from an unknown one is unknown too.
+
+Invariants:
+* Every forward tensor value is row-separable along its layout's batch dim: the elements owned by
+  row ``b`` depend on row ``b`` of the inputs (and free values) only.  An op that would break this
+  (row mixing: roll/sort/cumsum/flip/gather/index/scatter/slice/cat along the batch, reductions over
+  it, matmuls contracting it or pairing rows as in an (N, N) Gram, combining two batch values of
+  different layouts, BatchNorm in train mode) is refused when it is met: ``refusal`` names it.
+* Unknown and token-major values are not refused where they appear, only where they matter: an
+  unknown or token-major value that is a forward output or is consumed by a backward node (saved
+  for the backward), and a token-major operand of a matmul, refuse the graph.
+* ``refusal is None`` means: the forward is row-separable and every value the backward reads or the
+  model returns is free or has a gatherable (batch-major) layout.  Then ``layouts`` tells, for each
+  saved activation, which dim to gather and with which ``inner`` factor.
+* Values whose rows are identical or i.i.d. random (``full``/``zeros``/``rand`` of a batch shape,
+  ``expand`` of a free value) fit any layout: they take batch-major when created and never
+  conflict with the other operand of a pointwise op or a cat.
+* Refusals met during the walk come first (the first in topological order); the checks of forward
+  outputs and backward consumers come after them.  The walk itself never stops early.
+
+Keys of ``LayoutAnalysis.layouts``: forward node names for tensor values; for a node whose value is
+a tuple/list (``var_mean``, ``sort``, ``split``, sdpa, ``native_dropout``, ...) one key
+``f"{name}.{i}"`` per tensor element (and each ``getitem`` node has its own key as well).  SymInt /
+SymFloat / None values have no key.
+
+The known ops are data (sets of ``OpOverloadPacket``): ``MOVE_OPS``, ``RESHAPE_OPS``,
+``REDUCE_OPS``, ``ALONG_OPS``, ``SLICE_OPS``, ``MATMUL_OPS``, ``PER_SAMPLE_OPS``, ``FACTORY_OPS``,
+... below; ``torch.Tag.pointwise`` marks the pointwise ops.  Anything else is ``unknown`` when a
+batch value flows in.
+"""
+from __future__ import annotations
+
+import operator
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional, Union
+
+import sympy
+import torch
+from torch import fx
+
+__all__ = ["Layout", "LayoutAnalysis", "analyze", "backward_nodes", "batch_symbol"]
+
+aten = torch.ops.aten
+prims = torch.ops.prims
+ONE, ZERO = sympy.Integer(1), sympy.Integer(0)
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Where the batch lies in one tensor value."""
+
+    kind: str  # "free" (no batch dependence), "batch", or "unknown"
+    dim: int = 0  # batch: the dim that holds the batch index
+    outer: sympy.Expr = ONE  # batch: that dim's size is outer * s * inner, index = (o*s + b)*inner + r
+    inner: sympy.Expr = ONE
+    why: str = field(default="", compare=False)  # unknown: the op and source line that lost track
+    #                                                (token-major batch: the op that made it so)
+
+    @property
+    def gatherable(self) -> bool:
+        """Rows can be selected by an ``index_select`` on ``dim`` (viewed as ``(N, inner)``)."""
+        return self.kind == "free" or (self.kind == "batch" and self.outer == 1)
+
+    @property
+    def is_batch(self) -> bool:
+        return self.kind == "batch"
+
+    def __str__(self) -> str:
+        if self.kind == "batch":
+            return f"batch(dim={self.dim}, outer={self.outer}, inner={self.inner})"
+        return f"unknown({self.why})" if self.kind == "unknown" else "free"
+
+
+FREE = Layout("free")
+
+
+@dataclass
+class LayoutAnalysis:
+    """The result of ``analyze``: per-value layouts and the first reason to refuse, if any."""
+
+    layouts: dict[str, Layout]  # see the module docstring for the keys
+    refusal: Optional[str]  # None if the forward is row-separable and its saved values gatherable
+
+
+# --------------------------------------------------------------------------------------------
+# op tables (data).  Names missing from this torch build are skipped.
+
+def _packets(ns, names: str) -> frozenset:
+    return frozenset(p for p in (getattr(ns, nm, None) for nm in names.split()) if p is not None)
+
+
+# one tensor input; the batch dim survives intact (possibly moved): found again as the output's s-dim
+MOVE_OPS = _packets(aten, """permute transpose t unsqueeze squeeze expand expand_as movedim alias clone
+    contiguous detach lift_fresh lift_fresh_copy _to_copy to type_as repeat permute_copy transpose_copy
+    t_copy unsqueeze_copy squeeze_copy alias_copy detach_copy expand_copy fill zero zeros_like ones_like
+    full_like empty_like rand_like randn_like randint_like bernoulli native_dropout dropout
+    feature_dropout alpha_dropout _conj resolve_conj resolve_neg positive""") | _packets(
+    prims, "squeeze transpose view_of clone")
+# reshapes: the batch dim's position in the flattened tensor decides the new layout
+RESHAPE_OPS = _packets(aten, "view reshape _unsafe_view _reshape_alias view_copy flatten unflatten") | _packets(
+    prims, "reshape collapse_view collapse split_dim")
+# reductions: (dim arg index); a missing/None/[] dim means all dims
+REDUCE_OPS = {p: i for names, i in (
+    ("sum mean amax amin var std var_mean std_mean logsumexp any all prod max min argmax argmin nansum "
+     "count_nonzero median nanmedian aminmax", 1), ("linalg_vector_norm norm", 2)) for p in _packets(aten, names)}
+REDUCE_OPS.update({p: 1 for p in _packets(prims, "sum amax amin prod var xor_sum")})
+# ops along one dim (shape kept or resized there): (dim arg index, default dim or None = all dims)
+ALONG_OPS = {p: spec for names, spec in (
+    ("softmax _softmax log_softmax _log_softmax cumsum cumprod logcumsumexp cummax cummin flip", (1, None)),
+    ("sort argsort mode glu", (1, -1)), ("topk kthvalue", (2, -1)), ("roll", (2, None)), ("msort", (None, 0)),
+) for p in _packets(aten, names)}
+ALONG_OPS.update({p: (1, None) for p in _packets(prims, "rev")})
+# slicing-like ops: along the batch they are row mixing unless they are no-ops: (dim arg index, default)
+SLICE_OPS = {p: spec for names, spec in (
+    ("slice slice_copy", (1, 0)), ("select select_copy narrow narrow_copy", (1, None)),
+    ("split split_with_sizes unsafe_split unsafe_split_with_sizes chunk tensor_split split_copy "
+     "split_with_sizes_copy", (2, 0)), ("unbind unbind_copy", (1, 0)),
+) for p in _packets(aten, names)}
+INDEX_SELECT_OPS = _packets(aten, "index_select")
+CAT_OPS = _packets(aten, "cat concat concatenate") | _packets(prims, "cat")
+STACK_OPS = _packets(aten, "stack")
+INDEX_OPS = _packets(aten, "index _unsafe_index")
+MASKED_INDEX_OPS = _packets(aten, "_unsafe_masked_index")
+INDEX_PUT_OPS = _packets(aten, "index_put index_put_ _unsafe_index_put _index_put_impl")
+MASKED_INDEX_PUT_OPS = _packets(aten, "_unsafe_masked_index_put_accumulate")
+GATHER_OPS = _packets(aten, "gather take_along_dim")
+SCATTER_OPS = _packets(aten, "scatter scatter_add scatter_reduce")
+INDEX_UPDATE_OPS = _packets(aten, "index_add index_copy index_fill index_reduce")
+SCATTER_SLICE_OPS = {p: spec for names, spec in (
+    ("slice_scatter", (2, 0)), ("select_scatter", (2, None))) for p in _packets(aten, names)}
+EMBEDDING_OPS = _packets(aten, "embedding")
+MATMUL_OPS = _packets(aten, "mm bmm matmul mv dot vdot _int_mm")
+ADD_MATMUL_OPS = _packets(aten, "addmm baddbmm addmv _addmm_activation")
+# per-sample ops: every batch input has the batch in dim 0 with one layout; so do the outputs
+PER_SAMPLE_OPS = _packets(aten, """convolution _convolution conv1d conv2d conv3d conv_transpose1d
+    conv_transpose2d conv_transpose3d cudnn_convolution cudnn_convolution_transpose mkldnn_convolution
+    convolution_overrideable _scaled_dot_product_flash_attention_for_cpu _scaled_dot_product_flash_attention
+    _scaled_dot_product_efficient_attention _scaled_dot_product_cudnn_attention scaled_dot_product_attention
+    _scaled_dot_product_attention_math _scaled_dot_product_fused_attention_overrideable
+    max_pool1d max_pool2d max_pool3d max_pool1d_with_indices max_pool2d_with_indices max_pool3d_with_indices
+    avg_pool1d avg_pool2d avg_pool3d adaptive_avg_pool1d adaptive_avg_pool2d adaptive_avg_pool3d
+    _adaptive_avg_pool2d _adaptive_avg_pool3d adaptive_max_pool1d adaptive_max_pool2d adaptive_max_pool3d
+    upsample_nearest1d upsample_nearest2d upsample_nearest3d _upsample_nearest_exact1d _upsample_nearest_exact2d
+    _upsample_nearest_exact3d upsample_linear1d upsample_bilinear2d upsample_bicubic2d upsample_trilinear3d
+    _upsample_bilinear2d_aa _upsample_bicubic2d_aa native_group_norm group_norm grid_sampler grid_sampler_2d
+    grid_sampler_3d im2col col2im pixel_shuffle pixel_unshuffle channel_shuffle reflection_pad1d
+    reflection_pad2d reflection_pad3d replication_pad1d replication_pad2d replication_pad3d
+    instance_norm""") | _packets(prims, "_low_memory_max_pool_with_offsets _low_memory_max_pool_offsets_to_indices")
+LAYER_NORM_OPS = _packets(aten, "native_layer_norm layer_norm rms_norm _fused_rms_norm")
+BATCH_NORM_OPS = _packets(aten, """native_batch_norm _native_batch_norm_legit _native_batch_norm_legit_functional
+    _native_batch_norm_legit_no_training batch_norm cudnn_batch_norm miopen_batch_norm _batch_norm_with_update
+    _batch_norm_with_update_functional _batch_norm_no_update""")
+# factories: rows are constant or i.i.d. random, so a batch-sized one fits any layout
+FACTORY_OPS = _packets(aten, """full zeros ones empty empty_strided empty_permuted rand randn randint normal
+    scalar_tensor new_zeros new_ones new_full new_empty new_empty_strided""") | _packets(
+    prims, "full empty_strided empty_permuted scalar_tensor normal uniform")
+# functional copies of a tensor into another's shape: pointwise in effect
+POINTWISE_EXTRA = _packets(aten, "copy copy_ fill_ masked_fill where _masked_scale lerp clamp") | _packets(
+    prims, "where copy_to")
+
+
+# --------------------------------------------------------------------------------------------
+# small helpers
+
+
+class _Refuse(Exception):
+    """Row mixing met at a node (message = the refusal)."""
+
+
+def batch_symbol(graph: fx.Graph) -> Optional[sympy.Symbol]:
+    """The symbol of the first primal placeholder whose dim 0 is a plain symbol, or None."""
+    for n in graph.nodes:
+        if n.op != "placeholder" or n.name.startswith("tangents"):
+            continue
+        v = n.meta.get("val")
+        if isinstance(v, torch.Tensor) and v.dim() >= 1 and isinstance(v.shape[0], torch.SymInt):
+            e = v.shape[0].node.expr
+            if isinstance(e, sympy.Symbol):
+                return e
+    return None
+
+
+def backward_nodes(graph: fx.Graph) -> set[fx.Node]:
+    """Nodes reachable from a tangent placeholder (the output node included); the rest is forward."""
+    seen: set[fx.Node] = set()
+    stack = [n for n in graph.nodes if n.op == "placeholder" and n.name.startswith("tangents")]
+    while stack:
+        n = stack.pop()
+        if n not in seen:
+            seen.add(n)
+            stack.extend(n.users)
+    return seen
+
+
+def _expr(v: Any) -> sympy.Expr:
+    if isinstance(v, (torch.SymInt, torch.SymFloat, torch.SymBool)):
+        return v.node.expr
+    return sympy.Integer(v)
+
+
+def _shape(v: torch.Tensor) -> list:
+    return [_expr(d) for d in v.shape]
+
+
+def _has(e: sympy.Expr, sym: sympy.Symbol) -> bool:
+    return not e.is_Number and sym in e.free_symbols
+
+
+def _eq(a: sympy.Expr, b: sympy.Expr) -> bool:
+    return a == b or sympy.expand(a - b) == 0
+
+
+def _prod(xs) -> sympy.Expr:
+    out = ONE
+    for x in xs:
+        out = out * x
+    return out
+
+
+def _divide(a: sympy.Expr, b: sympy.Expr, sym: sympy.Symbol) -> Optional[sympy.Expr]:
+    """a / b if it is an integer expression free of the batch symbol (structurally), else None."""
+    if b == 0:
+        return None
+    q = a / b
+    if q.is_Integer:
+        return q if q > 0 else None
+    if q.is_Number or _has(q, sym) or q.as_numer_denom()[1] != 1:
+        return None
+    return q
+
+
+def _where(n: fx.Node) -> str:
+    code = [ln.strip() for ln in n.meta.get("stack_trace", "").splitlines()
+            if ln.strip() and set(ln.strip()) - set("^~")]
+    return f" (at: {code[-1]})" if code else ""
+
+
+def _op(n: fx.Node) -> str:
+    return f"{n.name} ({n.target})"
+
+
+def _packet(n: fx.Node):
+    return getattr(n.target, "overloadpacket", None)
+
+
+def _norm_dims(v: Any, ndim: int) -> Optional[list]:
+    """A dim argument as a list of non-negative dims; None means all dims."""
+    if v is None or (isinstance(v, (list, tuple)) and len(v) == 0):
+        return None
+    vs = v if isinstance(v, (list, tuple)) else [v]
+    return [int(d) % max(ndim, 1) for d in vs]
+
+
+def _arg(n: fx.Node, idx: Optional[int], names=("dim", "dims"), default: Any = None) -> Any:
+    if idx is not None and len(n.args) > idx:
+        return n.args[idx]
+    for nm in names:
+        if nm in n.kwargs:
+            return n.kwargs[nm]
+    return default
+
+
+def _sdims(shape: list, sym: sympy.Symbol) -> list:
+    return [k for k, e in enumerate(shape) if _has(e, sym)]
+
+
+# --------------------------------------------------------------------------------------------
+# the analysis state and the transfer rules
+
+
+Result = Union[Layout, list]  # a Layout, or one Optional[Layout] per tuple element
+
+
+class _Walk:
+    def __init__(self, graph: fx.Graph, sym: sympy.Symbol):
+        self.graph, self.sym = graph, sym
+        self.bwd = backward_nodes(graph)
+        self.lay: dict[fx.Node, Result] = {}
+        self.any_layout: set[fx.Node] = set()  # batch values whose rows are constant or i.i.d. random
+        self.refusals: list[str] = []
+
+    # ---- value helpers
+    def of(self, a: Any) -> Optional[Layout]:
+        """Layout of an argument (None: not a tensor value)."""
+        if isinstance(a, fx.Node):
+            r = self.lay.get(a)
+            return r if isinstance(r, Layout) else None
+        return None
+
+    def unknown(self, n: fx.Node, what: str = "") -> Layout:
+        return Layout("unknown", why=f"{_op(n)}{' ' + what if what else ''}{_where(n)}")
+
+    def track(self, lay: Layout, out: torch.Tensor) -> Optional[Layout]:
+        """``lay``'s batch dim, found again intact as the output's one s-dim (None if it isn't)."""
+        shape = _shape(out)
+        ks = _sdims(shape, self.sym)
+        if len(ks) != 1 or not _eq(shape[ks[0]], lay.outer * self.sym * lay.inner):
+            return None
+        return Layout("batch", ks[0], lay.outer, lay.inner, lay.why)
+
+    def from_shape(self, out: torch.Tensor) -> Optional[Layout]:
+        """Batch-major layout of a value whose rows fit any layout (constant, random, expanded)."""
+        shape = _shape(out)
+        ks = _sdims(shape, self.sym)
+        if not ks:
+            return FREE
+        inner = _divide(shape[ks[0]], self.sym, self.sym) if len(ks) == 1 else None
+        return Layout("batch", ks[0], ONE, inner) if inner is not None else None
+
+    def per_output(self, n: fx.Node, fn: Callable[[torch.Tensor], Optional[Layout]], what: str = "") -> Result:
+        """Apply ``fn`` to each tensor of the node's value (None from fn -> unknown)."""
+        val = n.meta.get("val")
+        def one(v):
+            if not isinstance(v, torch.Tensor):
+                return None
+            r = fn(v)
+            return r if r is not None else self.unknown(n, what)
+        if isinstance(val, (list, tuple)):
+            return [one(v) for v in val]
+        return one(val)
+
+    def tensor_inputs(self, n: fx.Node) -> list:
+        """(node, layout) of every tensor input (lists flattened)."""
+        out = []
+        for a in n.all_input_nodes:
+            lay = self.of(a)
+            if lay is not None:
+                out.append((a, lay))
+        return out
+
+    def mixing(self, n: fx.Node, what: str) -> _Refuse:
+        return _Refuse(f"cross-example op in the forward: {_op(n)} {what}{_where(n)}")
+
+    # ---- the walk
+    def run(self) -> LayoutAnalysis:
+        for n in self.graph.nodes:
+            if n.op == "output" or n in self.bwd:
+                continue
+            try:
+                r = self.visit(n)
+            except _Refuse as e:
+                self.refusals.append(str(e))
+                r = self.per_output(n, lambda v: None, "(row mixing)")
+            if r is not None:
+                self.lay[n] = r
+        checks = self.check_uses()
+        layouts: dict[str, Layout] = {}
+        for n, r in self.lay.items():
+            if isinstance(r, Layout):
+                layouts[n.name] = r
+            else:
+                layouts.update({f"{n.name}.{i}": x for i, x in enumerate(r) if x is not None})
+        refusal = (self.refusals + checks)[0] if self.refusals or checks else None
+        return LayoutAnalysis(layouts, refusal)
+
+    def check_uses(self) -> list:
+        """Unknown / token-major values that are forward outputs or are read by the backward."""
+        out = []
+        for n, r in self.lay.items():
+            if not isinstance(r, Layout) or r.gatherable:
+                continue
+            for u in n.users:
+                if u.op == "output":
+                    role = "is an output of the forward"
+                elif u in self.bwd:
+                    role = f"is saved for the backward (read by {u.name})"
+                else:
+                    continue
+                if r.kind == "unknown":
+                    out.append(f"the batch layout of {n.name} is unknown (lost at {r.why}) and it {role}: "
+                               "its rows can't be selected")
+                else:
+                    out.append(f"{n.name} holds the batch token-major ({r}: index (o*N + b)*inner + r with "
+                               f"o < {r.outer}{', since ' + r.why if r.why else ''}) and it {role}: "
+                               f"its rows can't be gathered{_where(n)}")
+                break
+        return out
+
+    def visit(self, n: fx.Node) -> Optional[Result]:
+        val = n.meta.get("val")
+        if n.op == "placeholder":
+            return self.placeholder(val)
+        if n.op == "get_attr":
+            return self.per_output(n, self.from_shape)
+        if n.target is operator.getitem:
+            src = self.lay.get(n.args[0])
+            if isinstance(src, list) and isinstance(n.args[1], int) and n.args[1] < len(src):
+                return src[n.args[1]]
+            return None if not isinstance(val, torch.Tensor) else self.generic(n)
+        is_tensor = isinstance(val, torch.Tensor) or (
+            isinstance(val, (list, tuple)) and any(isinstance(v, torch.Tensor) for v in val))
+        if not is_tensor:
+            if val is None and any(l.kind != "free" for _, l in self.tensor_inputs(n)):
+                return self.unknown(n, "(no value recorded)")
+            return None  # SymInt / SymFloat / None: not a tensor
+        rule = _rule(n)
+        return rule(self, n) if rule is not None else self.generic(n)
+
+    def placeholder(self, val: Any) -> Optional[Layout]:
+        if not isinstance(val, torch.Tensor):
+            return None
+        shape = _shape(val)
+        if shape and shape[0] == self.sym and not any(_has(e, self.sym) for e in shape[1:]):
+            return Layout("batch", 0)
+        if any(_has(e, self.sym) for e in (*shape, *(_expr(st) for st in val.stride()))):
+            return Layout("unknown", why="an input whose sizes or strides use the batch symbol other than as dim 0")
+        return FREE
+
+    def generic(self, n: fx.Node) -> Result:
+        """An op we don't model: free in, free out; otherwise unknown."""
+        ins = self.tensor_inputs(n)
+        bad = [l for _, l in ins if l.kind == "unknown"]
+        if bad:
+            return self.per_output(n, lambda v: bad[0])
+        if any(l.kind == "batch" for _, l in ins):
+            return self.per_output(n, lambda v: None)
+        return self.per_output(n, lambda v: FREE if not _sdims(_shape(v), self.sym) else None,
+                               "(creates a batch-sized value)")
+
+    def first_unknown(self, ins) -> Optional[Layout]:
+        return next((l for _, l in ins if l.kind == "unknown"), None)
+
+    def uses_batch_size(self, n: fx.Node, args) -> bool:
+        """A SymInt/SymFloat of the batch symbol used as a value (``x / x.shape[0]``)."""
+        for a in args:
+            if isinstance(a, fx.Node):
+                v = a.meta.get("val")
+                if isinstance(v, (torch.SymInt, torch.SymFloat)) and self.sym in v.node.expr.free_symbols:
+                    return True
+            elif isinstance(a, (torch.SymInt, torch.SymFloat)) and self.sym in a.node.expr.free_symbols:
+                return True
+        return False
+
+    def agree(self, n: fx.Node, items: list, what: str) -> Optional[Layout]:
+        """The one layout of several batch operands (aligned already); row mixing if they differ."""
+        strict = [(a, l) for a, l in items if a not in self.any_layout] or items[:1]
+        first = strict[0][1] if strict else None
+        for a, l in strict[1:]:
+            if l != first:
+                raise self.mixing(n, f"{what} batch values of different layouts "
+                                     f"({strict[0][0].name}: {first}, {a.name}: {l})")
+        if first is not None:
+            for a, l in items:  # any-layout operands must at least sit in the same dim with the same size
+                if a in self.any_layout and (l.dim != first.dim or not _eq(l.outer * l.inner, first.outer * first.inner)):
+                    raise self.mixing(n, f"{what} batch values in different dims ({a.name}: {l}, {first})")
+        return first
+
+
+def _aligned(lay: Layout, ndim_in: int, ndim_out: int) -> Layout:
+    return Layout("batch", lay.dim + ndim_out - ndim_in, lay.outer, lay.inner, lay.why)
+
+
+def _ndim(a: fx.Node) -> int:
+    v = a.meta.get("val")
+    return v.dim() if isinstance(v, torch.Tensor) else 0
+
+
+# ---- rules: (walk, node) -> Result; raise _Refuse for row mixing
+
+def _move(w: _Walk, n: fx.Node) -> Result:
+    x = w.of(n.args[0]) if n.args else None
+    if x is None:
+        return w.generic(n) if w.tensor_inputs(n) else _factory(w, n)
+    if x.kind == "unknown":
+        return w.per_output(n, lambda v: x)
+    if any(l.kind != "free" for a, l in w.tensor_inputs(n) if a is not n.args[0]):
+        return w.generic(n)
+    if x.kind == "free":  # expand of a free value to the batch size: rows are copies
+        return _factory(w, n)
+    if n.args[0] in w.any_layout:
+        w.any_layout.add(n)
+    return w.per_output(n, lambda v: w.track(x, v), "(moved or resized the batch dim)")
+
+
+def _reshape_layout(lay: Layout, in_shape: list, out_shape: list, sym: sympy.Symbol) -> Optional[Layout]:
+    """The batch layout after a reshape, from the batch's place in the flattened tensor; None if lost.
+
+    Flattened, the input's index is (O*s + b)*I + r with O = prod(in dims left) * outer and
+    I = inner * prod(in dims right).  The output's one s-dim k keeps b iff L = prod(out dims left)
+    divides O and R = prod(out dims right) divides I: then dim k is (O/L) * s * (I/R).
+    """
+    if any(e == 0 for e in in_shape) or any(e == 0 for e in out_shape):
+        return None
+    ks = _sdims(out_shape, sym)
+    if len(ks) != 1:
+        return None
+    k = ks[0]
+    o_tot = _prod(in_shape[:lay.dim]) * lay.outer
+    i_tot = lay.inner * _prod(in_shape[lay.dim + 1:])
+    outer = _divide(o_tot, _prod(out_shape[:k]), sym)
+    inner = _divide(i_tot, _prod(out_shape[k + 1:]), sym)
+    if outer is None or inner is None or not _eq(out_shape[k], outer * sym * inner):
+        return None
+    return Layout("batch", k, outer, inner, lay.why)
+
+
+def _reshape(w: _Walk, n: fx.Node) -> Result:
+    x = w.of(n.args[0])
+    if x is None or x.kind != "batch":
+        return _move(w, n) if x is not None and x.kind == "free" else w.generic(n)
+    in_shape = _shape(n.args[0].meta["val"])
+    def one(v):
+        r = _reshape_layout(x, in_shape, _shape(v), w.sym)
+        if r is not None and r.outer != 1 and not x.why:  # remember where it became token-major
+            r = Layout("batch", r.dim, r.outer, r.inner, f"{_op(n)} merged dims left of the batch{_where(n)}")
+        return r if r is None or r.outer != 1 else Layout("batch", r.dim, r.outer, r.inner)
+    return w.per_output(n, one, "(split the batch dim)")
+
+
+def _as_strided(w: _Walk, n: fx.Node) -> Result:
+    """as_strided of a contiguous tensor with contiguous strides and no offset is a reshape."""
+    x = w.of(n.args[0])
+    if x is None or x.kind != "batch":
+        return w.generic(n)
+    src, out = n.args[0].meta["val"], n.meta["val"]
+    offset = n.args[3] if len(n.args) > 3 else n.kwargs.get("storage_offset")
+    if (_contiguous(_shape(src), [_expr(s) for s in src.stride()]) and _contiguous(_shape(out), [_expr(s) for s in out.stride()])
+            and (offset is None or offset == 0) and _expr(src.storage_offset()) == 0):
+        return _reshape(w, n)
+    return w.generic(n)
+
+
+def _contiguous(shape: list, strides: list) -> bool:
+    expect = ONE
+    for size, st in zip(reversed(shape), reversed(strides)):
+        if size != 1 and not _eq(st, expect):
+            return False
+        expect = expect * size
+    return True
+
+
+def _pointwise(w: _Walk, n: fx.Node) -> Result:
+    ins = w.tensor_inputs(n)
+    bad = w.first_unknown(ins)
+    if bad is not None:
+        return w.per_output(n, lambda v: bad)
+    if w.uses_batch_size(n, list(n.args) + list(n.kwargs.values())):
+        return w.per_output(n, lambda v: None, "(uses the batch size as a value)")
+    batch = [(a, l) for a, l in ins if l.kind == "batch"]
+    if not batch:
+        return w.generic(n)
+    val = n.meta["val"]
+    nd = (val if isinstance(val, torch.Tensor) else val[0]).dim()
+    aligned = [(a, _aligned(l, _ndim(a), nd)) for a, l in batch]
+    lay = w.agree(n, aligned, "combines")
+    if all(a in w.any_layout for a, _ in batch):
+        w.any_layout.add(n)
+    return w.per_output(n, lambda v: w.track(lay, v))
+
+
+def _dim_op(w: _Walk, n: fx.Node, dims, what: str) -> Result:
+    """An op along ``dims`` of its first input (None = all dims): row mixing if the batch dim is one."""
+    x = w.of(n.args[0])
+    if x is None or x.kind == "free":
+        return w.generic(n)
+    if x.kind == "unknown":
+        return w.per_output(n, lambda v: x)
+    dl = _norm_dims(dims, _ndim(n.args[0]))
+    if dl is None or x.dim in dl:
+        raise w.mixing(n, what)
+    if any(l.kind != "free" for a, l in w.tensor_inputs(n) if a is not n.args[0]):
+        return w.generic(n)
+    return w.per_output(n, lambda v: w.track(x, v))
+
+
+def _reduce(w: _Walk, n: fx.Node) -> Result:
+    if torch.Tag.pointwise in getattr(n.target, "tags", ()):
+        return _pointwise(w, n)  # max.other, min.other
+    if len(n.args) > 1 and isinstance(n.args[1], fx.Node):
+        return w.generic(n)
+    return _dim_op(w, n, _arg(n, REDUCE_OPS[_packet(n)]), "reduces over the batch dim, e.g. BatchNorm in train mode")
+
+
+def _along(w: _Walk, n: fx.Node) -> Result:
+    idx, default = ALONG_OPS[_packet(n)]
+    return _dim_op(w, n, _arg(n, idx, default=default),
+                   "mixes rows along the batch dim (sorts, shifts, flips or accumulates over it)")
+
+
+def _slab(w: _Walk, x: Layout, start: Any, length: sympy.Expr) -> Optional[Layout]:
+    """The part [start, start + length) of ``x``'s batch dim, if it is whole slabs of s*inner."""
+    unit = w.sym * x.inner
+    start = _expr(start.meta["val"]) if isinstance(start, fx.Node) else _expr(start or 0)
+    if start != 0 and (start.is_Number and start < 0 or _divide(start, unit, w.sym) is None):
+        return None
+    outer = _divide(length, unit, w.sym)
+    return Layout("batch", x.dim, outer, x.inner, x.why) if outer is not None else None
+
+
+def _slice(w: _Walk, n: fx.Node) -> Result:
+    """slice/narrow/split/chunk/unbind/select.  Along the batch dim only whole slabs of s*inner are
+    kept (a no-op when outer == 1; a piece of a ``cat`` along the batch otherwise)."""
+    idx, default = SLICE_OPS[_packet(n)]
+    x = w.of(n.args[0])
+    dl = _norm_dims(_arg(n, idx, default=default), _ndim(n.args[0]))
+    if x is None or x.kind != "batch" or (dl is not None and x.dim not in dl):
+        return _dim_op(w, n, dl, "slices the batch dim")
+    val, name = n.meta["val"], str(n.target)
+    outs = list(val) if isinstance(val, (list, tuple)) else [val]
+    if any(not isinstance(v, torch.Tensor) or v.dim() != _ndim(n.args[0]) for v in outs):
+        raise w.mixing(n, "selects one row of the batch dim")  # select / unbind: the dim is gone
+    if "slice" in name and (n.args[4] if len(n.args) > 4 else n.kwargs.get("step", 1)) != 1:
+        raise w.mixing(n, "slices the batch dim with a step")
+    if "slice" in name or "narrow" in name:
+        starts = [n.args[2] if len(n.args) > 2 else n.kwargs.get("start")]
+    else:  # split-like: the pieces are consecutive
+        starts, acc = [], ZERO
+        for v in outs:
+            starts.append(acc)
+            acc = acc + _expr(v.shape[x.dim])
+    lays = [_slab(w, x, st, _expr(v.shape[x.dim])) for st, v in zip(starts, outs)]
+    if any(l is None for l in lays):
+        raise w.mixing(n, "slices or splits the batch dim")
+    return lays if isinstance(val, (list, tuple)) else lays[0]
+
+
+def _pad(w: _Walk, n: fx.Node) -> Result:
+    """constant_pad_nd(x, pad): pairs of pads from the last dim; padding the batch dim = mixing."""
+    x = w.of(n.args[0])
+    if x is None or x.kind != "batch":
+        return w.generic(n)
+    pad, nd = list(n.args[1]), _ndim(n.args[0])
+    padded = {nd - 1 - i // 2 for i, p in enumerate(pad) if not (isinstance(p, int) and p == 0)}
+    if x.dim in padded:
+        raise w.mixing(n, "pads the batch dim")
+    return w.per_output(n, lambda v: w.track(x, v))
+
+
+def _index_select(w: _Walk, n: fx.Node) -> Result:
+    return _dim_op(w, n, _arg(n, 1), "selects rows along the batch dim")
+
+
+def _cat(w: _Walk, n: fx.Node) -> Result:
+    """cat/stack.  Along other dims the batch inputs agree; along the batch dim, inputs of one
+    ``inner`` stack up as slabs: the result is token-major with the outers summed."""
+    ins = [(a, w.of(a)) for a in n.args[0] if isinstance(a, fx.Node) and w.of(a) is not None]
+    bad = w.first_unknown(ins)
+    if bad is not None:
+        return w.per_output(n, lambda v: bad)
+    batch = [(a, l) for a, l in ins if l.kind == "batch"]
+    if not batch:
+        return w.generic(n)
+    nd = n.meta["val"].dim()
+    dim = int(_arg(n, 1, default=0)) % max(nd, 1)
+    if _packet(n) not in STACK_OPS and any(l.dim == dim for _, l in batch):
+        nonempty = [a for a, _ in ins if _ndim(a) > 1 or a.meta["val"].numel() != 0]  # legacy 1-D empties
+        if len(batch) != len(nonempty) or any(l.dim != dim or l.inner != batch[0][1].inner for _, l in batch):
+            raise w.mixing(n, "concatenates along the batch dim values that are not batch slabs alike")
+        outer = ZERO
+        for _, l in batch:
+            outer = outer + l.outer
+        why = batch[0][1].why or f"{_op(n)} along the batch dim{_where(n)}"
+        lay = Layout("batch", dim, outer, batch[0][1].inner, why)
+        return w.per_output(n, lambda v: w.track(lay, v))
+    lay = w.agree(n, batch, "concatenates")
+    if all(a in w.any_layout for a, _ in batch):
+        w.any_layout.add(n)
+    return w.per_output(n, lambda v: w.track(lay, v))
+
+
+def _index(w: _Walk, n: fx.Node, mask: Optional[fx.Node] = None) -> Result:
+    """x[indices] (advanced indexing) and embedding(weight, indices)."""
+    if _packet(n) in EMBEDDING_OPS:
+        x, indices = n.args[0], [n.args[1]]
+    elif mask is not None:
+        x, indices = n.args[0], n.args[2]
+    else:
+        x, indices = n.args[0], n.args[1]
+    xl = w.of(x)
+    il = [(i, w.of(t)) for i, t in enumerate(indices) if isinstance(t, fx.Node) and w.of(t) is not None]
+    if xl is not None and xl.kind == "batch" and _packet(n) not in EMBEDDING_OPS and any(i == xl.dim for i, _ in il):
+        raise w.mixing(n, "indexes along the batch dim (a permutation, roll or gather of rows)")
+    ins = w.tensor_inputs(n)
+    bad = w.first_unknown(ins)
+    if bad is not None:
+        return w.per_output(n, lambda v: bad)
+    ib = [(indices[i], l) for i, l in il if l.kind == "batch"]
+    if mask is not None and w.of(mask) is not None and w.of(mask).kind != "free":
+        return w.generic(n)
+    if xl is not None and xl.kind == "batch":
+        if ib:
+            return w.generic(n)
+        return w.per_output(n, lambda v: w.track(xl, v))
+    if not ib:
+        return w.generic(n)
+    nd = max(_ndim(a) for a, _ in ib)  # index tensors broadcast together (aligned from the right)
+    lay = w.agree(n, [(a, _aligned(l, _ndim(a), nd)) for a, l in ib], "indexes with")
+    return w.per_output(n, lambda v: w.track(lay, v))
+
+
+def _masked_index(w: _Walk, n: fx.Node) -> Result:
+    return _index(w, n, mask=n.args[1])
+
+
+def _index_put(w: _Walk, n: fx.Node) -> Result:
+    x = w.of(n.args[0])
+    masked = _packet(n) in MASKED_INDEX_PUT_OPS
+    indices = n.args[2] if masked else n.args[1]
+    if x is not None and x.kind == "batch" and len(indices) > x.dim and indices[x.dim] is not None:
+        raise w.mixing(n, "writes rows along the batch dim")
+    rest = [l for a, l in w.tensor_inputs(n) if a is not n.args[0]]
+    if x is None or x.kind != "batch" or any(l.kind != "free" for l in rest):
+        return w.generic(n)
+    return w.per_output(n, lambda v: w.track(x, v))
+
+
+def _gather(w: _Walk, n: fx.Node) -> Result:
+    x, idx = w.of(n.args[0]), w.of(n.args[2])
+    dim = int(n.args[1]) % max(_ndim(n.args[0]), 1)
+    if x is not None and x.kind == "batch" and x.dim == dim:
+        raise w.mixing(n, "gathers along the batch dim")
+    if x is None or idx is None or "unknown" in (x.kind, idx.kind) or idx.kind != "batch":
+        return w.generic(n)
+    if x.kind == "batch" and x != idx:
+        return w.generic(n)
+    return w.per_output(n, lambda v: w.track(idx, v))
+
+
+def _scatter(w: _Walk, n: fx.Node) -> Result:
+    """scatter(x, dim, index, src) / index_add(x, dim, index, source): along the batch = mixing.
+
+    Otherwise the index and src of a scatter must carry x's layout (a free index touches the first
+    rows only: position-dependent), and an index_add's 1-D index must be free.
+    """
+    x = w.of(n.args[0])
+    dim = int(n.args[1]) % max(_ndim(n.args[0]), 1)
+    if x is not None and x.kind == "batch" and x.dim == dim:
+        raise w.mixing(n, "scatters along the batch dim")
+    if x is None or x.kind != "batch":
+        return w.generic(n)
+    index_like = _packet(n) in INDEX_UPDATE_OPS
+    for a, l in w.tensor_inputs(n):
+        if a is n.args[0]:
+            continue
+        ok = l.kind == "free" if index_like and a is n.args[2] else (l == x or (l.kind == "free" and _ndim(a) == 0))
+        if not ok:
+            return w.generic(n)
+    return w.per_output(n, lambda v: w.track(x, v))
+
+
+def _slice_scatter(w: _Walk, n: fx.Node) -> Result:
+    idx, default = SCATTER_SLICE_OPS[_packet(n)]
+    x, src = w.of(n.args[0]), w.of(n.args[1])
+    dl = _norm_dims(_arg(n, idx, default=default), _ndim(n.args[0]))
+    if x is not None and x.kind == "batch" and (dl is None or x.dim in dl):
+        if not (src is not None and src == x):  # writing the whole batch dim is a no-op for rows
+            raise w.mixing(n, "writes a slice of the batch dim")
+    if x is None or src is None or x.kind != "batch" or src.kind == "unknown" or (
+            src.kind == "batch" and (src.outer, src.inner) != (x.outer, x.inner)):
+        return w.generic(n)
+    return w.per_output(n, lambda v: w.track(x, v))
+
+
+def _matmul_out(w: _Walk, n: fx.Node, a: fx.Node, b: fx.Node) -> Optional[Layout]:
+    """Layout of a @ b (both batch -> they must land on one output dim with one layout)."""
+    la, lb = w.of(a), w.of(b)
+    nda, ndb, nd = _ndim(a), _ndim(b), n.meta["val"].dim()
+    lands = []
+    for arg, lay, ndi, is_a in ((a, la, nda, True), (b, lb, ndb, False)):
+        if lay is None or lay.kind != "batch":
+            continue
+        if lay.outer != 1:
+            raise _Refuse(f"token-major value reaches a matmul: {_op(n)} multiplies {arg.name}, which holds the batch "
+                          f"as {lay} (index (o*N + b)*inner + r, o < {lay.outer}: a flattened (T, N) layout such as "
+                          f"x.transpose(0, 1).reshape(-1, D){'; since ' + lay.why if lay.why else ''}); its rows can't be "
+                          f"gathered{_where(n)}")
+        contracted = (lay.dim == ndi - 1) if is_a else (ndi == 1 or lay.dim == ndi - 2)
+        if contracted:
+            raise w.mixing(n, f"contracts over the batch dim ({arg.name}: {lay})")
+        if is_a:
+            d = nd - (1 if ndb == 1 else 2) if lay.dim == ndi - 2 else lay.dim + nd - ndi
+        else:
+            d = nd - 1 if lay.dim == ndi - 1 else lay.dim + nd - ndi
+        lands.append((arg, Layout("batch", d, lay.outer, lay.inner)))
+    if len(lands) == 2 and lands[0][1] != lands[1][1]:
+        raise w.mixing(n, f"pairs rows of the batch ({a.name}: {la}, {b.name}: {lb}): an (N, N) product such as "
+                          "a Gram matrix h @ h.T")
+    return lands[0][1] if lands else FREE
+
+
+def _matmul(w: _Walk, n: fx.Node) -> Result:
+    ins = w.tensor_inputs(n)
+    bad = w.first_unknown(ins)
+    if bad is not None:
+        return w.per_output(n, lambda v: bad)
+    if len(n.args) < 2 or not all(isinstance(x, fx.Node) for x in n.args[:2]):
+        return w.generic(n)
+    lay = _matmul_out(w, n, n.args[0], n.args[1])
+    return w.per_output(n, lambda v: lay if lay.kind == "free" else w.track(lay, v))
+
+
+def _add_matmul(w: _Walk, n: fx.Node) -> Result:
+    """addmm(bias, a, b) = bias + a @ b (bias broadcast)."""
+    ins = w.tensor_inputs(n)
+    bad = w.first_unknown(ins)
+    if bad is not None:
+        return w.per_output(n, lambda v: bad)
+    lay = _matmul_out(w, n, n.args[1], n.args[2])
+    bias = w.of(n.args[0])
+    nd = n.meta["val"].dim()
+    if bias is not None and bias.kind == "batch":
+        items = [(n.args[0], _aligned(bias, _ndim(n.args[0]), nd))]
+        if lay.kind == "batch":
+            items.append((n.args[1], lay))
+        lay = w.agree(n, items, "adds")
+    return w.per_output(n, lambda v: lay if lay.kind == "free" else w.track(lay, v))
+
+
+def _per_sample(w: _Walk, n: fx.Node) -> Result:
+    ins = w.tensor_inputs(n)
+    bad = w.first_unknown(ins)
+    if bad is not None:
+        return w.per_output(n, lambda v: bad)
+    batch = [(a, l) for a, l in ins if l.kind == "batch"]
+    if not batch:
+        return w.generic(n)
+    if any(l.dim != 0 for _, l in batch):
+        return w.per_output(n, lambda v: None, "(batch not in dim 0)")
+    lay = w.agree(n, batch, "combines")
+    return w.per_output(n, lambda v: FREE if not _sdims(_shape(v), w.sym) else w.track(lay, v))
+
+
+def _layer_norm(w: _Walk, n: fx.Node) -> Result:
+    x = w.of(n.args[0])
+    if x is None or x.kind != "batch" or any(l.kind != "free" for a, l in w.tensor_inputs(n) if a is not n.args[0]):
+        return w.generic(n)
+    normalized = n.args[1]
+    if x.dim >= _ndim(n.args[0]) - len(normalized):
+        raise w.mixing(n, "normalises over the batch dim")
+    return w.per_output(n, lambda v: w.track(x, v))
+
+
+def _batch_norm(w: _Walk, n: fx.Node) -> Result:
+    training = next((a for a in n.args if isinstance(a, bool)), n.kwargs.get("training", False))
+    name = str(n.target)
+    if "no_training" in name or "no_update" in name:
+        training = False
+    elif "with_update" in name:
+        training = True
+    x = w.of(n.args[0])
+    if training and x is not None and x.kind == "batch":
+        raise w.mixing(n, "is BatchNorm in train mode: it normalises with statistics over the batch")
+    return _per_sample(w, n)
+
+
+def _factory(w: _Walk, n: fx.Node) -> Result:
+    direct = [a for a in n.args if not isinstance(a, (list, tuple))] + list(n.kwargs.values())
+    if w.uses_batch_size(n, direct):
+        return w.per_output(n, lambda v: None, "(uses the batch size as a value)")
+    if any(l.kind != "free" for a, l in w.tensor_inputs(n) if not (n.args and a is n.args[0])):
+        return w.generic(n)
+    r = w.per_output(n, w.from_shape, "(batch symbol in several dims)")
+    if isinstance(r, Layout) and r.kind == "batch":
+        w.any_layout.add(n)
+    return r
+
+
+_RULES: dict = {}
+for _ops, _fn in ((MOVE_OPS, _move), (RESHAPE_OPS, _reshape), (REDUCE_OPS, _reduce), (ALONG_OPS, _along),
+                  (SLICE_OPS, _slice), (INDEX_SELECT_OPS, _index_select), (CAT_OPS | STACK_OPS, _cat),
+                  (INDEX_OPS | EMBEDDING_OPS, _index), (MASKED_INDEX_OPS, _masked_index),
+                  (INDEX_PUT_OPS | MASKED_INDEX_PUT_OPS, _index_put), (GATHER_OPS, _gather),
+                  (SCATTER_OPS | INDEX_UPDATE_OPS, _scatter), (SCATTER_SLICE_OPS, _slice_scatter),
+                  (MATMUL_OPS, _matmul), (ADD_MATMUL_OPS, _add_matmul), (PER_SAMPLE_OPS, _per_sample),
+                  (LAYER_NORM_OPS, _layer_norm), (BATCH_NORM_OPS, _batch_norm), (FACTORY_OPS, _factory),
+                  (POINTWISE_EXTRA, _pointwise), (_packets(aten, "constant_pad_nd"), _pad), (_packets(aten, "as_strided") | _packets(prims, "as_strided"), _as_strided)):
+    for _p in _ops:
+        _RULES.setdefault(_p, _fn)
+
+
+def _rule(n: fx.Node) -> Optional[Callable[[_Walk, fx.Node], Result]]:
+    if n.op != "call_function":
+        return None
+    p = _packet(n)
+    r = _RULES.get(p)
+    if r is not None:
+        return r
+    if torch.Tag.pointwise in getattr(n.target, "tags", ()):
+        return _pointwise
+    return None
+
+
+def analyze(graph: fx.Graph, sym: sympy.Symbol) -> LayoutAnalysis:
+    """Layouts of the forward values of an AOT joint graph whose batch size is ``sym``.
+
+    One pass in topological order; see the module docstring for the rules and the invariants.
+    """
+    return _Walk(graph, sym).run()

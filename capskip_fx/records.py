@@ -1,0 +1,72 @@
+"""What the backend remembers about each Dynamo graph, and the one place a refusal is recorded.
+
+Like Lightning Thunder's backend: every graph handed to us gets a :class:`GraphRecord`; why a graph
+runs dense is recorded once (the first reason wins) with :func:`refuse`, which also bumps
+``torch._dynamo.utils.counters["capskip"]`` so tests and users can see what fired.
+"""
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+
+class BackwardMode(str, enum.Enum):
+    """How a graph's backward runs.  A ``str`` Enum: reports and tests compare it to plain strings."""
+
+    NOT_COMPILED = "not compiled yet"
+    INFERENCE = "none (inference graph)"
+    SELECTED = "selected rows"  # gathers the kept rows
+    DENSE_MASKED = "dense-masked"  # all N rows, skipped rows weighted 0: exact, no speed-up
+    DENSE = "dense"  # no selection node: the plain backward
+
+    def __str__(self) -> str:
+        return self.value
+
+
+def counters() -> Any:
+    from torch._dynamo.utils import counters as c
+
+    return c["capskip"]
+
+
+@dataclass
+class GraphRecord:
+    """What happened to one Dynamo graph."""
+
+    index: int
+    nodes: int
+    selected: bool = False  # the joint pass inserted the selection node (head graph)
+    body: bool = False  # no head: uses its forward's head selection (capskip::shared)
+    no_head: Optional[str] = None
+    coupled: bool = False
+    masked_tangents: int = 0
+    backward: BackwardMode = BackwardMode.NOT_COMPILED
+    reason: Optional[str] = None  # why this graph runs dense, if it does
+    plan: Any = None  # runtime.backward.BackwardPlan
+    row_counts: set = field(default_factory=set)  # distinct gathered row counts seen
+    matmul_shapes: list = field(default_factory=list)  # aot_eager: (op, operand shapes) of the last backward's matmuls
+    vcas: Optional[str] = None  # VCAS: segments and sampled matmuls, or why it did not apply
+    segmented: bool = False  # the backward runs as VCAS segments (aot_eager: matmul shapes accumulate per pass)
+    error: Optional[str] = None  # on_coupling="error": raised at this graph's first forward
+
+    def refuse(self, reason: str, mode: Optional[BackwardMode] = None) -> None:
+        refuse(self, reason, mode)
+
+    def as_dict(self) -> dict:
+        return {"graph": self.index, "nodes": self.nodes, "role": "head" if self.selected else "body" if self.body else "-",
+                "backward": str(self.backward),
+                "reason": self.reason, "gathered_inputs": self.plan.gathered_inputs if self.plan else 0,
+                "row_counts": sorted(self.row_counts), "vcas": self.vcas}
+
+
+def refuse(record: Optional[GraphRecord], reason: str, mode: Optional[BackwardMode] = None) -> None:
+    """Record why a graph (or one step of it) does not run selected rows; count it once per graph."""
+    if record is not None:
+        if record.reason is None:
+            record.reason = reason
+            counters()["refused: " + reason.split(":")[0][:60]] += 1
+        if mode is not None:
+            record.backward = mode
+    else:
+        counters()["refused: " + reason.split(":")[0][:60]] += 1

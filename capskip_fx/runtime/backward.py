@@ -1,0 +1,143 @@
+"""The selected-row backward at run time: what AOTAutograd calls as a rewritten graph's backward.
+
+Per call (one backward of one forward):
+  - head graph of the returned logits (its autograd node carries its forward, runtime/state.py):
+    run the rule on that forward's h, z, dL/dz and labels;
+  - any other graph (graph breaks, DDP splits, a Linear output that is not the logits): drop the
+    rows whose incoming gradient is zero (one host read).  Those are its forward's skipped rows when
+    the head's backward ran first, and dropping them is exact whatever code lies between graphs;
+  - the kept rows first, ``kb = bucket(k)`` rows gathered (pad rows are skipped rows, weight 0),
+    the compiled graph run on them, input gradients scattered back to N rows.
+Anything that cannot be shown exact runs the same graph on all N rows (dense-masked), with the
+reason recorded on the graph and the step.
+Invariant: the returned gradients equal the dense-masked backward's on every call.
+"""
+from __future__ import annotations
+
+from typing import Callable, Optional
+
+import torch
+
+from ..records import BackwardMode
+from ..rows import gather_rows, scatter_rows
+from ..passes.batch import evaluate
+
+VERIFY = "verify: the gathered backward differs from the dense-masked one; running dense-masked"
+
+
+class SelectedRowBackward:
+    """The boxed callable AOTAutograd calls as the backward."""
+
+    def __init__(self, compiled: Callable, plan, state, config, record, dense_only: bool = False):
+        self._boxed_call = True  # instance attr: survives the wrappers AOT puts around us
+        self.compiled = compiled
+        self.dense_only = dense_only
+        self.gathered_steps = 0  # informative gathered steps so far (verify schedule)
+        self.verified = False
+        self.plan = plan
+        self.state = state
+        self.config = config
+        self.record = record
+        self._layouts: dict[int, list] = {}
+
+    def _layout(self, kb: int) -> list:
+        """Per input at kb rows: (sizes, strides) / the SymInt's value / None.  Cached: sympy is slow."""
+        if kb not in self._layouts:
+            p = self.plan
+            self._layouts[kb] = [
+                (tuple(evaluate(e, p.sym, kb) for e in s.sizes), tuple(evaluate(e, p.sym, kb) for e in s.strides))
+                if s.kind == "batch" else evaluate(s.expr, p.sym, kb) if s.kind == "symint" else None
+                for s in p.specs]
+        return self._layouts[kb]
+
+    def _rows_of(self, args: list):
+        """(weight, k, this forward's stats or None) for this call: the rule's rows (head of the returned
+        logits) or the rows that carry gradient (any other graph)."""
+        p, state = self.plan, self.state
+        if p.head:
+            head, fwd = state.running_forward()
+            if head:
+                weight, k = state.select(*(args[i] for i in p.select_args), fwd)
+                return weight, k, state.last.forwards[-1]
+            if not self.record.body:
+                self.record.selected, self.record.body = False, True
+                self.record.no_head = "a Linear output that is not the returned logits"
+        g = args[p.select_args[-1]]
+        n = g.shape[0]
+        live = torch.zeros(n, dtype=torch.bool, device=g.device)
+        for i in p.tangent_args:
+            live |= (args[i].reshape(n, -1) != 0).any(1)
+        return live.to(g.dtype), int(live.sum()), None  # the one host read of a body graph
+
+    def __call__(self, args: list) -> list:
+        p, state, rec = self.plan, self.state, self.record
+        state.check_not_compiled_autograd()
+        weight, k, stats = self._rows_of(args)
+        n = weight.shape[0]
+        kb = self.config.bucket(k, n)
+        if kb > self.config.gather_below * n or self.dense_only:
+            state.set_rows(stats, n)
+            out = self.compiled(list(args) + [weight])
+            args.clear()
+            return out
+        # kept rows first; the pad rows are skipped rows and carry weight 0
+        idx = torch.argsort((weight == 0).to(torch.int8), stable=True)[:kb]
+        w_kb = weight.index_select(0, idx)
+        check = self._should_verify(k, n)
+        full_args = list(args) if check else None
+        new_args = []
+        for a, s, lay in zip(args, p.specs, self._layout(kb)):
+            if s.kind == "batch":
+                new_args.append(gather_rows(a, s, idx, n, *lay))
+            elif s.kind == "symint":
+                new_args.append(lay)
+            else:
+                new_args.append(a)
+        args.clear()
+        new_args.append(w_kb)
+        state.set_rows(stats, kb)
+        rec.row_counts.add(kb)
+        stochastic = getattr(self.compiled, "stochastic", False)  # VCAS samples inside: verify its exact pass
+        check_args = list(new_args) if check and stochastic else None
+        outs = self._scatter_outs(self.compiled(new_args), idx, n)
+        if check:
+            if stochastic:
+                exact = self._scatter_outs(self.compiled.exact(check_args), idx, n)
+                res = self._verify(full_args, weight, exact, stats)
+                return outs if res is exact else res
+            outs = self._verify(full_args, weight, outs, stats)
+        return outs
+
+    def _should_verify(self, k: int, n: int) -> bool:
+        """Verify on informative steps only (some rows kept, some dropped): the first one, then every
+        ``verify_every`` gathered steps if set."""
+        if not self.config.verify or not 0 < k < n:
+            return False
+        self.gathered_steps += 1
+        every = self.config.verify_every
+        return not self.verified or (every is not None and self.gathered_steps % every == 0)
+
+    def _scatter_outs(self, outs: list, idx: torch.Tensor, n: int) -> list:
+        """Batch-shaped outputs (input gradients) of the gathered rows back to N rows."""
+        return [(scatter_rows(o, s, idx, n) if (s is not None and s.kind == "batch" and o is not None) else o)
+                for o, s in zip(outs, self.plan.out_specs)]
+
+    def _verify(self, full_args: list, weight: torch.Tensor, outs: list, stats) -> list:
+        """Compare with the same graph on all N rows (dense-masked).  A step whose reference gradients
+        are all zero tells nothing: it does not count as verified."""
+        run = getattr(self.compiled, "exact", self.compiled)
+        ref = run(full_args + [weight])
+        informative = False
+        for o, r in zip(outs, ref):
+            if isinstance(o, torch.Tensor) and isinstance(r, torch.Tensor) and r.numel():
+                scale = r.double().norm()
+                informative = informative or bool(scale > 0)
+                tol = 1e-3 if r.dtype in (torch.float32, torch.float64) else 5e-2
+                if (o - r).double().norm() > tol * scale + 1e-12:
+                    self.dense_only = True
+                    self.record.refuse(VERIFY, BackwardMode.DENSE_MASKED)
+                    self.state.dense_backward(stats, VERIFY)
+                    self.state.set_rows(stats, weight.shape[0])
+                    return ref
+        self.verified = self.verified or informative
+        return outs
