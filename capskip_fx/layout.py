@@ -149,10 +149,7 @@ ADD_MATMUL_OPS = _packets(aten, "addmm baddbmm addmv _addmm_activation")
 # per-sample ops: every batch input has the batch in dim 0 with one layout; so do the outputs
 PER_SAMPLE_OPS = _packets(aten, """convolution _convolution conv1d conv2d conv3d conv_transpose1d
     conv_transpose2d conv_transpose3d cudnn_convolution cudnn_convolution_transpose mkldnn_convolution
-    convolution_overrideable _scaled_dot_product_flash_attention_for_cpu _scaled_dot_product_flash_attention
-    _scaled_dot_product_efficient_attention _scaled_dot_product_cudnn_attention scaled_dot_product_attention
-    _scaled_dot_product_attention_math _scaled_dot_product_fused_attention_overrideable
-    max_pool1d max_pool2d max_pool3d max_pool1d_with_indices max_pool2d_with_indices max_pool3d_with_indices
+    convolution_overrideable max_pool1d max_pool2d max_pool3d max_pool1d_with_indices max_pool2d_with_indices max_pool3d_with_indices
     avg_pool1d avg_pool2d avg_pool3d adaptive_avg_pool1d adaptive_avg_pool2d adaptive_avg_pool3d
     _adaptive_avg_pool2d _adaptive_avg_pool3d adaptive_max_pool1d adaptive_max_pool2d adaptive_max_pool3d
     upsample_nearest1d upsample_nearest2d upsample_nearest3d _upsample_nearest_exact1d _upsample_nearest_exact2d
@@ -161,6 +158,10 @@ PER_SAMPLE_OPS = _packets(aten, """convolution _convolution conv1d conv2d conv3d
     grid_sampler_3d im2col col2im pixel_shuffle pixel_unshuffle channel_shuffle reflection_pad1d
     reflection_pad2d reflection_pad3d replication_pad1d replication_pad2d replication_pad3d
     instance_norm""") | _packets(prims, "_low_memory_max_pool_with_offsets _low_memory_max_pool_offsets_to_indices")
+# attention(q, k, v, ...): q (..., L, E), k (..., S, E), v (..., S, Ev); tuple outputs (out, logsumexp, ...)
+ATTENTION_OPS = _packets(aten, """_scaled_dot_product_flash_attention_for_cpu _scaled_dot_product_flash_attention
+    _scaled_dot_product_efficient_attention _scaled_dot_product_cudnn_attention scaled_dot_product_attention
+    _scaled_dot_product_attention_math _scaled_dot_product_fused_attention_overrideable""")
 LAYER_NORM_OPS = _packets(aten, "native_layer_norm layer_norm rms_norm _fused_rms_norm")
 BATCH_NORM_OPS = _packets(aten, """native_batch_norm _native_batch_norm_legit _native_batch_norm_legit_functional
     _native_batch_norm_legit_no_training batch_norm cudnn_batch_norm miopen_batch_norm _batch_norm_with_update
@@ -835,6 +836,26 @@ def _per_sample(w: _Walk, n: fx.Node) -> Result:
     return w.per_output(n, lambda v: FREE if not _sdims(_shape(v), w.sym) else w.track(lay, v))
 
 
+def _attention(w: _Walk, n: fx.Node) -> Result:
+    """sdpa: per sample when q, k, v (and a mask) agree on a leading batch dim; per query row when only
+    q carries the batch in its L dim; attending over the batch (k/v's S dim) or contracting it is mixing."""
+    ins = w.tensor_inputs(n)
+    bad = w.first_unknown(ins)
+    if bad is not None:
+        return w.per_output(n, lambda v: bad)
+    q, k, v = (w.of(a) for a in n.args[:3])
+    nd = _ndim(n.args[0])
+    if any(l is not None and l.kind == "batch" and l.dim == _ndim(a) - 1 for a, l in zip(n.args[:3], (q, k, v))):
+        raise w.mixing(n, "contracts over the batch dim (the batch is the attention's feature dim)")
+    if any(l is not None and l.kind == "batch" and l.dim == _ndim(a) - 2 for a, l in zip(n.args[1:3], (k, v))):
+        raise w.mixing(n, "attends over the batch dim (the batch is the keys' sequence dim)")
+    batch = [(a, _aligned(l, _ndim(a), nd)) for a, l in ins if l.kind == "batch"]
+    if not batch:
+        return w.generic(n)
+    lay = w.agree(n, batch, "combines")  # a mask carrying the batch must agree as well
+    return w.per_output(n, lambda t: FREE if not _sdims(_shape(t), w.sym) else w.track(lay, t))
+
+
 def _layer_norm(w: _Walk, n: fx.Node) -> Result:
     x = w.of(n.args[0])
     if x is None or x.kind != "batch" or any(l.kind != "free" for a, l in w.tensor_inputs(n) if a is not n.args[0]):
@@ -876,7 +897,7 @@ for _ops, _fn in ((MOVE_OPS, _move), (RESHAPE_OPS, _reshape), (REDUCE_OPS, _redu
                   (INDEX_OPS | EMBEDDING_OPS, _index), (MASKED_INDEX_OPS, _masked_index),
                   (INDEX_PUT_OPS | MASKED_INDEX_PUT_OPS, _index_put), (GATHER_OPS, _gather),
                   (SCATTER_OPS | INDEX_UPDATE_OPS, _scatter), (SCATTER_SLICE_OPS, _slice_scatter),
-                  (MATMUL_OPS, _matmul), (ADD_MATMUL_OPS, _add_matmul), (PER_SAMPLE_OPS, _per_sample),
+                  (MATMUL_OPS, _matmul), (ATTENTION_OPS, _attention), (ADD_MATMUL_OPS, _add_matmul), (PER_SAMPLE_OPS, _per_sample),
                   (LAYER_NORM_OPS, _layer_norm), (BATCH_NORM_OPS, _batch_norm), (FACTORY_OPS, _factory),
                   (POINTWISE_EXTRA, _pointwise), (_packets(aten, "constant_pad_nd"), _pad), (_packets(aten, "as_strided") | _packets(prims, "as_strided"), _as_strided)):
     for _p in _ops:

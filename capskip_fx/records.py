@@ -48,6 +48,8 @@ class GraphRecord:
     matmul_shapes: list = field(default_factory=list)  # aot_eager: (op, operand shapes) of the last backward's matmuls
     vcas: Optional[str] = None  # VCAS: segments and sampled matmuls, or why it did not apply
     segmented: bool = False  # the backward runs as VCAS segments (aot_eager: matmul shapes accumulate per pass)
+    verified: bool = False  # an informative gathered step matched the dense-masked backward
+    checks: int = 0  # verify comparisons run
     error: Optional[str] = None  # on_coupling="error": raised at this graph's first forward
 
     def refuse(self, reason: str, mode: Optional[BackwardMode] = None) -> None:
@@ -57,7 +59,7 @@ class GraphRecord:
         return {"graph": self.index, "nodes": self.nodes, "role": "head" if self.selected else "body" if self.body else "-",
                 "backward": str(self.backward),
                 "reason": self.reason, "gathered_inputs": self.plan.gathered_inputs if self.plan else 0,
-                "row_counts": sorted(self.row_counts), "vcas": self.vcas}
+                "row_counts": sorted(self.row_counts), "verified": self.verified, "vcas": self.vcas}
 
 
 def refuse(record: Optional[GraphRecord], reason: str, mode: Optional[BackwardMode] = None) -> None:

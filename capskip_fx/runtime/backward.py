@@ -33,7 +33,6 @@ class SelectedRowBackward:
         self.compiled = compiled
         self.dense_only = dense_only
         self.gathered_steps = 0  # informative gathered steps so far (verify schedule)
-        self.verified = False
         self.plan = plan
         self.state = state
         self.config = config
@@ -115,7 +114,7 @@ class SelectedRowBackward:
             return False
         self.gathered_steps += 1
         every = self.config.verify_every
-        return not self.verified or (every is not None and self.gathered_steps % every == 0)
+        return not self.record.verified or (every is not None and self.gathered_steps % every == 0)
 
     def _scatter_outs(self, outs: list, idx: torch.Tensor, n: int) -> list:
         """Batch-shaped outputs (input gradients) of the gathered rows back to N rows."""
@@ -139,5 +138,6 @@ class SelectedRowBackward:
                     self.state.dense_backward(stats, VERIFY)
                     self.state.set_rows(stats, weight.shape[0])
                     return ref
-        self.verified = self.verified or informative
+        self.record.checks += 1
+        self.record.verified = self.record.verified or informative
         return outs

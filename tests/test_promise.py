@@ -1,0 +1,242 @@
+"""The promise at run time: each backward uses its own forward's selection, stats per step, and the
+ordinary patterns that used to break it (issue 10), each a named regression test.
+(The randomised version of the same promise: test_promise_fuzz.py.)"""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import capskip_fx
+from capskip_fx.records import counters
+from capskip_fx.rules import Forced, Rule, Selection
+
+from conftest import max_rel_err
+
+
+@pytest.fixture(autouse=True)
+def _many_compiles():
+    with torch._dynamo.config.patch(recompile_limit=64):
+        yield
+
+
+class Net(nn.Module):
+    def __init__(self, d=6, classes=3):
+        super().__init__()
+        self.fc = nn.Linear(d, 8)
+        self.head = nn.Linear(8, classes)
+
+    def forward(self, x):
+        return self.head(F.gelu(self.fc(x)))
+
+
+def _net(**opts):
+    torch.manual_seed(0)
+    model = Net().double()
+    return model, capskip_fx.compile(model, backend="aot_eager", **opts)
+
+
+def _x(n, seed):
+    return torch.randn(n, 6, dtype=torch.float64, generator=torch.Generator().manual_seed(seed))
+
+
+def _grads(model):
+    return {k: (p.grad if p.grad is not None else torch.zeros_like(p)).clone() for k, p in model.named_parameters()}
+
+
+def _ref(model, batches):
+    """Eager float64 gradient of sum_f sum_i w_fi l_fi / N_f for [(x, y, w), ...]."""
+    ref = copy.deepcopy(model)
+    ref.zero_grad(set_to_none=True)
+    sum((F.cross_entropy(ref(x), y, reduction="none") * w).sum() / x.shape[0] for x, y, w in batches).backward()
+    return _grads(ref)
+
+
+class ByLabel(Rule):
+    """Keeps the rows whose label (from capskip_targets) is odd; records the labels it saw."""
+
+    name = "by_label"
+
+    def __init__(self):
+        self.seen = []
+
+    def select(self, view):
+        self.seen.append(view.targets.clone())
+        return Selection(weight=(view.targets % 2 == 1).to(view.delta.dtype))
+
+
+@pytest.mark.parametrize("order", ["forward order", "reverse order"])
+def test_two_forwards_one_backward_capskip_b1(order):
+    """b=1: x1 all misclassified (kept), x2 all right (skipped).  Used to give CE1's gradient as zero."""
+    model, cm = _net(rule="capskip", budget=1.0)
+    x1, x2 = _x(8, 1), _x(8, 2)
+    with torch.no_grad():
+        y1 = (model(x1).argmax(1) + 1) % 3
+        y2 = model(x2).argmax(1)
+    pairs = [(x1, y1), (x2, y2)] if order == "forward order" else [(x2, y2), (x1, y1)]
+    sum(F.cross_entropy(cm(x), y) for x, y in pairs).backward()
+    ones, zeros = torch.ones(8, dtype=torch.float64), torch.zeros(8, dtype=torch.float64)
+    assert max_rel_err(_grads(model), _ref(model, [(x1, y1, ones), (x2, y2, zeros)])) < 1e-10
+    st = capskip_fx.stats(cm)
+    assert (st.n, st.kept) == (16, 8) and len(st.forwards) == 2 and st.fallback is None
+    assert sorted(f.kept for f in st.forwards) == [0, 8] and "forwards" in st.as_dict()
+
+
+def test_each_forward_keeps_its_own_labels_in_any_backward_order():
+    """capskip_targets are bound to the forward that got them: three forwards, backwards newest first,
+    one retained and back-propagated again, a metrics forward never back-propagated in between."""
+    rule = ByLabel()
+    model, cm = _net(rule=rule)
+    xs = [_x(n, s) for n, s in ((8, 1), (6, 2), (8, 3))]
+    ys = [torch.arange(n) % 3 for n in (8, 6, 8)]
+    outs = [cm(x, capskip_targets=y) for x, y in zip(xs, ys)]
+    cm(_x(8, 9), capskip_targets=torch.full((8,), 7) % 3)  # metrics forward under grad: never backwarded
+    losses = [F.cross_entropy(o, y) for o, y in zip(outs, ys)]
+    losses[2].backward(retain_graph=True)
+    losses[0].backward()
+    losses[1].backward()
+    w = [(y % 2 == 1).double() for y in ys]
+    assert max_rel_err(_grads(model), _ref(model, list(zip(xs, ys, w)))) < 1e-10
+    assert [t.tolist() for t in rule.seen] == [ys[2].tolist(), ys[0].tolist(), ys[1].tolist()]
+
+
+def test_same_compiled_graph_twice_in_one_step_both_exact():
+    keep = iter([torch.tensor([0, 3]), torch.tensor([1, 2, 5])])
+    model, cm = _net(rule=Forced(keep=lambda n: next(keep)))
+    x1, x2 = _x(6, 1), _x(6, 2)
+    y1, y2 = torch.arange(6) % 3, (torch.arange(6) + 1) % 3
+    (F.cross_entropy(cm(x1), y1) + F.cross_entropy(cm(x2), y2)).backward()
+    st = capskip_fx.stats(cm)
+    # the second forward's head backward runs first: it got the first keep set
+    w2, w1 = (f.weight for f in st.forwards)
+    assert w2.nonzero().flatten().tolist() == [0, 3] and w1.nonzero().flatten().tolist() == [1, 2, 5]
+    assert max_rel_err(_grads(model), _ref(model, [(x1, y1, w1), (x2, y2, w2)])) < 1e-10
+    assert cm.backend.records[0].backward == "selected rows" and cm.backend.records[0].reason is None
+
+
+def test_two_compiled_models_interleaved():
+    (m1, c1), (m2, c2) = _net(rule="forced", keep=0.5), _net(rule="forced", keep=0.25)
+    x, y = _x(8, 1), torch.arange(8) % 3
+    o1, o2 = c1(x), c2(x)
+    (F.cross_entropy(o2, y) + F.cross_entropy(o1, y)).backward()
+    w1, w2 = capskip_fx.stats(c1).weight, capskip_fx.stats(c2).weight
+    assert int(w1.sum()) == 4 and int(w2.sum()) == 2
+    assert max_rel_err(_grads(m1), _ref(m1, [(x, y, w1)])) < 1e-10
+    assert max_rel_err(_grads(m2), _ref(m2, [(x, y, w2)])) < 1e-10
+
+
+class Rolled(nn.Module):
+    """Rows mixed by torch.roll between two graphs: the body graph must not drop rows by the head's mask."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b, self.head = nn.Linear(6, 8), nn.Linear(8, 8), nn.Linear(8, 3)
+
+    def forward(self, x):
+        h = self.a(x).relu()
+        torch._dynamo.graph_break()
+        h = torch.roll(h, 1, 0)  # eager, between the graphs
+        torch._dynamo.graph_break()
+        return self.head(self.b(h).relu())
+
+
+def test_rows_mixed_between_graph_breaks_stay_exact():
+    torch.manual_seed(0)
+    model = Rolled().double()
+    cm = capskip_fx.compile(model, rule="forced", keep=lambda n: torch.tensor([1, 4]), backend="aot_eager")
+    x, y = _x(8, 1), torch.arange(8) % 3
+    F.cross_entropy(cm(x), y).backward()
+    w = capskip_fx.stats(cm).weight
+    assert max_rel_err(_grads(model), _ref(model, [(x, y, w)])) < 1e-10
+    body = next(r for r in cm.backend.records if r.body)
+    assert body.row_counts == {2}  # the rolled rows 2 and 5 carry the gradient: gathered, not masked away
+
+
+@pytest.mark.parametrize("every", [None, 2])
+def test_verify_waits_for_informative_steps_and_rechecks_every_k(every, monkeypatch):
+    """Steps keeping 0 or all rows tell nothing (0 == 0): verify must not be used up by them.
+    With verify_every=K it re-checks every K-th informative gathered step."""
+    from capskip_fx.runtime.backward import SelectedRowBackward
+
+    checked = []
+    real = SelectedRowBackward._verify
+    monkeypatch.setattr(SelectedRowBackward, "_verify",
+                        lambda self, *a: checked.append(self.gathered_steps) or real(self, *a))
+    plan = [[], list(range(8)), [], [0, 2], [1], [3, 4], [5], [6, 7]]  # k = 0, N, 0, then informative
+    it = iter(plan)
+    model, cm = _net(rule=Forced(keep=lambda n: torch.tensor(next(it), dtype=torch.long)), verify_every=every,
+                     gather_below=1.0)
+    for step in range(len(plan)):
+        x, y = _x(8, step), torch.arange(8) % 3
+        model.zero_grad()
+        F.cross_entropy(cm(x), y).backward()
+        assert max_rel_err(_grads(model), _ref(model, [(x, y, capskip_fx.stats(cm).weight)])) < 1e-10
+    assert checked == ([1] if every is None else [1, 2, 4])
+    rec = cm.backend.records[0]
+    assert rec.verified and rec.checks == len(checked) and capskip_fx.report(cm)[0]["verified"]
+
+
+def test_compiled_autograd_is_refused_with_a_clear_message():
+    import torch._dynamo.compiled_autograd as ca
+
+    model, cm = _net(rule="forced", keep=0.5)
+    x, y = _x(6, 1), torch.arange(6) % 3
+    with pytest.raises(RuntimeError, match="does not support compiled autograd"):
+        with ca._enable(lambda gm: gm):
+            F.cross_entropy(cm(x), y).backward()
+
+
+def test_on_coupling_error_raises_value_error_naming_the_op():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 8), nn.BatchNorm1d(8), nn.Linear(8, 3)).double()
+    cm = capskip_fx.compile(model, on_coupling="error", backend="aot_eager")
+    with pytest.raises(ValueError, match=r"on_coupling='error'.*var_mean"):
+        cm(_x(6, 1))
+    cm_dense = capskip_fx.compile(copy.deepcopy(model), backend="aot_eager")  # the default falls back
+    with pytest.warns(UserWarning, match="cross-example"):
+        F.cross_entropy(cm_dense(_x(6, 1)), torch.arange(6) % 3).backward()
+
+
+class WithSideInputs(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc, self.head = nn.Linear(4, 4), nn.Linear(4, 3)
+
+    def forward(self, x, pos, mask=None):  # x (N, T, 4), pos (T, 4), mask (N, T)
+        h = self.fc(x + pos).relu()
+        if mask is not None:
+            h = h * mask[..., None]
+        return self.head(h.mean(1))
+
+
+@pytest.mark.parametrize("n", [6, 3])  # 3 == T: the positional tensor's dim 0 equals the batch
+def test_non_batch_positional_and_batch_keyword_inputs(n):
+    torch.manual_seed(0)
+    model = WithSideInputs().double()
+    cm = capskip_fx.compile(model, rule="forced", keep=lambda n: torch.tensor([0, 2]), backend="aot_eager")
+    g = torch.Generator().manual_seed(n)
+    x, pos = torch.randn(n, 3, 4, dtype=torch.float64, generator=g), torch.randn(3, 4, dtype=torch.float64, generator=g)
+    mask = (torch.rand(n, 3, generator=g) > 0.3).double()
+    y = torch.arange(n) % 3
+    F.cross_entropy(cm(x, pos, mask=mask), y).backward()
+    w = capskip_fx.stats(cm).weight
+    ref = copy.deepcopy(model)
+    ref.zero_grad()
+    (F.cross_entropy(ref(x, pos, mask=mask), y, reduction="none") * w).sum().div(n).backward()
+    assert max_rel_err(_grads(model), _grads(ref)) < 1e-10
+
+
+def test_counters_record_rewrites_and_refusals():
+    counters().clear()
+    model, cm = _net(rule="forced", keep=0.5)
+    F.cross_entropy(cm(_x(6, 1)), torch.arange(6) % 3).backward()
+    assert counters()["graphs"] == 1 and counters()["rewritten"] == 1 and counters()["variants"] == 1
+    torch.manual_seed(0)
+    bn = capskip_fx.compile(nn.Sequential(nn.Linear(6, 8), nn.BatchNorm1d(8), nn.Linear(8, 3)).double(),
+                            backend="aot_eager")
+    with pytest.warns(UserWarning):
+        F.cross_entropy(bn(_x(6, 1)), torch.arange(6) % 3).backward()
+    assert any(k.startswith("refused: cross-example") for k in counters())
