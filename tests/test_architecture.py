@@ -1,0 +1,81 @@
+"""The data path stays visible: no import cycle inside capskip_fx, no module importing another's
+private names, and the layers of shared/design/layout.md (ops and records import nothing of ours
+but each other's public names; rules import torch only)."""
+from __future__ import annotations
+
+import ast
+import pathlib
+
+import networkx as nx
+import pytest
+
+PKG = pathlib.Path(__file__).resolve().parents[1] / "capskip_fx"
+
+
+def _module_name(path: pathlib.Path) -> str:
+    rel = path.relative_to(PKG.parent).with_suffix("")
+    parts = list(rel.parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def _imports() -> list[tuple[str, str, list[str], bool]]:
+    """(importer, imported module, names, at module level?) for every import of capskip_fx code."""
+    out = []
+    for path in PKG.rglob("*.py"):
+        mod = _module_name(path)
+        pkg = mod if path.name == "__init__.py" else mod.rsplit(".", 1)[0]
+        tree = ast.parse(path.read_text())
+        top = set(id(n) for n in tree.body)
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom):
+                if node.level:
+                    base = pkg.split(".")[: len(pkg.split(".")) - node.level + 1]
+                    target = ".".join(base + ([node.module] if node.module else []))
+                else:
+                    target = node.module or ""
+                if target.split(".")[0] != "capskip_fx":
+                    continue
+                names = [a.name for a in node.names]
+                for name in names:  # `from . import ops` imports a module
+                    sub = f"{target}.{name}"
+                    if (PKG.parent / (sub.replace(".", "/") + ".py")).exists() or \
+                            (PKG.parent / sub.replace(".", "/")).is_dir():
+                        out.append((mod, sub, [], id(node) in top))
+                        names = [n for n in names if n != name]
+                out.append((mod, target, names, id(node) in top))
+            elif isinstance(node, ast.Import):
+                for a in node.names:
+                    if a.name.split(".")[0] == "capskip_fx":
+                        out.append((mod, a.name, [], id(node) in top))
+    return out
+
+
+def test_no_import_cycle_at_module_level():
+    g = nx.DiGraph()
+    for src, dst, _, top in _imports():
+        if top and src != dst and not dst.startswith(src + "."):  # a package importing its own children is fine
+            g.add_edge(src, dst)
+    cycles = list(nx.simple_cycles(g))
+    assert not cycles, f"import cycles: {cycles}"
+
+
+def test_no_private_names_imported_across_modules():
+    bad = [(src, dst, n) for src, dst, names, _ in _imports() for n in names
+           if n.startswith("_") and not n.startswith("__")]
+    assert not bad, f"private names imported from another module: {bad}"
+
+
+@pytest.mark.parametrize("low, forbidden", [
+    ("capskip_fx.ops", ("capskip_fx.runtime", "capskip_fx.passes", "capskip_fx.backend", "capskip_fx.api")),
+    ("capskip_fx.records", ("capskip_fx.runtime", "capskip_fx.passes", "capskip_fx.backend", "capskip_fx.api")),
+    ("capskip_fx.passes", ("capskip_fx.backend", "capskip_fx.api", "capskip_fx.runtime")),
+    ("capskip_fx.runtime", ("capskip_fx.backend", "capskip_fx.api")),
+    ("capskip_fx.rules", ("capskip_fx.runtime", "capskip_fx.passes", "capskip_fx.backend", "capskip_fx.api",
+                          "capskip_fx.ops")),
+])
+def test_layers_import_downward_only(low, forbidden):
+    bad = [(src, dst) for src, dst, _, _ in _imports()
+           if (src == low or src.startswith(low + ".")) and any(dst == f or dst.startswith(f + ".") for f in forbidden)]
+    assert not bad, f"{low} imports upward: {bad}"
