@@ -180,7 +180,7 @@ class CapskipBackend:
             rec.backward = BackwardMode.DENSE
             return base(gm, example_inputs, **kwargs)
         try:
-            gm, plan, w_val = plan_backward(gm, example_inputs)
+            gm, plan, w_val = plan_backward(gm, example_inputs, rec.layouts)
         except Refused as e:
             rec.refuse(str(e), BackwardMode.DENSE_MASKED)
             self.on_refused(str(e))

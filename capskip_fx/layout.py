@@ -18,9 +18,14 @@ tangent placeholder) once, in topological order, and gives every tensor value a 
 Invariants:
 * Every forward tensor value is row-separable along its layout's batch dim: the elements owned by
   row ``b`` depend on row ``b`` of the inputs (and free values) only.  An op that would break this
-  (row mixing: roll/sort/cumsum/flip/gather/index/scatter/slice/cat along the batch, reductions over
-  it, matmuls contracting it or pairing rows as in an (N, N) Gram, combining two batch values of
-  different layouts, BatchNorm in train mode) is refused when it is met: ``refusal`` names it.
+  (row mixing: roll/sort/cumsum/flip/gather/index/scatter/select/partial slices along the batch,
+  reductions over it, matmuls contracting it or pairing rows as in an (N, N) Gram, attention over
+  it, combining two batch values of different layouts, BatchNorm in train mode) is refused when it
+  is met: ``refusal`` names it (the message starts with "cross-example op in the forward").
+* ``cat`` along the batch dim of batch values with one ``inner`` is not mixing: it stacks them as
+  slabs, a token-major value with the outers summed (``torch.stack(xs, 0)`` decomposes into exactly
+  that plus a view, which the reshape rule turns back into batch-major).  Slicing or splitting whole
+  slabs back out is allowed too; any other slice of the batch dim is mixing.
 * Unknown and token-major values are not refused where they appear, only where they matter: an
   unknown or token-major value that is a forward output or is consumed by a backward node (saved
   for the backward), and a token-major operand of a matmul, refuse the graph.
@@ -33,15 +38,19 @@ Invariants:
 * Refusals met during the walk come first (the first in topological order); the checks of forward
   outputs and backward consumers come after them.  The walk itself never stops early.
 
+Sizes are compared structurally (sympy monomials such as ``5*s``): no ``simplify``, and no guard is
+ever added to the shape env (no ``bool()`` of a SymInt).
+
 Keys of ``LayoutAnalysis.layouts``: forward node names for tensor values; for a node whose value is
 a tuple/list (``var_mean``, ``sort``, ``split``, sdpa, ``native_dropout``, ...) one key
 ``f"{name}.{i}"`` per tensor element (and each ``getitem`` node has its own key as well).  SymInt /
 SymFloat / None values have no key.
 
 The known ops are data (sets of ``OpOverloadPacket``): ``MOVE_OPS``, ``RESHAPE_OPS``,
-``REDUCE_OPS``, ``ALONG_OPS``, ``SLICE_OPS``, ``MATMUL_OPS``, ``PER_SAMPLE_OPS``, ``FACTORY_OPS``,
-... below; ``torch.Tag.pointwise`` marks the pointwise ops.  Anything else is ``unknown`` when a
-batch value flows in.
+``REDUCE_OPS``, ``ALONG_OPS``, ``SLICE_OPS``, ``MATMUL_OPS``, ``ATTENTION_OPS``, ``PER_SAMPLE_OPS``,
+``FACTORY_OPS``, ... below; ``torch.Tag.pointwise`` marks the pointwise ops.  Anything else is
+``unknown`` when a batch value flows in (and so is a node a rule fails on: the analysis never raises
+on a graph).
 """
 from __future__ import annotations
 
@@ -53,7 +62,7 @@ import sympy
 import torch
 from torch import fx
 
-__all__ = ["Layout", "LayoutAnalysis", "analyze", "backward_nodes", "batch_symbol"]
+__all__ = ["Layout", "LayoutAnalysis", "analyze", "backward_nodes", "batch_symbol", "reshape_layout"]
 
 aten = torch.ops.aten
 prims = torch.ops.prims
@@ -149,15 +158,15 @@ ADD_MATMUL_OPS = _packets(aten, "addmm baddbmm addmv _addmm_activation")
 # per-sample ops: every batch input has the batch in dim 0 with one layout; so do the outputs
 PER_SAMPLE_OPS = _packets(aten, """convolution _convolution conv1d conv2d conv3d conv_transpose1d
     conv_transpose2d conv_transpose3d cudnn_convolution cudnn_convolution_transpose mkldnn_convolution
-    convolution_overrideable max_pool1d max_pool2d max_pool3d max_pool1d_with_indices max_pool2d_with_indices max_pool3d_with_indices
+    convolution_overrideable max_pool1d max_pool2d max_pool3d max_pool1d_with_indices max_pool2d_with_indices
+    max_pool3d_with_indices
     avg_pool1d avg_pool2d avg_pool3d adaptive_avg_pool1d adaptive_avg_pool2d adaptive_avg_pool3d
     _adaptive_avg_pool2d _adaptive_avg_pool3d adaptive_max_pool1d adaptive_max_pool2d adaptive_max_pool3d
     upsample_nearest1d upsample_nearest2d upsample_nearest3d _upsample_nearest_exact1d _upsample_nearest_exact2d
     _upsample_nearest_exact3d upsample_linear1d upsample_bilinear2d upsample_bicubic2d upsample_trilinear3d
     _upsample_bilinear2d_aa _upsample_bicubic2d_aa native_group_norm group_norm grid_sampler grid_sampler_2d
-    grid_sampler_3d im2col col2im pixel_shuffle pixel_unshuffle channel_shuffle reflection_pad1d
-    reflection_pad2d reflection_pad3d replication_pad1d replication_pad2d replication_pad3d
-    instance_norm""") | _packets(prims, "_low_memory_max_pool_with_offsets _low_memory_max_pool_offsets_to_indices")
+    grid_sampler_3d im2col col2im reflection_pad1d reflection_pad2d reflection_pad3d replication_pad1d
+    replication_pad2d replication_pad3d""") | _packets(prims, "_low_memory_max_pool_with_offsets _low_memory_max_pool_offsets_to_indices")
 # attention(q, k, v, ...): q (..., L, E), k (..., S, E), v (..., S, Ev); tuple outputs (out, logsumexp, ...)
 ATTENTION_OPS = _packets(aten, """_scaled_dot_product_flash_attention_for_cpu _scaled_dot_product_flash_attention
     _scaled_dot_product_efficient_attention _scaled_dot_product_cudnn_attention scaled_dot_product_attention
@@ -167,9 +176,11 @@ BATCH_NORM_OPS = _packets(aten, """native_batch_norm _native_batch_norm_legit _n
     _native_batch_norm_legit_no_training batch_norm cudnn_batch_norm miopen_batch_norm _batch_norm_with_update
     _batch_norm_with_update_functional _batch_norm_no_update""")
 # factories: rows are constant or i.i.d. random, so a batch-sized one fits any layout
-FACTORY_OPS = _packets(aten, """full zeros ones empty empty_strided empty_permuted rand randn randint normal
-    scalar_tensor new_zeros new_ones new_full new_empty new_empty_strided""") | _packets(
-    prims, "full empty_strided empty_permuted scalar_tensor normal uniform")
+NEW_OPS = _packets(aten, "new_zeros new_ones new_full new_empty new_empty_strided")
+FACTORY_OPS = NEW_OPS | _packets(aten, """full zeros ones empty empty_strided empty_permuted rand randn randint
+    normal scalar_tensor""") | _packets(prims, "full empty_strided empty_permuted scalar_tensor normal uniform")
+PAD_OPS = _packets(aten, "constant_pad_nd")
+AS_STRIDED_OPS = _packets(aten, "as_strided") | _packets(prims, "as_strided")  # a reshape when contiguous
 # functional copies of a tensor into another's shape: pointwise in effect
 POINTWISE_EXTRA = _packets(aten, "copy copy_ fill_ masked_fill where _masked_scale lerp clamp") | _packets(
     prims, "where copy_to")
@@ -357,6 +368,8 @@ class _Walk:
             except _Refuse as e:
                 self.refusals.append(str(e))
                 r = self.per_output(n, lambda v: None, "(row mixing)")
+            except Exception as e:  # an argument form a rule did not expect: conservative
+                r = self.per_output(n, lambda v: None, f"(not analysed: {type(e).__name__}: {e})")
             if r is not None:
                 self.lay[n] = r
         checks = self.check_uses()
@@ -457,7 +470,8 @@ class _Walk:
                                      f"({strict[0][0].name}: {first}, {a.name}: {l})")
         if first is not None:
             for a, l in items:  # any-layout operands must at least sit in the same dim with the same size
-                if a in self.any_layout and (l.dim != first.dim or not _eq(l.outer * l.inner, first.outer * first.inner)):
+                if a in self.any_layout and (
+                        l.dim != first.dim or not _eq(l.outer * l.inner, first.outer * first.inner)):
                     raise self.mixing(n, f"{what} batch values in different dims ({a.name}: {l}, {first})")
         return first
 
@@ -488,8 +502,9 @@ def _move(w: _Walk, n: fx.Node) -> Result:
     return w.per_output(n, lambda v: w.track(x, v), "(moved or resized the batch dim)")
 
 
-def _reshape_layout(lay: Layout, in_shape: list, out_shape: list, sym: sympy.Symbol) -> Optional[Layout]:
-    """The batch layout after a reshape, from the batch's place in the flattened tensor; None if lost.
+def reshape_layout(lay: Layout, in_shape: list, out_shape: list, sym: sympy.Symbol) -> Optional[Layout]:
+    """The batch layout after reshaping a value of ``in_shape`` (batch layout ``lay``) to ``out_shape``
+    (sizes as sympy expressions); None if the batch index is no longer one dim's (o*s + b)*inner + r.
 
     Flattened, the input's index is (O*s + b)*I + r with O = prod(in dims left) * outer and
     I = inner * prod(in dims right).  The output's one s-dim k keeps b iff L = prod(out dims left)
@@ -516,7 +531,7 @@ def _reshape(w: _Walk, n: fx.Node) -> Result:
         return _move(w, n) if x is not None and x.kind == "free" else w.generic(n)
     in_shape = _shape(n.args[0].meta["val"])
     def one(v):
-        r = _reshape_layout(x, in_shape, _shape(v), w.sym)
+        r = reshape_layout(x, in_shape, _shape(v), w.sym)
         if r is not None and r.outer != 1 and not x.why:  # remember where it became token-major
             r = Layout("batch", r.dim, r.outer, r.inner, f"{_op(n)} merged dims left of the batch{_where(n)}")
         return r if r is None or r.outer != 1 else Layout("batch", r.dim, r.outer, r.inner)
@@ -530,7 +545,8 @@ def _as_strided(w: _Walk, n: fx.Node) -> Result:
         return w.generic(n)
     src, out = n.args[0].meta["val"], n.meta["val"]
     offset = n.args[3] if len(n.args) > 3 else n.kwargs.get("storage_offset")
-    if (_contiguous(_shape(src), [_expr(s) for s in src.stride()]) and _contiguous(_shape(out), [_expr(s) for s in out.stride()])
+    if (_contiguous(_shape(src), [_expr(st) for st in src.stride()])
+            and _contiguous(_shape(out), [_expr(st) for st in out.stride()])
             and (offset is None or offset == 0) and _expr(src.storage_offset()) == 0):
         return _reshape(w, n)
     return w.generic(n)
@@ -659,7 +675,7 @@ def _cat(w: _Walk, n: fx.Node) -> Result:
     nd = n.meta["val"].dim()
     dim = int(_arg(n, 1, default=0)) % max(nd, 1)
     if _packet(n) not in STACK_OPS and any(l.dim == dim for _, l in batch):
-        nonempty = [a for a, _ in ins if _ndim(a) > 1 or a.meta["val"].numel() != 0]  # legacy 1-D empties
+        nonempty = [a for a, _ in ins if _ndim(a) != 1 or _expr(a.meta["val"].shape[0]) != 0]  # legacy 1-D empties
         if len(batch) != len(nonempty) or any(l.dim != dim or l.inner != batch[0][1].inner for _, l in batch):
             raise w.mixing(n, "concatenates along the batch dim values that are not batch slabs alike")
         outer = ZERO
@@ -778,8 +794,8 @@ def _matmul_out(w: _Walk, n: fx.Node, a: fx.Node, b: fx.Node) -> Optional[Layout
         if lay.outer != 1:
             raise _Refuse(f"token-major value reaches a matmul: {_op(n)} multiplies {arg.name}, which holds the batch "
                           f"as {lay} (index (o*N + b)*inner + r, o < {lay.outer}: a flattened (T, N) layout such as "
-                          f"x.transpose(0, 1).reshape(-1, D){'; since ' + lay.why if lay.why else ''}); its rows can't be "
-                          f"gathered{_where(n)}")
+                          f"x.transpose(0, 1).reshape(-1, D){'; since ' + lay.why if lay.why else ''}); "
+                          f"its rows can't be gathered{_where(n)}")
         contracted = (lay.dim == ndi - 1) if is_a else (ndi == 1 or lay.dim == ndi - 2)
         if contracted:
             raise w.mixing(n, f"contracts over the batch dim ({arg.name}: {lay})")
@@ -880,10 +896,12 @@ def _batch_norm(w: _Walk, n: fx.Node) -> Result:
 
 
 def _factory(w: _Walk, n: fx.Node) -> Result:
+    """A value of constant or i.i.d. random rows (also ``expand``/``repeat`` of a free value)."""
     direct = [a for a in n.args if not isinstance(a, (list, tuple))] + list(n.kwargs.values())
-    if w.uses_batch_size(n, direct):
+    if w.uses_batch_size(n, direct):  # full([N, D], N)
         return w.per_output(n, lambda v: None, "(uses the batch size as a value)")
-    if any(l.kind != "free" for a, l in w.tensor_inputs(n) if not (n.args and a is n.args[0])):
+    shape_only = n.args[0] if _packet(n) in NEW_OPS else None  # new_zeros(x, size): x gives dtype/device
+    if any(l.kind != "free" for a, l in w.tensor_inputs(n) if a is not shape_only):
         return w.generic(n)
     r = w.per_output(n, w.from_shape, "(batch symbol in several dims)")
     if isinstance(r, Layout) and r.kind == "batch":
@@ -892,14 +910,15 @@ def _factory(w: _Walk, n: fx.Node) -> Result:
 
 
 _RULES: dict = {}
-for _ops, _fn in ((MOVE_OPS, _move), (RESHAPE_OPS, _reshape), (REDUCE_OPS, _reduce), (ALONG_OPS, _along),
-                  (SLICE_OPS, _slice), (INDEX_SELECT_OPS, _index_select), (CAT_OPS | STACK_OPS, _cat),
-                  (INDEX_OPS | EMBEDDING_OPS, _index), (MASKED_INDEX_OPS, _masked_index),
-                  (INDEX_PUT_OPS | MASKED_INDEX_PUT_OPS, _index_put), (GATHER_OPS, _gather),
-                  (SCATTER_OPS | INDEX_UPDATE_OPS, _scatter), (SCATTER_SLICE_OPS, _slice_scatter),
-                  (MATMUL_OPS, _matmul), (ATTENTION_OPS, _attention), (ADD_MATMUL_OPS, _add_matmul), (PER_SAMPLE_OPS, _per_sample),
-                  (LAYER_NORM_OPS, _layer_norm), (BATCH_NORM_OPS, _batch_norm), (FACTORY_OPS, _factory),
-                  (POINTWISE_EXTRA, _pointwise), (_packets(aten, "constant_pad_nd"), _pad), (_packets(aten, "as_strided") | _packets(prims, "as_strided"), _as_strided)):
+for _ops, _fn in (
+        (MOVE_OPS, _move), (RESHAPE_OPS, _reshape), (REDUCE_OPS, _reduce), (ALONG_OPS, _along),
+        (SLICE_OPS, _slice), (INDEX_SELECT_OPS, _index_select), (CAT_OPS | STACK_OPS, _cat),
+        (INDEX_OPS | EMBEDDING_OPS, _index), (MASKED_INDEX_OPS, _masked_index),
+        (INDEX_PUT_OPS | MASKED_INDEX_PUT_OPS, _index_put), (GATHER_OPS, _gather),
+        (SCATTER_OPS | INDEX_UPDATE_OPS, _scatter), (SCATTER_SLICE_OPS, _slice_scatter),
+        (MATMUL_OPS, _matmul), (ATTENTION_OPS, _attention), (ADD_MATMUL_OPS, _add_matmul),
+        (PER_SAMPLE_OPS, _per_sample), (LAYER_NORM_OPS, _layer_norm), (BATCH_NORM_OPS, _batch_norm),
+        (FACTORY_OPS, _factory), (POINTWISE_EXTRA, _pointwise), (PAD_OPS, _pad), (AS_STRIDED_OPS, _as_strided)):
     for _p in _ops:
         _RULES.setdefault(_p, _fn)
 
@@ -921,4 +940,6 @@ def analyze(graph: fx.Graph, sym: sympy.Symbol) -> LayoutAnalysis:
 
     One pass in topological order; see the module docstring for the rules and the invariants.
     """
+    if not isinstance(sym, sympy.Symbol):
+        raise ValueError(f"the batch size must be a sympy Symbol (the batch dim marked dynamic), got {sym!r}")
     return _Walk(graph, sym).run()

@@ -43,7 +43,8 @@ class GraphRecord:
     masked_tangents: int = 0
     backward: BackwardMode = BackwardMode.NOT_COMPILED
     reason: Optional[str] = None  # why this graph runs dense, if it does
-    plan: Any = None  # runtime.backward.BackwardPlan
+    plan: Any = None  # passes.selected_rows.BackwardPlan
+    layouts: dict = field(default_factory=dict, repr=False)  # forward value name -> layout.Layout (joint pass)
     row_counts: set = field(default_factory=set)  # distinct gathered row counts seen
     matmul_shapes: list = field(default_factory=list)  # aot_eager: (op, operand shapes) of the last backward's matmuls
     vcas: Optional[str] = None  # VCAS: segments and sampled matmuls, or why it did not apply

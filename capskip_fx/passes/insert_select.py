@@ -26,9 +26,9 @@ from torch import fx
 from torch._inductor.custom_graph_pass import CustomGraphPass
 
 from .. import ops  # noqa: F401  (registers capskip::select)
+from ..layout import analyze
 from ..records import BackwardMode
 from .batch import Refused, batch_dim, batch_symbol_of, tangent_nodes
-from .coupling import find_coupling
 from .find_head import find_head
 
 aten = torch.ops.aten
@@ -70,7 +70,7 @@ class InsertSelectPass(CustomGraphPass):
         except Refused as no_head:
             return self._apply_body(graph, rec, str(no_head))
         sym = batch_symbol_of(head.z.meta["val"])
-        self._check_coupling(graph, sym, rec)
+        self._check_layout(graph, sym, rec)
         plan = _batch_tangents(graph, sym)
         w = self._insert(graph, head.z, SELECT, (head.h, head.z, head.g, self.backend.key))
         _mask_tangents(graph, w, plan)
@@ -84,7 +84,7 @@ class InsertSelectPass(CustomGraphPass):
         sym = next((s for s in (_dim0_symbol(t) for t in tangents) if s is not None), None)
         if sym is None:
             raise Refused(no_head)
-        self._check_coupling(graph, sym, rec)
+        self._check_layout(graph, sym, rec)
         plan = _batch_tangents(graph, sym)
         last_placeholder = [n for n in graph.nodes if n.op == "placeholder"][-1]
         w = self._insert(graph, last_placeholder, SHARED, (plan[0], self.backend.key))
@@ -94,12 +94,17 @@ class InsertSelectPass(CustomGraphPass):
         rec.masked_tangents = len(plan)
         graph.lint()
 
-    def _check_coupling(self, graph, sym, rec) -> None:
-        reason = find_coupling(graph, sym)
+    def _check_layout(self, graph, sym, rec) -> None:
+        """Prove where the batch lies in every forward value (layout.py); refuse row mixing, and saved
+        values or outputs whose rows can't be gathered.  The layouts go to the backward pass."""
+        result = analyze(graph, sym)
+        rec.layouts = result.layouts
+        reason = result.refusal
         if reason is not None:
-            rec.coupled = True
-            if self.backend.config.on_coupling == "error":
-                rec.error = f"capskip_fx (on_coupling='error'): {reason}"
+            if reason.startswith("cross-example"):
+                rec.coupled = True
+                if self.backend.config.on_coupling == "error":
+                    rec.error = f"capskip_fx (on_coupling='error'): {reason}"
             raise Refused(reason)
 
     def _insert(self, graph: fx.Graph, after: fx.Node, op, args) -> fx.Node:

@@ -49,8 +49,11 @@ class BackwardPlan:
         return sum(s.kind == "batch" for s in self.specs)
 
 
-def plan_backward(gm: fx.GraphModule, example_inputs) -> tuple[fx.GraphModule, BackwardPlan, Any]:
-    """Rewrite ``gm`` in place (select -> input).  Returns the graph, its plan and the w example."""
+def plan_backward(gm: fx.GraphModule, example_inputs, layouts: dict) -> tuple[fx.GraphModule, BackwardPlan, Any]:
+    """Rewrite ``gm`` in place (select -> input).  Returns the graph, its plan and the w example.
+
+    ``layouts`` (the joint pass's analysis, by forward value name) must prove every batch-shaped
+    saved activation batch-major, in the dim and with the factor its sizes show."""
     sel = [n for n in gm.graph.nodes if n.target in SELECTION_OPS]
     if len(sel) != 1:
         raise Refused(f"expected one selection node in the backward, found {len(sel)}")
@@ -65,6 +68,9 @@ def plan_backward(gm: fx.GraphModule, example_inputs) -> tuple[fx.GraphModule, B
     for a in tensors:
         if specs[pos[a]].kind != "batch" or specs[pos[a]].factor != 1 or specs[pos[a]].dim != 0:
             raise Refused(f"selection input {a.name} does not carry the batch in dim 0")
+    for node, spec in zip(placeholders, specs):
+        if spec.kind == "batch" and not node.name.startswith("tangents"):
+            _check_proven(node.name, spec, layouts.get(node.name))
     out_vals = list(gm.graph.find_nodes(op="output"))[0].args[0]
     out_specs = []
     for o in out_vals:
@@ -84,6 +90,15 @@ def plan_backward(gm: fx.GraphModule, example_inputs) -> tuple[fx.GraphModule, B
                      if n.name.startswith("tangents") and specs[i].kind == "batch")
     plan = BackwardPlan(tuple(pos[a] for a in tensors), tangents, specs, out_specs, sym)
     return gm, plan, w_val
+
+
+def _check_proven(name: str, spec: Spec, layout) -> None:
+    """A saved activation is gathered along ``spec`` only where the dataflow proved that layout."""
+    if layout is None:
+        raise Refused(f"saved activation {name} has no proven batch layout (not a forward value of the joint graph)")
+    if not (layout.kind == "batch" and layout.outer == 1 and layout.dim == spec.dim and layout.inner == spec.factor):
+        raise Refused(f"saved activation {name}: its sizes suggest batch dim {spec.dim} x{spec.factor}, but the "
+                      f"dataflow says {layout}{': ' + layout.why if layout.why else ''}")
 
 
 def check_not_specialised(example_inputs, sym: sympy.Symbol) -> None:
