@@ -1,20 +1,17 @@
 """The one entry point: ``capskip_fx.compile(model, *, rule="capskip", budget=0.1, **options)``."""
 from __future__ import annotations
 
-import inspect
-import math
 from typing import Any, Optional, Union
 
 import torch
 from torch import Tensor, nn
 
 from . import ops
-from .backend import CapskipBackend
-from .config import CapskipConfig
-from .rules import Rule, make_rule, rule_class
+from .backend import CapskipBackend, backend_of, capskip_backend
+from .config import CapskipConfig, split_options
+from .rules import Rule, build_rule, make_rule
 from .runtime.state import ForwardContext, RuntimeState, StepStats
 
-_CONFIG_FIELDS = set(CapskipConfig.__dataclass_fields__)
 _RULE_STATE_KEY = "_capskip"
 
 
@@ -193,39 +190,12 @@ def compile(model: nn.Module, *, rule: Union[str, Rule] = "capskip", budget: Opt
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"capskip_fx.compile expects an nn.Module, got {type(model).__name__}")
-    cfg_opts = {k: options.pop(k) for k in list(options) if k in _CONFIG_FIELDS}
-    rule = _vcas_alias(rule, cfg_opts)
-    config = CapskipConfig(**cfg_opts)
-    rule_obj = build_rule(rule, budget, options)
+    config, rule, rule_opts = split_options(rule, options)
+    rule_obj = build_rule(rule, budget, rule_opts)
     _check_device(model)
     _check_not_fsdp2(model)
     state = RuntimeState(rule_obj, seed=seed, scope=config.scope)
     return CapskipModule(model, state, config, logits_index)
-
-
-def _vcas_alias(rule, cfg_opts: dict):
-    """``rule="vcas"``: every row reaches the backward (dense rule), VCAS samples inside it."""
-    if isinstance(rule, str) and rule == "vcas":
-        if cfg_opts.get("vcas") in (None, False):
-            cfg_opts["vcas"] = True
-        return "dense"
-    return rule
-
-
-def build_rule(rule: Union[str, Rule], budget: Optional[float], options: dict) -> Rule:
-    """A Rule from a name + options; ``budget`` goes to rules that take one (also a ``match=`` rule)."""
-    if isinstance(rule, Rule):
-        return make_rule(rule, **options)
-    cls = rule_class(rule)
-    options = dict(options)
-    if isinstance(options.get("match"), str):
-        options["match"] = build_rule(options["match"], budget, {})
-    if "budget" in inspect.signature(cls).parameters:
-        if budget is None or isinstance(budget, bool) or not isinstance(budget, (int, float)) \
-                or math.isnan(budget) or not 0 <= budget <= 1:
-            raise ValueError(f"budget must be a number in [0, 1], got {budget!r}")
-        options["budget"] = budget
-    return cls(**options)
 
 
 def _check_not_fsdp2(model: nn.Module) -> None:
@@ -247,36 +217,13 @@ def _check_device(model: nn.Module) -> None:
         raise ValueError(f"capskip_fx supports models on cpu/cuda/xpu; got parameters on {sorted(bad)}")
 
 
-# -- torch.compile(model, backend="capskip", options={...}) ------------------------------------
-_REGISTERED: dict[int, tuple[dict, CapskipBackend]] = {}
-
-
-def _registered_backend(gm, example_inputs, options: Optional[dict] = None, **_):
-    """The string backend.  One CapskipBackend per torch.compile call (its ``options`` dict).
-
-    Plain torch.compile does not mark the batch dim dynamic: the first graph is static and runs
-    dense (reason recorded) until a batch of another size makes Dynamo's automatic-dynamic mark
-    it; ``torch._dynamo.mark_dynamic(x, 0)`` or ``capskip_fx.compile`` avoid that.
-    """
-    options = options if options is not None else {}
-    entry = _REGISTERED.get(id(options))
-    if entry is None or entry[0] is not options:
-        opts = dict(options)
-        cfg_opts = {k: opts.pop(k) for k in list(opts) if k in _CONFIG_FIELDS}
-        rule_name = _vcas_alias(opts.pop("rule", "capskip"), cfg_opts)
-        cfg = CapskipConfig(**cfg_opts)
-        rule = build_rule(rule_name, opts.pop("budget", 0.1), opts)
-        state = RuntimeState(rule, scope=cfg.scope)
-        entry = (options, CapskipBackend(cfg, state, ops.register(state)))
-        _REGISTERED[id(options)] = entry
-    return entry[1](gm, example_inputs)
-
-
 def _register() -> None:
+    """``backend="capskip"``: normally the installed entry point (torch_dynamo_backends) is what torch finds;
+    from a source tree without one, register the same function here."""
     from torch._dynamo.backends.registry import list_backends, register_backend
 
     if "capskip" not in list_backends(exclude_tags=()):
-        register_backend(name="capskip")(_registered_backend)
+        register_backend(name="capskip")(capskip_backend)
 
 
 _register()
@@ -287,14 +234,11 @@ def _backend_of(model) -> CapskipBackend:
         return model.backend
     if isinstance(model, CapskipBackend):
         return model
-    try:  # an OptimizedModule from torch.compile(backend="capskip", options=...)
-        from torch._dynamo.eval_frame import innermost_backend
-
-        wrapper = innermost_backend(model.dynamo_ctx.callback)
-        return _REGISTERED[id(wrapper.kwargs.get("options", {}))][1]
-    except (AttributeError, KeyError, ImportError):
-        raise TypeError("capskip_fx.stats/report expect the module returned by capskip_fx.compile (or a "
-                        "torch.compile(backend='capskip', options=...) module after its first step)") from None
+    backend = backend_of(model) if isinstance(model, nn.Module) else None
+    if backend is None:
+        raise TypeError("capskip_fx.stats/report expect the module returned by capskip_fx.compile, or one "
+                        "compiled by torch.compile(backend='capskip') after its first step")
+    return backend
 
 
 def stats(model) -> StepStats:

@@ -7,12 +7,16 @@ rewrote and why it refused (``records``), like Thunder's backend.
 from __future__ import annotations
 
 import functools
+import sys
+import weakref
 from typing import Any, Optional
 
 import torch
 from torch import fx
+from torch.utils.weak import WeakIdKeyDictionary
 
-from .config import CapskipConfig
+from . import ops
+from .config import ENV_BUDGET, ENV_OPTIONS, ENV_RULE, CapskipConfig, options_from_env, split_options
 from .passes.batch import Refused
 from .passes.insert_select import SELECTION_OPS, InsertSelectPass
 from .passes.sample_wgrad import sample_wgrad
@@ -20,6 +24,7 @@ from .passes.segment_backward import find_cuts, split_backward
 from .passes.selected_rows import check_not_specialised, plan_backward
 from .records import BackwardMode, GraphRecord, counters
 from .rows import spec_of
+from .rules import build_rule
 from .runtime.backward import SelectedRowBackward
 from .runtime.state import RuntimeState
 from .runtime.vcas import VcasBackward
@@ -134,6 +139,7 @@ class CapskipBackend:
         self.logits_index = logits_index
         self.records: list[GraphRecord] = []
         self._current: Optional[GraphRecord] = None
+        self.options_key: Optional[str] = None  # string backend: the settings it was made for
 
     def current_record(self) -> GraphRecord:
         assert self._current is not None
@@ -235,3 +241,101 @@ class CapskipBackend:
         rec.vcas = reason
         self.state.warn_once(reason)
         return None
+
+
+# -- the string backend: torch.compile(model, backend="capskip"[, options={...}]) ----------------------
+# One CapskipBackend (one rule state, one record list) per compiled module and settings, so all graphs of a
+# module (graph breaks, recompiles) share it, and it is freed with the module.  The module is the
+# OptimizedModule whose call is compiling the graph (found on the stack at compile time); for
+# torch.compile of a function, the backend that compiled a graph taking the same parameters, else the one
+# that compiled the previous graph.
+_BY_OWNER: "weakref.WeakKeyDictionary[torch.nn.Module, dict[str, CapskipBackend]]" = weakref.WeakKeyDictionary()
+_BY_PARAM: "WeakIdKeyDictionary" = WeakIdKeyDictionary()  # Parameter -> {settings: backend}
+_LAST: list = [None]  # weakref of the backend that compiled the last graph
+
+
+def capskip_backend(gm: fx.GraphModule, example_inputs, options: Optional[dict] = None, **_):
+    """``torch.compile(model, backend="capskip", options={...})``; with no options, the ``CAPSKIP_*``
+    environment settings (config.options_from_env)."""
+    from_env = not options
+    opts = options_from_env() if from_env else dict(options)
+    key = repr(sorted(opts.items(), key=lambda kv: kv[0]))
+    owner = _compiling_module()
+    params = [t for t in example_inputs if isinstance(t, torch.nn.Parameter)]
+    backend = _BY_OWNER.get(owner, {}).get(key) if owner is not None else None
+    if backend is None:
+        backend = next((b for b in (_BY_PARAM.get(p, {}).get(key) for p in params) if b is not None), None)
+    last = _LAST[0]() if _LAST[0] is not None else None
+    if backend is None and owner is None and last is not None and last.options_key == key:
+        backend = last
+    if backend is None:
+        backend = _string_backend(opts, from_env)
+        backend.options_key = key
+    if owner is not None:
+        _BY_OWNER.setdefault(owner, {})[key] = backend
+    for p in params:
+        _BY_PARAM.setdefault(p, {})[key] = backend
+    _LAST[0] = weakref.ref(backend)
+    return backend(gm, example_inputs)
+
+
+def _compiling_module() -> Optional[torch.nn.Module]:
+    """The torch.compile'd module (OptimizedModule) whose call Dynamo is compiling, from the stack."""
+    from torch._dynamo.eval_frame import OptimizedModule
+
+    frame = sys._getframe(1)
+    while frame is not None:
+        owner = frame.f_locals.get("self")
+        if isinstance(owner, OptimizedModule):
+            return owner
+        frame = frame.f_back
+    return None
+
+
+def _string_backend(opts: dict, from_env: bool) -> CapskipBackend:
+    opts = dict(opts)
+    rule, budget, seed = opts.pop("rule", "capskip"), opts.pop("budget", 0.1), opts.pop("seed", 0)
+    logits_index = opts.pop("logits_index", None)
+    try:
+        config, rule, rule_opts = split_options(rule, opts)
+        state = RuntimeState(build_rule(rule, budget, rule_opts), seed=seed, scope=config.scope)
+    except (TypeError, ValueError) as e:
+        where = f"{ENV_RULE} / {ENV_BUDGET} / {ENV_OPTIONS}" if from_env else "torch.compile(options=...)"
+        raise ValueError(f"capskip backend settings ({where}): {e}") from None
+    return CapskipBackend(config, state, ops.register(state), logits_index)
+
+
+def backend_of(module) -> Optional[CapskipBackend]:
+    """The string backend that compiled ``module`` (the module torch.compile returned, or the original),
+    the one holding its head graph when several settings compiled it; None if none did."""
+    found: list[CapskipBackend] = list(_BY_OWNER.get(module, {}).values()) if isinstance(module, torch.nn.Module) else []
+    inner = getattr(module, "_orig_mod", module)
+    for p in inner.parameters() if isinstance(inner, torch.nn.Module) else ():
+        for b in _BY_PARAM.get(p, {}).values():
+            if b not in found:
+                found.append(b)
+    return next((b for b in found if b.any_selected), found[0] if found else None)
+
+
+#: Dynamo source names of a compiled frame's own tensor arguments (``L['x']``, ``L['args'][0]``,
+#: ``L['kwargs']['mask']``; not attributes of them: no parameter, no buffer), dim 0 only.  Weakly dynamic:
+#: a model that fixes its batch size specialises it, no error.
+BATCH_SOURCES = r"L\['[^']*'\](\[[^\]]*\])?$:0"
+
+
+def make_batch_dynamic() -> bool:
+    """Have Dynamo trace dim 0 of every compiled frame's tensor arguments as dynamic, as capskip_fx.compile
+    does for its module: without it a drop_last loader's batch is static and no row could be dropped.
+    Process-wide (``torch.compiler.config.dynamic_sources``); ``CAPSKIP_DYNAMIC_BATCH=0`` opts out.
+    False where this torch has no per-dim dynamic sources."""
+    import os
+
+    from torch._dynamo.variables import builder
+
+    if os.environ.get("CAPSKIP_DYNAMIC_BATCH", "1") == "0" or not hasattr(builder, "_parse_source_entry"):
+        return False
+    cfg = torch.compiler.config
+    entries = [e for e in cfg.dynamic_sources.split(",") if e.strip()]
+    if BATCH_SOURCES not in entries:
+        cfg.dynamic_sources = ",".join(entries + [BATCH_SOURCES])
+    return True

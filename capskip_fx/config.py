@@ -1,9 +1,12 @@
 """Frozen configuration of one ``capskip_fx.compile`` call."""
 from __future__ import annotations
 
+import ast
 import math
+import os
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Optional
+from typing import Any, Optional
 
 from .rules.vcas import VCAS
 
@@ -77,3 +80,58 @@ class CapskipConfig:
         """Rows the backward runs on for k kept rows out of n (k <= kb <= n)."""
         kb = max(self.min_rows, math.ceil(k / self.granule) * self.granule)
         return min(n, kb)
+
+
+# -- options as compile() takes them: split, and read from the environment -------------------------
+ENV_RULE, ENV_BUDGET, ENV_OPTIONS = "CAPSKIP_RULE", "CAPSKIP_BUDGET", "CAPSKIP_OPTIONS"
+CONFIG_FIELDS = tuple(CapskipConfig.__dataclass_fields__)
+
+
+def split_options(rule, options: dict) -> tuple["CapskipConfig", Any, dict]:
+    """(config, rule, rule options) from compile()'s keywords.  ``rule="vcas"`` is the dense rule with
+    VCAS inside the backward."""
+    options = dict(options)
+    cfg_opts = {k: options.pop(k) for k in list(options) if k in CONFIG_FIELDS}
+    if isinstance(rule, str) and rule == "vcas":
+        if cfg_opts.get("vcas") in (None, False):
+            cfg_opts["vcas"] = True
+        rule = "dense"
+    return CapskipConfig(**cfg_opts), rule, options
+
+
+def options_from_env(environ: Optional[Mapping[str, str]] = None) -> dict:
+    """compile()'s keywords from ``CAPSKIP_RULE``, ``CAPSKIP_BUDGET`` and ``CAPSKIP_OPTIONS``
+    (comma-separated ``key=value``, e.g. ``keep=0.5,backend=aot_eager,gather_below=0.9``), the way
+    Inductor reads ``TORCHINDUCTOR_*``.  Values are Python literals (numbers, True/False/None) or plain
+    strings; names are checked against compile()'s; a bad one raises naming the variable."""
+    from .rules import RULES, rule_options
+
+    env = os.environ if environ is None else environ
+    out: dict[str, Any] = {}
+    if env.get(ENV_RULE):
+        out["rule"] = env[ENV_RULE].strip()
+    if env.get(ENV_BUDGET):
+        try:
+            out["budget"] = float(env[ENV_BUDGET])
+        except ValueError:
+            raise ValueError(f"{ENV_BUDGET}={env[ENV_BUDGET]!r}: expected a number in [0, 1]") from None
+    rule = out.get("rule", "capskip")
+    if rule not in RULES and rule != "vcas":
+        raise ValueError(f"{ENV_RULE}={rule!r}: unknown rule; valid names: {', '.join(sorted(RULES))}, vcas")
+    known = set(CONFIG_FIELDS) | {"seed", "logits_index", "budget"} | set(rule_options(
+        "dense" if rule == "vcas" else rule))
+    for item in filter(None, (p.strip() for p in env.get(ENV_OPTIONS, "").split(","))):
+        key, sep, raw = item.partition("=")
+        key = key.strip()
+        if not sep or key not in known:
+            raise ValueError(f"{ENV_OPTIONS}: {item!r} is not key=value with a known key; valid keys for rule "
+                             f"{rule!r}: {', '.join(sorted(known))}")
+        out[key] = _literal(raw.strip())
+    return out
+
+
+def _literal(raw: str) -> Any:
+    try:
+        return ast.literal_eval(raw)
+    except (ValueError, SyntaxError):
+        return raw  # a plain string (backend=aot_eager, scope=global, ...)

@@ -163,8 +163,9 @@ def test_string_backend_with_options():
         grads = {k: p.grad.clone() for k, p in model.named_parameters()}
         assert max_rel_err(grads, reference_grads(model, x, y, st.weight)) < 1e-10
     assert capskip_fx.report(opt)[0]["backward"] == "selected rows"
+    assert capskip_fx.stats(model).n == 6  # the original module finds its backend too
     with pytest.raises(TypeError, match="capskip_fx.compile"):
-        capskip_fx.stats(model)
+        capskip_fx.stats(nn.Linear(2, 2))  # a module no capskip backend compiled
 
 
 class GraphBreak(nn.Module):

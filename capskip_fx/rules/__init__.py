@@ -1,7 +1,9 @@
 """Selection rules: one file per rule, all behind :class:`~capskip_fx.rules.base.Rule`."""
 from __future__ import annotations
 
-from typing import Any, Union
+import inspect
+import math
+from typing import Any, Optional, Union
 
 from .base import HeadView, Rule, Selection
 from .capskip import CAPSkip
@@ -42,5 +44,27 @@ def rule_class(name: str) -> type:
     return RULES[name]
 
 
-__all__ = ["HeadView", "Rule", "Selection", "RULES", "make_rule", "rule_class", "CAPSkip", "Dense", "Forced",
+def build_rule(rule: Union[str, Rule], budget: Optional[float] = 0.1, options: Optional[dict] = None) -> Rule:
+    """A Rule from a name + options; ``budget`` goes to rules that take one (also a ``match=`` rule)."""
+    options = dict(options or {})
+    if isinstance(rule, Rule):
+        return make_rule(rule, **options)
+    cls = rule_class(rule)
+    if isinstance(options.get("match"), str):
+        options["match"] = build_rule(options["match"], budget, {})
+    if "budget" in inspect.signature(cls).parameters:
+        if budget is None or isinstance(budget, bool) or not isinstance(budget, (int, float)) \
+                or math.isnan(budget) or not 0 <= budget <= 1:
+            raise ValueError(f"budget must be a number in [0, 1], got {budget!r}")
+        options["budget"] = budget
+    return cls(**options)
+
+
+def rule_options(name: str) -> dict[str, inspect.Parameter]:
+    """The keyword options a named rule takes (for checking user-supplied option names)."""
+    return {k: p for k, p in inspect.signature(rule_class(name)).parameters.items()
+            if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
+
+
+__all__ = ["build_rule", "rule_options", "HeadView", "Rule", "Selection", "RULES", "make_rule", "rule_class", "CAPSkip", "Dense", "Forced",
            "KABENA", "RandomSkip", "SelectiveBackprop", "StaleSB", "UpperBoundIS"]

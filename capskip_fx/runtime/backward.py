@@ -14,7 +14,7 @@ Invariant: the returned gradients equal the dense-masked backward's on every cal
 """
 from __future__ import annotations
 
-from typing import Callable, Optional
+from typing import Callable
 
 import torch
 

@@ -1,0 +1,108 @@
+"""``torch.compile(model, backend="capskip")`` as users turn it on with one flag (timm's
+``--torchcompile capskip``, HF's ``torch_compile_backend="capskip"``): the entry point in a fresh
+process, settings from CAPSKIP_* variables, a static (drop_last) batch, one state per module."""
+from __future__ import annotations
+
+import copy
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import capskip_fx
+from capskip_fx.config import options_from_env
+
+from conftest import max_rel_err
+
+FRESH = textwrap.dedent("""
+    import copy, json, sys, torch, torch.nn as nn, torch.nn.functional as F
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 8), nn.GELU(), nn.Linear(8, 3)).double()
+    ref = copy.deepcopy(model)
+    opt = torch.compile(model, backend="capskip")  # no capskip_fx import: the entry point
+    assert "capskip_fx" in sys.modules
+    for step in range(3):  # static batch of 8, nothing marked dynamic (a drop_last loader)
+        x = torch.randn(8, 6, dtype=torch.float64); y = torch.randint(0, 3, (8,))
+        model.zero_grad(); F.cross_entropy(opt(x), y).backward()
+    import capskip_fx
+    st = capskip_fx.stats(opt)
+    ref.zero_grad(); (F.cross_entropy(ref(x), y, reduction="none") * st.weight).mean().backward()
+    err = max(((p.grad - q.grad).norm() / q.grad.norm()).item() for p, q in zip(model.parameters(), ref.parameters()))
+    print(json.dumps({"n": st.n, "kept": st.kept, "rows": st.rows, "err": err,
+                      "backward": capskip_fx.report(opt)[0]["backward"]}))
+""")
+
+
+def _fresh(env_extra: dict) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("CAPSKIP_")}
+    env.update(env_extra)
+    return subprocess.run([sys.executable, "-c", FRESH], env=env, capture_output=True, text=True, timeout=300)
+
+
+def test_entry_point_in_a_fresh_process_static_batch_env_settings():
+    out = _fresh({"CAPSKIP_RULE": "forced", "CAPSKIP_OPTIONS": "keep=0.5,backend=aot_eager"})
+    assert out.returncode == 0, out.stderr[-3000:]
+    res = json.loads(out.stdout.strip().splitlines()[-1])
+    assert res == {**res, "n": 8, "kept": 4, "rows": 4, "backward": "selected rows"} and res["err"] < 1e-10
+
+
+def test_bad_environment_setting_raises_naming_the_variable():
+    out = _fresh({"CAPSKIP_OPTIONS": "gather_below=2,backend=aot_eager"})
+    assert out.returncode != 0 and "CAPSKIP_OPTIONS" in out.stderr and "gather_below must be in [0, 1]" in out.stderr
+
+
+@pytest.mark.parametrize("env, match", [
+    ({"CAPSKIP_RULE": "capskp"}, "CAPSKIP_RULE='capskp': unknown rule"),
+    ({"CAPSKIP_BUDGET": "lots"}, "CAPSKIP_BUDGET='lots'"),
+    ({"CAPSKIP_OPTIONS": "kep=0.5"}, "CAPSKIP_OPTIONS: 'kep=0.5' is not key=value with a known key"),
+    ({"CAPSKIP_OPTIONS": "keep"}, "CAPSKIP_OPTIONS: 'keep' is not key=value"),
+])
+def test_environment_parsing_errors(env, match):
+    with pytest.raises(ValueError, match=match.replace("[", r"\[").replace("(", r"\(")):
+        options_from_env(env)
+
+
+def test_environment_parsing_types():
+    got = options_from_env({"CAPSKIP_RULE": "random", "CAPSKIP_BUDGET": "0.3",
+                            "CAPSKIP_OPTIONS": "keep=0.25, backend=aot_eager, verify=False, verify_every=None"})
+    assert got == {"rule": "random", "budget": 0.3, "keep": 0.25, "backend": "aot_eager", "verify": False,
+                   "verify_every": None}
+
+
+class Broken(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b, self.head = nn.Linear(6, 8), nn.Linear(8, 8), nn.Linear(8, 3)
+
+    def forward(self, x):
+        x = self.a(x).relu()
+        torch._dynamo.graph_break()
+        return self.head(self.b(x).relu())
+
+
+def test_graph_breaks_share_one_backend_and_skip_rows(monkeypatch):
+    """With no options every graph of the module joins one backend (one rule state, one report)."""
+    monkeypatch.setenv("CAPSKIP_RULE", "forced")
+    monkeypatch.setenv("CAPSKIP_OPTIONS", "keep=0.25,backend=aot_eager")
+    torch.manual_seed(0)
+    model = Broken().double()
+    opt = torch.compile(model, backend="capskip")
+    for step in range(2):
+        x = torch.randn(8, 6, dtype=torch.float64)
+        torch._dynamo.mark_dynamic(x, 0)
+        y = torch.randint(0, 3, (8,))
+        model.zero_grad()
+        F.cross_entropy(opt(x), y).backward()
+    rep = capskip_fx.report(opt)
+    assert [r["role"] for r in rep] == ["body", "head"] and all(r["row_counts"] == [2] for r in rep)
+    grads = {k: p.grad.clone() for k, p in model.named_parameters()}
+    ref = copy.deepcopy(model)
+    ref.zero_grad()
+    (F.cross_entropy(ref(x), y, reduction="none") * capskip_fx.stats(opt).weight).mean().backward()
+    assert max_rel_err(grads, {k: p.grad for k, p in ref.named_parameters()}) < 1e-10
