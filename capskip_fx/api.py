@@ -9,6 +9,7 @@ from torch import Tensor, nn
 from . import ops
 from .backend import CapskipBackend, backend_of, capskip_backend
 from .config import CapskipConfig, split_options
+from .records import Report
 from .rules import Rule, build_rule, make_rule
 from .runtime.state import ForwardContext, RuntimeState, StepStats
 
@@ -249,6 +250,6 @@ def stats(model) -> StepStats:
     return s
 
 
-def report(model) -> list[dict]:
-    """One row per graph the backend received: how its backward runs and why."""
-    return [r.as_dict() for r in _backend_of(model).records]
+def report(model) -> Report:
+    """One row per graph the backend received: how its backward runs and why (prints as a table)."""
+    return Report(r.as_dict() for r in _backend_of(model).records)

@@ -89,6 +89,12 @@ class _Forward:
         return getattr(self.compiled, name)
 
 
+def _trace(name: str, payload) -> None:
+    """A structured-trace artifact (tlparse shows it beside Inductor's graphs)."""
+    torch._logging.trace_structured("artifact", metadata_fn=lambda: {"name": name, "encoding": "string"},
+                                    payload_fn=payload)
+
+
 class _RaiseOnCall:
     """Forward of a graph refused with ``on_coupling="error"``: raise at its first run, not at compile
     time (Dynamo would wrap a compile-time error in BackendCompilerFailed)."""
@@ -207,6 +213,8 @@ class CapskipBackend:
             self.on_refused(str(e))
         self.state.variants += 1
         counters()["variants"] += 1
+        _trace(f"capskip_backward_graph_{rec.index}", lambda: f"# {rec.backward}: {plan.gathered_inputs} gathered "
+               f"inputs, reason: {rec.reason}\n" + gm.print_readable(print_output=False))
         return SelectedRowBackward(compiled, plan, self.state, self.config, rec,
                                    dense_only=rec.backward != BackwardMode.SELECTED)
 

@@ -73,3 +73,30 @@ def refuse(record: Optional[GraphRecord], reason: str, mode: Optional[BackwardMo
             record.backward = mode
     else:
         counters()["refused: " + reason.split(":")[0][:60]] += 1
+
+
+class Report(list):
+    """``capskip_fx.report(model)``: one dict per graph (a list, as before; ``.rows`` for code) that prints
+    as a table."""
+
+    COLUMNS = ("graph", "role", "backward", "gathered_inputs", "row_counts", "verified", "reason")
+
+    @property
+    def rows(self) -> list[dict]:
+        return list(self)
+
+    def __str__(self) -> str:
+        cells = [[str(c) for c in self.COLUMNS]] + [[_cell(r.get(c)) for c in self.COLUMNS] for r in self]
+        width = [max(len(row[i]) for row in cells) for i in range(len(self.COLUMNS) - 1)]
+        lines = ["  ".join(v.ljust(w) for v, w in zip(row, width)) + "  " + row[-1] for row in cells]
+        return "\n".join(line.rstrip() for line in lines)
+
+    __repr__ = __str__
+
+
+def _cell(v: Any) -> str:
+    if v is None:
+        return "-"
+    if isinstance(v, list):
+        return ",".join(map(str, v)) if len(v) <= 6 else f"{','.join(map(str, v[:6]))},... ({len(v)})"
+    return str(v)

@@ -12,6 +12,7 @@ when there were several.  Stats are kept as tensors where reading them would syn
 """
 from __future__ import annotations
 
+import logging
 import math
 import time
 import warnings
@@ -25,6 +26,8 @@ from ..rules.base import HeadView, Rule, Selection
 from ..rules.labels import SOFTMAX_RESIDUAL_TOL, bad_targets, infer_targets, softmax_residual
 
 _LABEL_FREE_RULES = ("dense", "forced")
+log = logging.getLogger("capskip_fx")
+LOG_EVERY_S = 60.0  # the INFO line for scripts that never call stats(): at most once a minute
 
 
 def _f32(t: Tensor) -> Tensor:
@@ -41,7 +44,7 @@ def _needs_labels(rule: Rule) -> bool:
     return rule.name not in _LABEL_FREE_RULES
 
 
-@dataclass
+@dataclass(repr=False)
 class StepStats:
     step: int = 0
     n: int = 0
@@ -78,6 +81,16 @@ class StepStats:
     def kept_fraction(self) -> float:
         return self.kept / self.n if self.n else math.nan
 
+    def __repr__(self) -> str:
+        """The numbers a user looks at (the weight tensor elided; ``.weight`` has it)."""
+        parts = [f"step={self.step}", f"n={self.n}", f"kept={self.kept}", f"rows={self.rows}"]
+        if self._bound is not None:
+            parts.append(f"bound={self.bound:.4g}")
+        parts += [f"fallback={self.fallback!r}", f"variants={self.variants}"]
+        if len(self.forwards) > 1:
+            parts.append(f"forwards={len(self.forwards)}")
+        return f"StepStats({', '.join(parts)})"
+
     def as_dict(self) -> dict:
         d = {"step": self.step, "n": self.n, "kept": self.kept, "rows": self.rows,
              "bound": self.bound, "fallback": self.fallback, "variants": self.variants,
@@ -111,6 +124,7 @@ class RuntimeState:
         self._generator: Optional[torch.Generator] = None
         self.bound_forwards = False  # CapskipModule binds each forward to its logits' node (string backend: no)
         self._task: Optional[int] = None  # autograd graph task of the current step
+        self._logged_at = -math.inf
         self.last = StepStats()
         self.variants = 0  # compiled selected-row backward variants
         self.fallback: Optional[str] = None  # sticky reason for the current graph, if it runs dense
@@ -220,9 +234,19 @@ class RuntimeState:
         task = getattr(torch._C, "_current_graph_task_id", lambda: -1)()
         if task == -1 or task != self._task:
             self._task = task
+            self._log_step(self.last)
             self.last = StepStats(step=self.step, variants=self.variants)
             self.step += 1
         return self.last.step
+
+    def _log_step(self, st: StepStats) -> None:
+        """One INFO line per LOG_EVERY_S about the last completed step (no device read)."""
+        now = time.monotonic()
+        if st.n and log.isEnabledFor(logging.INFO) and now - self._logged_at >= LOG_EVERY_S:
+            self._logged_at = now
+            log.info("capskip_fx step %d: kept %d/%d rows (%.0f%%), backward ran on %d, variants %d%s",
+                     st.step, st.kept, st.n, 100.0 * st.kept / st.n, st.rows, self.variants,
+                     f", fallback: {st.fallback}" if st.fallback else "")
 
     def set_rows(self, stats: Optional[StepStats], rows: int) -> None:
         """Rows a head graph's backward ran on, for its forward's stats."""
