@@ -219,7 +219,19 @@ def _mean(xs: list[Optional[float]]) -> float:
 
 
 def compare_table(runs: Sequence[Run]) -> str:
-    """Markdown table, one row per label: final top-1 mean ± std (sample std over seeds), etc."""
+    """Markdown table, one row per label: final top-1 mean ± std (sample std over seeds), etc.
+    Runs on different datasets (or subsets) are never compared in one table: one table each."""
+    by_data: dict[str, list[Run]] = {}
+    for r in runs:
+        c = r.config
+        key = f"{c.get('dataset')} (train subset {c.get('train_subset')}, eval subset {c.get('eval_subset')})"
+        by_data.setdefault(key, []).append(r)
+    if len(by_data) > 1:
+        return "\n".join(f"### {key}\n\n{_table(members)}" for key, members in by_data.items())
+    return _table(runs)
+
+
+def _table(runs: Sequence[Run]) -> str:
     groups = group_runs(runs)
     dense = next((g for g in groups.values() if all(r.is_dense_reference for r in g)), None)
     dense_wall = _mean([r.final.get("wall_clock_s") for r in dense]) if dense else math.nan

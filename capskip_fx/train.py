@@ -124,6 +124,16 @@ class TrainConfig:
             bad("check_every and warmup_epochs must be >= 0")
         if not isinstance(self.model_kwargs, dict) or not isinstance(self.rule_options, dict):
             bad("model_kwargs and rule_options must be mappings")
+        if self.data_dir is not None and not Path(self.data_dir).is_dir():
+            bad(f"data_dir {self.data_dir!r} is not a folder")
+        # the rule is built here too, so a bad budget or option fails before any data is loaded
+        try:
+            from .rules import build_rule
+
+            if self.rule != "vcas":
+                build_rule(self.rule, self.budget, rule_options(self))
+        except (TypeError, ValueError) as e:
+            bad(f"rule {self.rule!r}: {e}")
 
 
 FIELDS = {f.name: f for f in dataclasses.fields(TrainConfig)}
@@ -616,9 +626,15 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
 def run(argv: Optional[Sequence[str]] = None) -> Any:
     """Parse and dispatch; returns the train result dict or the compare table."""
     argv = list(sys.argv[1:] if argv is None else argv)
+    parser = build_parser()
+    if argv in (["-h"], ["--help"]):  # the default sub-command's flags are what a newcomer looks for
+        sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+        print(parser.format_help() + "\n`capskip-train [train] FLAGS` (train is the default):\n\n"
+              + sub.choices["train"].format_help())
+        raise SystemExit(0)
     if not argv or argv[0] not in ("train", "compare", "-h", "--help"):
         argv.insert(0, "train")
-    ns = build_parser().parse_args(argv)
+    ns = parser.parse_args(argv)
     if ns.command == "compare":
         table = plots.compare(ns.runs, ns.out)
         print(table + f"\nwritten to {ns.out}/compare.md")

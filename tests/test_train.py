@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import csv
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -185,3 +186,27 @@ def test_compare_renders_table_and_plots(tmp_path):
         assert (out / p).stat().st_size > 0
     # a parent folder is searched for run directories
     assert train.run(["compare", str(runs), "--out", str(tmp_path / "cmp2")]) == table
+
+
+def test_cli_errors_come_before_any_work(tmp_path, capsys):
+    """A bad budget or data folder fails at once, with the option named, and writes nothing."""
+    from capskip_fx import train as cli
+
+    for argv, msg in ((["--budget", "2.0"], "budget must be a number in [0, 1]"),
+                      (["--data-dir", str(tmp_path / "nope")], "is not a folder"),
+                      (["--rule", "forced", "--keep", "3"], "keep fraction must be in (0, 1]")):
+        with pytest.raises(SystemExit, match=re.escape(msg)):
+            cli.run([*argv, "--out", str(tmp_path / "run")])
+        assert not (tmp_path / "run").exists()
+    with pytest.raises(SystemExit):
+        cli.run(["--help"])
+    assert "--budget" in capsys.readouterr().out  # the default sub-command's flags, at the top level
+
+
+def test_compare_splits_runs_of_different_datasets(tmp_path):
+    from capskip_fx import plots
+
+    runs = [plots.Run(path=tmp_path / n, config={"dataset": d, "rule": "dense", "seed": 0},
+                      summary=[{"eval_top1": 50.0, "wall_clock_s": 1.0}]) for n, d in (("a", "digits"), ("b", "mnist"))]
+    table = plots.compare_table(runs)
+    assert "### digits" in table and "### mnist" in table and table.count("| run |") == 2
