@@ -46,7 +46,7 @@ a tuple/list (``var_mean``, ``sort``, ``split``, sdpa, ``native_dropout``, ...) 
 ``f"{name}.{i}"`` per tensor element (and each ``getitem`` node has its own key as well).  SymInt /
 SymFloat / None values have no key.
 
-The known ops are data (sets of ``OpOverloadPacket``): ``MOVE_OPS``, ``RESHAPE_OPS``,
+The known ops are data (sets of qualified op names such as ``"aten::mm"``): ``MOVE_OPS``, ``RESHAPE_OPS``,
 ``REDUCE_OPS``, ``ALONG_OPS``, ``SLICE_OPS``, ``MATMUL_OPS``, ``ATTENTION_OPS``, ``PER_SAMPLE_OPS``,
 ``FACTORY_OPS``, ... below; ``torch.Tag.pointwise`` marks the pointwise ops.  Anything else is
 ``unknown`` when a batch value flows in (and so is a node a rule fails on: the analysis never raises
@@ -107,10 +107,12 @@ class LayoutAnalysis:
 
 
 # --------------------------------------------------------------------------------------------
-# op tables (data).  Names missing from this torch build are skipped.
+# op tables (data): qualified op names ("aten::mm"), not packet objects, so that ops registered after this
+# module is imported (Inductor's prims._low_memory_max_pool_*) are known too, and names this torch build
+# lacks are harmless.
 
 def _packets(ns, names: str) -> frozenset:
-    return frozenset(p for p in (getattr(ns, nm, None) for nm in names.split()) if p is not None)
+    return frozenset(f"{ns.name}::{nm}" for nm in names.split())
 
 
 # one tensor input; the batch dim survives intact (possibly moved): found again as the output's s-dim
@@ -266,8 +268,10 @@ def _op(n: fx.Node) -> str:
     return f"{n.name} ({n.target})"
 
 
-def _packet(n: fx.Node):
-    return getattr(n.target, "overloadpacket", None)
+def _packet(n: fx.Node) -> Optional[str]:
+    """The qualified name of the node's op ("aten::mm"), the key of the op tables."""
+    packet = getattr(n.target, "overloadpacket", None)
+    return getattr(packet, "_qualified_op_name", None)
 
 
 def _norm_dims(v: Any, ndim: int) -> Optional[list]:
