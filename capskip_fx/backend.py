@@ -192,12 +192,15 @@ class CapskipBackend:
             rec.backward = BackwardMode.DENSE
             return base(gm, example_inputs, **kwargs)
         try:
-            gm, plan, w_val = plan_backward(gm, example_inputs, rec.layouts)
+            gm, plan, w_val, example_inputs = plan_backward(gm, example_inputs, rec.layouts)
         except Refused as e:
             rec.refuse(str(e), BackwardMode.DENSE_MASKED)
             self.on_refused(str(e))
             return base(gm, example_inputs, **kwargs)
         rec.plan = plan
+        prefix = None
+        if plan.prefix is not None:  # an in-graph loss: its backward runs first, on all rows
+            prefix = base(plan.prefix.gm, list(plan.prefix.examples), **dict(kwargs, static_input_idxs=()))
         compiled = None
         if self.config.vcas is not None:
             compiled = self._vcas(rec, gm, list(example_inputs) + [w_val], plan.sym, base, kwargs)
@@ -216,7 +219,7 @@ class CapskipBackend:
         _trace(f"capskip_backward_graph_{rec.index}", lambda: f"# {rec.backward}: {plan.gathered_inputs} gathered "
                f"inputs, reason: {rec.reason}\n" + gm.print_readable(print_output=False))
         return SelectedRowBackward(compiled, plan, self.state, self.config, rec,
-                                   dense_only=rec.backward != BackwardMode.SELECTED)
+                                   dense_only=rec.backward != BackwardMode.SELECTED, prefix=prefix)
 
     def _vcas(self, rec: GraphRecord, gm: fx.GraphModule, example_inputs: list, sym, base, kwargs):
         """VCAS: SampleW rewrite, then the backward cut into segments compiled one by one.

@@ -303,9 +303,10 @@ Result = Union[Layout, list]  # a Layout, or one Optional[Layout] per tuple elem
 
 
 class _Walk:
-    def __init__(self, graph: fx.Graph, sym: sympy.Symbol):
+    def __init__(self, graph: fx.Graph, sym: sympy.Symbol, exclude: frozenset = frozenset()):
         self.graph, self.sym = graph, sym
         self.bwd = backward_nodes(graph)
+        self.exclude = exclude
         self.lay: dict[fx.Node, Result] = {}
         self.any_layout: set[fx.Node] = set()  # batch values whose rows are constant or i.i.d. random
         self.refusals: list[str] = []
@@ -365,7 +366,7 @@ class _Walk:
     # ---- the walk
     def run(self) -> LayoutAnalysis:
         for n in self.graph.nodes:
-            if n.op == "output" or n in self.bwd:
+            if n.op == "output" or n in self.bwd or n in self.exclude:
                 continue
             try:
                 r = self.visit(n)
@@ -939,11 +940,13 @@ def _rule(n: fx.Node) -> Optional[Callable[[_Walk, fx.Node], Result]]:
     return None
 
 
-def analyze(graph: fx.Graph, sym: sympy.Symbol) -> LayoutAnalysis:
+def analyze(graph: fx.Graph, sym: sympy.Symbol, exclude=()) -> LayoutAnalysis:
     """Layouts of the forward values of an AOT joint graph whose batch size is ``sym``.
 
     One pass in topological order; see the module docstring for the rules and the invariants.
+    ``exclude``: forward nodes not analysed (an in-graph loss after the logits, whose backward runs on
+    every row: see passes/insert_select.py); they get no layout and are never a reason to refuse.
     """
     if not isinstance(sym, sympy.Symbol):
         raise ValueError(f"the batch size must be a sympy Symbol (the batch dim marked dynamic), got {sym!r}")
-    return _Walk(graph, sym).run()
+    return _Walk(graph, sym, frozenset(exclude)).run()

@@ -41,6 +41,7 @@ class GraphRecord:
     no_head: Optional[str] = None
     coupled: bool = False
     masked_tangents: int = 0
+    in_graph_loss: bool = False  # the loss is computed in the graph: rows selected on dL/dz in the backward
     backward: BackwardMode = BackwardMode.NOT_COMPILED
     reason: Optional[str] = None  # why this graph runs dense, if it does
     plan: Any = None  # passes.selected_rows.BackwardPlan

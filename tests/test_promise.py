@@ -240,3 +240,58 @@ def test_counters_record_rewrites_and_refusals():
     with pytest.warns(UserWarning):
         F.cross_entropy(bn(_x(6, 1)), torch.arange(6) % 3).backward()
     assert any(k.startswith("refused: cross-example") for k in counters())
+
+
+class InModelLoss(nn.Module):
+    """Hugging Face style: given labels, the model returns (loss, logits); the loss is computed inside."""
+
+    def __init__(self, extra=None):
+        super().__init__()
+        self.fc, self.head, self.extra = nn.Linear(6, 8), nn.Linear(8, 3), extra
+
+    def forward(self, x, labels=None):
+        h = F.gelu(self.fc(x))
+        z = self.head(h)
+        if labels is None:
+            return z
+        loss = F.cross_entropy(z, labels, ignore_index=-100)
+        if self.extra == "aux":
+            loss = loss + h.pow(2).mean()  # another batch reduction: couples the rows
+        elif self.extra == "reads_h":
+            loss = loss + (z * h[:, :3]).sum(1).mean()  # the loss reads an activation besides the logits
+        return loss, z
+
+
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+def test_in_graph_loss_selects_on_the_gradient_into_the_logits(backend):
+    torch.manual_seed(0)
+    model = InModelLoss().double()
+    cm = capskip_fx.compile(model, rule="forced", keep=lambda n: torch.tensor([0, 3, 5]), backend=backend)
+    for step in range(2):
+        x, y = _x(8, step), torch.arange(8) % 3
+        y[6] = -100  # an ignored row: the loss divides by the 7 valid ones
+        model.zero_grad()
+        loss, z = cm(x, y)
+        loss.backward()
+    st = capskip_fx.stats(cm)
+    assert (st.kept, st.rows) == (3, 3) and cm.backend.records[0].in_graph_loss
+    ref = copy.deepcopy(model)
+    ref.zero_grad()
+    (F.cross_entropy(ref(x), y, reduction="none", ignore_index=-100) * st.weight).sum().div(7).backward()
+    assert max_rel_err(_grads(model), _grads(ref)) < 1e-10
+    assert capskip_fx.report(cm)[0]["backward"] == "selected rows"
+
+
+@pytest.mark.parametrize("extra", ["aux", "reads_h"])
+def test_in_graph_loss_that_reaches_other_activations_is_refused(extra):
+    torch.manual_seed(0)
+    model = InModelLoss(extra).double()
+    cm = capskip_fx.compile(model, rule="forced", keep=0.5, backend="aot_eager")
+    x, y = _x(8, 1), torch.arange(8) % 3
+    with pytest.warns(UserWarning, match="the in-graph loss reads"):
+        loss, _ = cm(x, y)
+        loss.backward()
+    ref = copy.deepcopy(model)
+    ref.zero_grad()
+    ref(x, y)[0].backward()
+    assert max_rel_err(_grads(model), _grads(ref)) < 1e-10

@@ -29,7 +29,7 @@ class Head:
     output_index: int  # which user output holds the logits
 
 
-def _outputs_and_tangents(graph: fx.Graph) -> list[tuple[int, fx.Node, Optional[fx.Node]]]:
+def outputs_and_tangents(graph: fx.Graph) -> list[tuple[int, fx.Node, Optional[fx.Node]]]:
     """[(user_output_index, output_node, tangent_node)] for the joint graph."""
     try:
         from torch._functorch._aot_autograd.descriptors import PlainAOTOutput
@@ -69,7 +69,7 @@ def _match_linear(z: fx.Node) -> Optional[tuple[fx.Node, bool]]:
 
 
 def find_head(graph: fx.Graph, logits_index: Optional[int] = None) -> Head:
-    candidates = _outputs_and_tangents(graph)
+    candidates = outputs_and_tangents(graph)
     reasons = []
     for idx, z, g in candidates:
         if logits_index is not None and idx != logits_index:
@@ -90,3 +90,77 @@ def find_head(graph: fx.Graph, logits_index: Optional[int] = None) -> Head:
         return Head(z=z, g=g, h=h, bias=bias, output_index=idx)
     raise Refused("no classifier head: the model output must be logits (N, C) from a final Linear"
                   + (f" ({'; '.join(reasons)})" if reasons else ""))
+
+
+@dataclass
+class InGraphLoss:
+    """A loss computed inside the graph from the logits (Hugging Face models given ``labels``)."""
+
+    nodes: frozenset  # the forward nodes after z that compute it (not analysed for row mixing)
+    grad: fx.Node  # the backward node holding dL/dz, every path into the logits summed
+
+
+def find_in_graph_loss(graph: fx.Graph, head: Head, backward: set) -> Optional[InGraphLoss]:
+    """The forward nodes computed from the logits, if they reduce over the batch into an output (a loss).
+
+    Exact only if the loss reaches the model through ``z`` alone: every value the loss nodes read
+    besides ``z`` and each other must come from non-floating inputs (labels, masks) or constants;
+    otherwise Refused.  ``grad`` is the gradient into ``z`` (the first operand of the head's weight
+    gradient ``mm(G.T, h)``), where the rows are selected instead of at the logits' tangent.
+    """
+    region, stack = set(), [u for u in head.z.users if u not in backward and u.op != "output"]
+    while stack:
+        n = stack.pop()
+        if n in region:
+            continue
+        region.add(n)
+        stack.extend(u for u in n.users if u not in backward and u.op != "output")
+    outputs = [n for n in region if any(u.op == "output" for u in n.users)]
+    zdim = head.z.meta["val"].shape[0]
+    if not any(_is_reduced(n, zdim) for n in outputs):
+        return None
+    # what the loss reads besides the logits, computed from labels and constants only (the count of
+    # non-ignored labels, the gather index), belongs to it: its reductions over the batch carry no gradient
+    stack = [a for n in region for a in n.all_input_nodes]
+    while stack:
+        a = stack.pop()
+        if a in region or a is head.z or a.op != "call_function" or _differentiable(a):
+            continue
+        if all(u in region or u in backward for u in a.users):
+            region.add(a)
+            stack.extend(a.all_input_nodes)
+    for n in region:
+        for a in n.all_input_nodes:
+            if a is not head.z and a not in region and _differentiable(a):
+                raise Refused(f"the in-graph loss reads {a.name}, which depends on the model's float inputs or "
+                              f"parameters other than through the logits: its gradient could not be selected "
+                              f"(compute the loss outside the model)")
+    grad = next((u.args[0].args[0] for u in head.h.users
+                 if u in backward and u.target == aten.mm.default and u.args[1] is head.h
+                 and isinstance(u.args[0], fx.Node) and u.args[0].target in (aten.permute.default, aten.t.default)),
+                None)
+    if grad is None or tuple(grad.meta["val"].shape) != tuple(head.z.meta["val"].shape):
+        raise Refused("in-graph loss: the gradient into the logits was not found (a frozen head?)")
+    return InGraphLoss(frozenset(region), grad)
+
+
+def _is_reduced(n: fx.Node, zdim) -> bool:
+    v = n.meta.get("val")
+    return isinstance(v, torch.Tensor) and not any(s is zdim or (hasattr(s, "node") and hasattr(zdim, "node")
+                                                                 and s.node.expr == zdim.node.expr) for s in v.shape)
+
+
+def _differentiable(n: fx.Node) -> bool:
+    """Does ``n`` depend on a floating-point graph input (parameters, activations)?"""
+    stack, seen = [n], set()
+    while stack:
+        m = stack.pop()
+        if m in seen:
+            continue
+        seen.add(m)
+        if m.op == "placeholder":
+            v = m.meta.get("val")
+            if isinstance(v, torch.Tensor) and (v.dtype.is_floating_point or v.dtype.is_complex):
+                return True
+        stack.extend(m.all_input_nodes)
+    return False

@@ -26,10 +26,10 @@ from torch import fx
 from torch._inductor.custom_graph_pass import CustomGraphPass
 
 from .. import ops  # noqa: F401  (registers capskip::select)
-from ..layout import analyze
+from ..layout import analyze, backward_nodes
 from ..records import BackwardMode
 from .batch import Refused, batch_dim, batch_symbol_of, tangent_nodes
-from .find_head import find_head
+from .find_head import find_head, find_in_graph_loss, outputs_and_tangents
 
 aten = torch.ops.aten
 SELECT = torch.ops.capskip.select.default
@@ -70,9 +70,17 @@ class InsertSelectPass(CustomGraphPass):
         except Refused as no_head:
             return self._apply_body(graph, rec, str(no_head))
         sym = batch_symbol_of(head.z.meta["val"])
-        self._check_layout(graph, sym, rec)
+        loss = find_in_graph_loss(graph, head, backward_nodes(graph))
+        self._check_layout(graph, sym, rec, exclude=loss.nodes if loss else ())
         plan = _batch_tangents(graph, sym)
-        w = self._insert(graph, head.z, SELECT, (head.h, head.z, head.g, self.backend.key))
+        if loss is None:
+            w = self._insert(graph, head.z, SELECT, (head.h, head.z, head.g, self.backend.key))
+        else:  # select on the gradient into the logits, in the backward (runtime: prefix on all rows)
+            outs = _output_nodes(graph)
+            plan = [t for t, o in zip(*outs) if t in plan and o not in loss.nodes and o is not head.z]
+            w = self._insert(graph, loss.grad, SELECT, (head.h, head.z, loss.grad, self.backend.key))
+            plan = [loss.grad] + plan
+            rec.in_graph_loss = True
         _mask_tangents(graph, w, plan)
         rec.selected = True
         rec.masked_tangents = len(plan)
@@ -94,10 +102,10 @@ class InsertSelectPass(CustomGraphPass):
         rec.masked_tangents = len(plan)
         graph.lint()
 
-    def _check_layout(self, graph, sym, rec) -> None:
+    def _check_layout(self, graph, sym, rec, exclude=()) -> None:
         """Prove where the batch lies in every forward value (layout.py); refuse row mixing, and saved
         values or outputs whose rows can't be gathered.  The layouts go to the backward pass."""
-        result = analyze(graph, sym)
+        result = analyze(graph, sym, exclude)
         rec.layouts = result.layouts
         reason = result.refusal
         if reason is not None:
@@ -118,6 +126,12 @@ class InsertSelectPass(CustomGraphPass):
 
 def _tangents(graph: fx.Graph) -> list[fx.Node]:
     return [n for n in tangent_nodes(graph) if isinstance(n.meta.get("val"), torch.Tensor)]
+
+
+def _output_nodes(graph: fx.Graph) -> tuple[list, list]:
+    """(tangents, the forward outputs they belong to), in order."""
+    pairs = [(t, o) for _, o, t in outputs_and_tangents(graph) if t is not None]
+    return [t for t, _ in pairs], [o for _, o in pairs]
 
 
 def _dim0_symbol(t: fx.Node):

@@ -31,6 +31,16 @@ from .insert_select import SELECTION_OPS
 
 
 @dataclass
+class Prefix:
+    """An in-graph loss: the backward nodes that compute dL/dz run first, on all rows, as their own graph."""
+
+    gm: fx.GraphModule
+    examples: list  # its example inputs
+    args: tuple[int, ...]  # which backward inputs it takes
+    keep: tuple[int, ...]  # which backward inputs the rest of the backward takes (then the prefix's outputs)
+
+
+@dataclass
 class BackwardPlan:
     """What the rewrite found; kept in the backend's graph record."""
 
@@ -39,6 +49,7 @@ class BackwardPlan:
     specs: list[Spec]
     out_specs: list[Optional[Spec]]
     sym: sympy.Symbol
+    prefix: Optional[Prefix] = None
 
     @property
     def head(self) -> bool:
@@ -49,8 +60,9 @@ class BackwardPlan:
         return sum(s.kind == "batch" for s in self.specs)
 
 
-def plan_backward(gm: fx.GraphModule, example_inputs, layouts: dict) -> tuple[fx.GraphModule, BackwardPlan, Any]:
-    """Rewrite ``gm`` in place (select -> input).  Returns the graph, its plan and the w example.
+def plan_backward(gm: fx.GraphModule, example_inputs, layouts: dict) -> tuple[fx.GraphModule, BackwardPlan, Any, list]:
+    """Rewrite ``gm`` in place (select -> input).  Returns the graph, its plan, the w example and the
+    graph's example inputs (those of the rest of the backward when an in-graph loss split off a prefix).
 
     ``layouts`` (the joint pass's analysis, by forward value name) must prove every batch-shaped
     saved activation batch-major, in the dim and with the factor its sizes show."""
@@ -58,6 +70,13 @@ def plan_backward(gm: fx.GraphModule, example_inputs, layouts: dict) -> tuple[fx
     if len(sel) != 1:
         raise Refused(f"expected one selection node in the backward, found {len(sel)}")
     sel = sel[0]
+    prefix = None
+    if sel.args[-2].op != "placeholder":  # dL/dz computed in the backward: an in-graph loss
+        graph = fx.Graph()
+        graph.output(graph.graph_copy(gm.graph, {}))  # split a copy: the caller's gm stays the exact fallback
+        gm = fx.GraphModule(gm, graph)
+        sel = next(n for n in gm.graph.nodes if n.target in SELECTION_OPS)
+        prefix, example_inputs = _split_prefix(gm, list(example_inputs), sel.args[-2], sel)
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     pos = {n: i for i, n in enumerate(placeholders)}
     tensors = sel.args[:-1]  # (h, z, g) or (g,); the last arg is the state key
@@ -68,8 +87,10 @@ def plan_backward(gm: fx.GraphModule, example_inputs, layouts: dict) -> tuple[fx
     for a in tensors:
         if specs[pos[a]].kind != "batch" or specs[pos[a]].factor != 1 or specs[pos[a]].dim != 0:
             raise Refused(f"selection input {a.name} does not carry the batch in dim 0")
+    computed = {n.name for n in placeholders[len(placeholders) - len(prefix.gm.graph.output_node().args[0]):]} \
+        if prefix is not None else set()
     for node, spec in zip(placeholders, specs):
-        if spec.kind == "batch" and not node.name.startswith("tangents"):
+        if spec.kind == "batch" and not node.name.startswith("tangents") and node.name not in computed:
             _check_proven(node.name, spec, layouts.get(node.name))
     out_vals = list(gm.graph.find_nodes(op="output"))[0].args[0]
     out_specs = []
@@ -88,8 +109,53 @@ def plan_backward(gm: fx.GraphModule, example_inputs, layouts: dict) -> tuple[fx
     gm.recompile()
     tangents = tuple(i for i, n in enumerate(placeholders)
                      if n.name.startswith("tangents") and specs[i].kind == "batch")
-    plan = BackwardPlan(tuple(pos[a] for a in tensors), tangents, specs, out_specs, sym)
-    return gm, plan, w_val
+    plan = BackwardPlan(tuple(pos[a] for a in tensors), tangents, specs, out_specs, sym, prefix)
+    return gm, plan, w_val, example_inputs
+
+
+def _split_prefix(gm: fx.GraphModule, example_inputs: list, g: fx.Node, sel: fx.Node) -> tuple[Prefix, list]:
+    """Move the nodes computing ``g`` (dL/dz) into a prefix graph of their own; in ``gm`` their values
+    used later become new inputs.  Exact: the prefix is an in-graph loss's backward, which touches the
+    logits only (insert_select proved the loss reads nothing else that carries gradient)."""
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    inside, stack = set(), [g]
+    while stack:
+        n = stack.pop()
+        if n in inside or n.op != "call_function":
+            continue
+        inside.add(n)
+        stack.extend(n.all_input_nodes)
+    ordered = [n for n in gm.graph.nodes if n in inside]
+    exported = [g] + [n for n in ordered if n is not g and any(u not in inside for u in n.users)]
+    pg = fx.Graph()
+    env: dict = {}
+    p_args = [i for i, p in enumerate(placeholders) if any(u in inside for u in p.users)]
+    for i in p_args:
+        env[placeholders[i]] = pg.placeholder(placeholders[i].name)
+        env[placeholders[i]].meta = dict(placeholders[i].meta)
+    for n in ordered:
+        env[n] = pg.node_copy(n, lambda a: env[a])
+    pg.output([env[n] for n in exported])
+    prefix_gm = fx.GraphModule(gm, pg)
+    # the rest: exported values become inputs; the prefix's nodes and the inputs only it read go
+    new_inputs = []
+    with gm.graph.inserting_after(placeholders[-1]):
+        for n in exported:
+            ph = gm.graph.placeholder(f"{n.name}_from_loss")
+            ph.meta["val"] = n.meta["val"]
+            new_inputs.append(ph)
+    for n, ph in zip(exported, new_inputs):
+        n.replace_all_uses_with(ph, delete_user_cb=lambda u: u not in inside)
+    for n in reversed(ordered):
+        gm.graph.erase_node(n)
+    keep = [i for i, p in enumerate(placeholders) if p.users]
+    for i, p in enumerate(placeholders):
+        if not p.users:
+            gm.graph.erase_node(p)
+    gm.graph.lint()
+    gm.recompile()
+    prefix = Prefix(prefix_gm, [example_inputs[i] for i in p_args], tuple(p_args), tuple(keep))
+    return prefix, [example_inputs[i] for i in keep] + [n.meta["val"] for n in exported]
 
 
 def _check_proven(name: str, spec: Spec, layout) -> None:

@@ -6,6 +6,8 @@ Per call (one backward of one forward):
   - any other graph (graph breaks, DDP splits, a Linear output that is not the logits): drop the
     rows whose incoming gradient is zero (one host read).  Those are its forward's skipped rows when
     the head's backward ran first, and dropping them is exact whatever code lies between graphs;
+  - an in-graph loss (the loss computed inside the model): its backward (up to dL/dz) runs first on
+    all rows, as its own compiled graph; the rows are selected on dL/dz;
   - the kept rows first, ``kb = bucket(k)`` rows gathered (pad rows are skipped rows, weight 0),
     the compiled graph run on them, input gradients scattered back to N rows.
 Anything that cannot be shown exact runs the same graph on all N rows (dense-masked), with the
@@ -14,7 +16,7 @@ Invariant: the returned gradients equal the dense-masked backward's on every cal
 """
 from __future__ import annotations
 
-from typing import Callable
+from typing import Callable, Optional
 
 import torch
 
@@ -28,9 +30,11 @@ VERIFY = "verify: the gathered backward differs from the dense-masked one; runni
 class SelectedRowBackward:
     """The boxed callable AOTAutograd calls as the backward."""
 
-    def __init__(self, compiled: Callable, plan, state, config, record, dense_only: bool = False):
+    def __init__(self, compiled: Callable, plan, state, config, record, dense_only: bool = False,
+                 prefix: Optional[Callable] = None):
         self._boxed_call = True  # instance attr: survives the wrappers AOT puts around us
         self.compiled = compiled
+        self.prefix = prefix  # an in-graph loss's backward (dL/dz), run first on all rows
         self.dense_only = dense_only
         self.gathered_steps = 0  # informative gathered steps so far (verify schedule)
         self.plan = plan
@@ -71,6 +75,12 @@ class SelectedRowBackward:
     def __call__(self, args: list) -> list:
         p, state, rec = self.plan, self.state, self.record
         state.check_not_compiled_autograd()
+        if self.prefix is not None:
+            pre = p.prefix
+            outs = self.prefix([args[i] for i in pre.args])
+            full = args
+            args = [full[i] for i in pre.keep] + list(outs)
+            full.clear()
         weight, k, stats = self._rows_of(args)
         n = weight.shape[0]
         kb = self.config.bucket(k, n)
