@@ -13,7 +13,7 @@ E=${E:-10}                          # epochs
 TRAIN_SUBSET=${TRAIN_SUBSET:-10000} # images per epoch ("none" = all 60000)
 EVAL_SUBSET=${EVAL_SUBSET:-2000}
 SEEDS=${SEEDS:-"0 1 2"}
-BUDGET=${BUDGET:-0.1}               # capskip's b (also the matched rule's b for random)
+BUDGET=${BUDGET:-0.3}               # capskip's b (also the matched rule's b for random)
 SB_KEEP=${SB_KEEP:-}                # empty: capskip's measured kept fraction, same seed
 BACKEND=${BACKEND:-inductor}
 CONFIG=${CONFIG:-configs/fashion_mnist_tiny.yaml}
