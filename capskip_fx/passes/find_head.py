@@ -108,6 +108,7 @@ def find_in_graph_loss(graph: fx.Graph, head: Head, backward: set) -> Optional[I
     otherwise Refused.  ``grad`` is the gradient into ``z`` (the first operand of the head's weight
     gradient ``mm(G.T, h)``), where the rows are selected instead of at the logits' tangent.
     """
+    needs_grad = _inputs_with_grad(graph)
     region, stack = set(), [u for u in head.z.users if u not in backward and u.op != "output"]
     while stack:
         n = stack.pop()
@@ -124,14 +125,14 @@ def find_in_graph_loss(graph: fx.Graph, head: Head, backward: set) -> Optional[I
     stack = [a for n in region for a in n.all_input_nodes]
     while stack:
         a = stack.pop()
-        if a in region or a is head.z or a.op != "call_function" or _differentiable(a):
+        if a in region or a is head.z or a.op != "call_function" or _differentiable(a, needs_grad):
             continue
         if all(u in region or u in backward for u in a.users):
             region.add(a)
             stack.extend(a.all_input_nodes)
     for n in region:
         for a in n.all_input_nodes:
-            if a is not head.z and a not in region and _differentiable(a):
+            if a is not head.z and a not in region and _differentiable(a, needs_grad):
                 raise Refused(f"the in-graph loss reads {a.name}, which depends on the model's float inputs or "
                               f"parameters other than through the logits: its gradient could not be selected "
                               f"(compute the loss outside the model)")
@@ -150,8 +151,20 @@ def _is_reduced(n: fx.Node, zdim) -> bool:
                                                                  and s.node.expr == zdim.node.expr) for s in v.shape)
 
 
-def _differentiable(n: fx.Node) -> bool:
-    """Does ``n`` depend on a floating-point graph input (parameters, activations)?"""
+def _inputs_with_grad(graph: fx.Graph) -> Optional[set]:
+    """The joint graph's inputs that get a gradient (parameters, inputs requiring grad); None if this
+    torch has no AOT descriptors."""
+    try:
+        from torch._functorch._aot_autograd.fx_utils import get_all_input_and_grad_nodes
+
+        return {n for n, g in get_all_input_and_grad_nodes(graph).values() if g is not None}
+    except Exception:
+        return None
+
+
+def _differentiable(n: fx.Node, needs_grad: Optional[set]) -> bool:
+    """Does ``n`` depend on an input that gets a gradient?  (Without descriptors: any floating input,
+    conservatively — e.g. Trainer's ``num_items_in_batch`` then counts too.)"""
     stack, seen = [n], set()
     while stack:
         m = stack.pop()
@@ -160,7 +173,10 @@ def _differentiable(n: fx.Node) -> bool:
         seen.add(m)
         if m.op == "placeholder":
             v = m.meta.get("val")
-            if isinstance(v, torch.Tensor) and (v.dtype.is_floating_point or v.dtype.is_complex):
+            if needs_grad is not None:
+                if m in needs_grad:
+                    return True
+            elif isinstance(v, torch.Tensor) and (v.dtype.is_floating_point or v.dtype.is_complex):
                 return True
         stack.extend(m.all_input_nodes)
     return False
