@@ -1,6 +1,7 @@
 """The one entry point: ``capskip_fx.compile(model, *, rule="capskip", budget=0.1, **options)``."""
 from __future__ import annotations
 
+import inspect
 from typing import Any, Optional, Union
 
 import torch
@@ -38,7 +39,7 @@ class CapskipModule(nn.Module):
             head = _last_linear(model)
             head.register_forward_hook(self._capture_h)
         else:
-            compiled = torch.compile(model, backend=self._backend)
+            compiled = torch.compile(model, backend=self._backend, **_ISOLATED)
         # not submodules (they are, or live in, self.model): no duplicate state_dict keys
         object.__setattr__(self, "_compiled", compiled)
         object.__setattr__(self, "_eager_head", head)
@@ -134,6 +135,9 @@ def _load_state_dict_pre_hook(module: "CapskipModule", state_dict, prefix: str, 
 
 _NO_GRAPH_REASON = ("torch.compile produced no graph for this model (Dynamo's recompile_limit reached? see "
                     "its log): the step ran eagerly, dense backward")
+# each compiled model its own Dynamo cache entries: many models sharing one forward (nn.Sequential, a
+# sweep in one process) must not exhaust one shared recompile_limit and silently run eager
+_ISOLATED = {"isolate_recompiles": True} if "isolate_recompiles" in inspect.signature(torch.compile).parameters else {}
 _UNBOUND_REASON = ("the returned logits are not the output of a compiled graph (eager code after a graph "
                    "break?): no rule runs, dense backward")
 _N1_REASON = "batch of size 1: ran the eager model (dense backward) instead of a static-batch recompile"

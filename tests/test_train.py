@@ -91,13 +91,15 @@ def test_violations_are_counted_not_raised(tmp_path, monkeypatch):
 
 def test_config_file_overridden_by_flags(tmp_path):
     f = tmp_path / "c.yaml"
-    f.write_text("dataset: digits\nlr: 1e-3\nepochs: 3\nrule: dense\nmodel-kwargs: {drop_rate: 0.1}\n"
+    f.write_text("dataset: digits\nlr: 1e-3\nepochs: 3\nrule: sb\nmodel-kwargs: {drop_rate: 0.1}\n"
                  "time_budget: null\n")
     cfg = train.parse_config(["--config", str(f), "--epochs", "1", "--budget", "0.2", "--model-kw", "qkv_bias=false",
-                              "--rule-opt", "foo=2"])
+                              "--rule-opt", "beta=2"])
     assert cfg.lr == 1e-3 and isinstance(cfg.lr, float)  # YAML 1.1 reads 1e-3 as a string
-    assert cfg.epochs == 1 and cfg.rule == "dense" and cfg.budget == 0.2 and cfg.dataset == "digits"
-    assert cfg.model_kwargs == {"drop_rate": 0.1, "qkv_bias": False} and cfg.rule_options == {"foo": 2}
+    assert cfg.epochs == 1 and cfg.rule == "sb" and cfg.budget == 0.2 and cfg.dataset == "digits"
+    assert cfg.model_kwargs == {"drop_rate": 0.1, "qkv_bias": False} and cfg.rule_options == {"beta": 2}
+    with pytest.raises(SystemExit, match="takes no arguments|unexpected keyword"):  # checked before any work
+        train.parse_config(["--config", str(f), "--rule", "dense", "--rule-opt", "foo=2"])
     assert train.parse_config(["--config", str(f), "--train-subset", "none"]).train_subset is None
     f.write_text("epochz: 3\n")
     with pytest.raises(SystemExit):
