@@ -414,9 +414,13 @@ class Lonely(nn.Module):
         return self.head(x.tanh())
 
 
-def test_no_graph_from_dynamo_is_reported_not_silent():
+def test_no_graph_from_dynamo_is_reported_not_silent(monkeypatch):
     """Dynamo's recompile_limit reached by earlier compiles of the same forward code: the model runs
-    eagerly and capskip gets no graph.  The step is dense; stats say why (not stale numbers)."""
+    eagerly and capskip gets no graph.  The step is dense; stats say why (not stale numbers).
+    (capskip_fx.compile isolates each model's recompiles where torch can; without that, e.g. torch < 2.14.)"""
+    import capskip_fx.api as api
+
+    monkeypatch.setattr(api, "_ISOLATED", {})
     x, y = _x(), torch.randint(0, C, (N,))
     with torch._dynamo.config.patch(recompile_limit=1):
         capskip_fx.compile(Lonely().double(), rule="forced", keep=0.5, backend="aot_eager")(x)  # the one entry

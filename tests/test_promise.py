@@ -295,3 +295,19 @@ def test_in_graph_loss_that_reaches_other_activations_is_refused(extra):
     ref.zero_grad()
     ref(x, y)[0].backward()
     assert max_rel_err(_grads(model), _grads(ref)) < 1e-10
+
+
+def test_many_models_sharing_one_forward_each_get_their_graph():
+    """Ten nn.Sequential models (one forward code object) under recompile_limit=2: each compiled model has
+    its own Dynamo entries, so none silently runs eager."""
+    import capskip_fx.api as api
+
+    if not api._ISOLATED:
+        pytest.skip("this torch has no isolate_recompiles")
+    with torch._dynamo.config.patch(recompile_limit=2):
+        for i in range(10):
+            torch.manual_seed(i)
+            cm = capskip_fx.compile(nn.Sequential(nn.Linear(6, 8), nn.GELU(), nn.Linear(8, 3)).double(),
+                                    rule="forced", keep=0.5, backend="aot_eager")
+            F.cross_entropy(cm(_x(6, i)), torch.arange(6) % 3).backward()
+            assert capskip_fx.report(cm)[0]["backward"] == "selected rows" and capskip_fx.stats(cm).kept == 3

@@ -1,0 +1,534 @@
+"""Real clients of ``torch.compile(model, backend="capskip")``: a timm train.py-style loop, the Hugging Face
+``Trainer`` and PyTorch Lightning, each on a tiny model, with the CAPSKIP_* settings they would get from the
+environment.  Each asserts that rows are skipped, that ``capskip_fx.stats`` / ``report`` work on what the
+client holds, and that one step's gradients equal the float64 eager reference ``sum_i w_i * loss_i / N``
+(``w = stats(m).weight``, ``loss_i`` the client's own per-example loss).
+
+The last tests pin two library bugs found while writing these (they fail until fixed; see their docstrings).
+"""
+from __future__ import annotations
+
+import copy
+import types
+import warnings
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import capskip_fx
+from capskip_fx.backend import backend_of
+
+
+# -- helpers -----------------------------------------------------------------------------------------------
+def _env(monkeypatch, **env):
+    """Exactly these CAPSKIP_* settings (what a user exports before ``python train.py``)."""
+    for k in ("CAPSKIP_RULE", "CAPSKIP_BUDGET", "CAPSKIP_OPTIONS", "ACCELERATE_DYNAMO_BACKEND"):
+        monkeypatch.delenv(k, raising=False)
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+
+
+def _grads(model: nn.Module) -> dict:
+    return {k: p.grad.detach().clone() for k, p in model.named_parameters() if p.grad is not None}
+
+
+def grad_err(grads: dict, ref: dict) -> float:
+    """Max over parameters of ||g - r|| / max(||r||, 1e-6 * ||r_all||).  The floor matters: some gradients
+    are mathematically zero (attention's key bias: softmax ignores a per-row constant) and are pure rounding
+    noise (~1e-22) in both runs, so a plain per-parameter relative error is meaningless for them."""
+    assert set(grads) == set(ref), set(grads) ^ set(ref)
+    total = torch.sqrt(sum((r.double() ** 2).sum() for r in ref.values())).item()
+    return max((g.double() - ref[k].double()).norm().item() / max(ref[k].double().norm().item(), 1e-6 * total)
+               for k, g in grads.items())
+
+
+def _reference_grads(ref_model: nn.Module, forward, per_row_loss, weight) -> dict:
+    """Dense eager float64 gradient of sum_i w_i * loss_i / N."""
+    ref_model = ref_model.double().train()
+    ref_model.zero_grad(set_to_none=True)
+    losses = per_row_loss(forward(ref_model))
+    (losses * weight.to(losses.dtype)).sum().div(losses.shape[0]).backward()
+    return _grads(ref_model)
+
+
+def _head_selected(rep) -> bool:
+    return any(r["role"] == "head" and r["backward"] == "selected rows" for r in rep)
+
+
+def _reasons(rep) -> list:
+    return sorted({r["reason"] for r in rep if r["reason"] and r["reason"] != "-"})
+
+
+# ==========================================================================================================
+# (a) timm: train.py's train_one_epoch with --torchcompile capskip
+# ==========================================================================================================
+def per_row_label_smoothing(z, y, s):
+    """timm LabelSmoothingCrossEntropy per row: (1 - s) * nll + s * mean(-log p)."""
+    logp = z.log_softmax(-1)
+    return (1 - s) * -logp.gather(1, y[:, None]).squeeze(1) + s * -logp.mean(-1)
+
+
+def per_row_soft_target(z, t):
+    """timm SoftTargetCrossEntropy per row: sum(-t * log p)."""
+    return (-t * z.log_softmax(-1)).sum(-1)
+
+
+class StepCheck:
+    """Records, on the first step whose selection keeps some but not all rows, what the exactness check
+    needs: the model before the step (deep copy), the step's (mixed) input and target, the gradients
+    before clipping and the rule's weight.  Also every step's StepStats."""
+
+    def __init__(self, compiled):
+        self.compiled = compiled
+        self.done = None
+        self.seen = []
+        self._pre = None
+
+    def before_forward(self, model: nn.Module) -> None:
+        if self.done is None:
+            self._pre = copy.deepcopy(model)
+
+    def after_backward(self, model: nn.Module, input, target) -> None:
+        st = capskip_fx.stats(self.compiled)
+        self.seen.append(st)
+        if self.done is None and 0 < st.kept < st.n:
+            self.done = types.SimpleNamespace(ref=self._pre, input=input.clone(), target=target.clone(),
+                                              grads=_grads(model), weight=st.weight.clone(), stats=st)
+
+
+def train_one_epoch(epoch, task, loader, optimizer, args, mixup_fn=None, check=None, num_updates=0):
+    """timm train.py's train_one_epoch (no prefetcher, no AMP, no DDP, grad_accum_steps=1), with two
+    observation points for the test (``check``)."""
+    from timm import utils
+
+    if args.mixup_off_epoch and epoch >= args.mixup_off_epoch and mixup_fn is not None:
+        mixup_fn.mixup_enabled = False
+    trainable_module = task.get_trainable_module()
+    trainable_module.train()
+    optimizer.zero_grad()
+    losses = []
+    for batch_idx, (input, target) in enumerate(loader):
+        input, target = input.to(dtype=args.model_dtype), target
+        if mixup_fn is not None:
+            input, target = mixup_fn(input, target)
+        if check is not None:
+            check.before_forward(utils.unwrap_model(trainable_module))
+        result = task(input, target)  # ClassificationTask: criterion(model(input), target), loss outside the model
+        loss = result["loss"]
+        loss.backward()
+        if check is not None:
+            check.after_backward(utils.unwrap_model(trainable_module), input, target)
+        if args.clip_grad is not None:
+            utils.dispatch_clip_grad(task.get_clip_parameters(exclude_head="agc" in args.clip_mode),
+                                     value=args.clip_grad, mode=args.clip_mode)  # torch.nn.utils.clip_grad_norm_
+        optimizer.step()
+        losses.append(loss.item())
+        num_updates += 1
+        optimizer.zero_grad()
+        task.update_ema(step=num_updates)  # timm.utils.ModelEmaV3
+    return num_updates, losses
+
+
+def validate(model, loader, args):
+    """timm train.py's validate: eval mode, inference_mode, top-1."""
+    model.eval()
+    outs = []
+    with torch.inference_mode():
+        for input, target in loader:
+            outs.append(model(input.to(dtype=args.model_dtype)))
+    return torch.cat(outs)
+
+
+def _timm_setup(monkeypatch, env, *, num_classes, criterion, labels_from_model=False, ema=True, n=20, seed=0):
+    """train.py's order: model, task(criterion), optimizer, EMA, task.compile(backend), compile_ema.
+    ``num_classes`` differs per test: two modules of one class compiled with backend="capskip" in one
+    process share Dynamo's cache entry (see test_bug_two_modules_of_one_class_share_a_backend)."""
+    timm = pytest.importorskip("timm")
+    from timm.optim import create_optimizer_v2
+    from timm.task import ClassificationTask
+
+    _env(monkeypatch, **env)
+    torch.manual_seed(seed)
+    model = timm.create_model("deit_tiny_patch16_224", pretrained=False, img_size=32, patch_size=8, depth=1,
+                              num_classes=num_classes).double()
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, 3, 32, 32, generator=g, dtype=torch.float64)
+    if labels_from_model:  # a data set the model already fits: CAPSkip's candidates are the correct rows
+        with torch.no_grad():
+            y = model(x).argmax(1)
+    else:
+        y = torch.randint(0, num_classes, (n,), generator=g)
+    ds = torch.utils.data.TensorDataset(x, y)
+    loader = torch.utils.data.DataLoader(ds, batch_size=8, shuffle=True, drop_last=True,  # static batch
+                                         generator=torch.Generator().manual_seed(seed))
+    eval_loader = torch.utils.data.DataLoader(ds, batch_size=10)
+    task = ClassificationTask(model, criterion=criterion, device=torch.device("cpu"), dtype=torch.float64,
+                              verbose=False)
+    optimizer = create_optimizer_v2(task.get_trainable_module(), opt="adamw", lr=1e-3, weight_decay=0.05)
+    if ema:
+        task.setup_ema(decay=0.9)
+    task.compile(backend="capskip")  # what --torchcompile capskip does
+    if ema:
+        task.compile_ema(backend="capskip")
+    args = types.SimpleNamespace(clip_grad=1.0, clip_mode="norm", mixup_off_epoch=0, model_dtype=torch.float64)
+    return model, task, optimizer, loader, eval_loader, args
+
+
+def test_timm_train_loop_label_smoothing_forced_rule_is_exact(monkeypatch):
+    """train.py defaults (LabelSmoothingCrossEntropy(0.1)), AdamW, grad clipping, ModelEmaV3, validate of the
+    compiled model and of the compiled EMA between epochs; rule forced keep=0.5 (label-free)."""
+    pytest.importorskip("timm")
+    from timm.loss import LabelSmoothingCrossEntropy
+
+    model, task, optimizer, loader, eval_loader, args = _timm_setup(
+        monkeypatch, {"CAPSKIP_RULE": "forced", "CAPSKIP_OPTIONS": "keep=0.5,backend=aot_eager"},
+        num_classes=10, criterion=LabelSmoothingCrossEntropy(smoothing=0.1))
+    compiled = task.get_trainable_module()
+    check = StepCheck(compiled)
+    updates, losses = train_one_epoch(0, task, loader, optimizer, args, check=check)
+    out = validate(task.get_eval_model(), eval_loader, args)
+    out_ema = validate(task.get_eval_model(ema=True), eval_loader, args)
+    ema_module = task.get_trainable_module(ema=True).module
+    with torch.no_grad():
+        eager = (model.eval()(eval_loader.dataset.tensors[0]), ema_module.eval()(eval_loader.dataset.tensors[0]))
+    updates, more = train_one_epoch(1, task, loader, optimizer, args, check=check, num_updates=updates)
+
+    st = capskip_fx.stats(compiled)
+    assert (st.n, st.kept, st.rows, st.fallback) == (8, 4, 4, None)
+    assert all((s.n, s.kept) == (8, 4) for s in check.seen) and len(check.seen) == 4
+    assert st.step == 3  # this module's own backend: its 4 steps, nobody else's
+    assert capskip_fx.stats(model).kept == 4  # the original module works too
+    rep = capskip_fx.report(compiled)
+    assert _head_selected(rep), rep
+    assert "selected rows" in str(rep)
+    assert all(torch.isfinite(torch.tensor(losses + more)))
+    # validate ran the compiled model and the compiled EMA in eval mode: the eager numbers
+    assert torch.allclose(out, eager[0], atol=1e-10) and torch.allclose(out_ema, eager[1], atol=1e-10)
+    # EMA follows the (selected-row-trained) weights
+    assert any(not torch.equal(p, q) for p, q in zip(ema_module.parameters(), model.parameters()))
+
+    d = check.done
+    assert d is not None and d.weight.tolist() == [1.0] * 4 + [0.0] * 4
+    ref = _reference_grads(d.ref, lambda m: m(d.input),
+                           lambda z: per_row_label_smoothing(z, d.target, 0.1), d.weight)
+    assert grad_err(d.grads, ref) < 1e-10
+
+
+def test_timm_train_loop_mixup_soft_target_forced_rule_is_exact(monkeypatch):
+    """--mixup 0.8 --cutmix 1.0 (DeiT's recipe): Mixup + SoftTargetCrossEntropy, rule forced keep=0.5."""
+    pytest.importorskip("timm")
+    from timm.data import Mixup
+    from timm.loss import SoftTargetCrossEntropy
+
+    model, task, optimizer, loader, _, args = _timm_setup(
+        monkeypatch, {"CAPSKIP_RULE": "forced", "CAPSKIP_OPTIONS": "keep=0.5,backend=aot_eager"},
+        num_classes=8, criterion=SoftTargetCrossEntropy(), seed=1)
+    mixup_fn = Mixup(mixup_alpha=0.8, cutmix_alpha=1.0, label_smoothing=0.1, num_classes=8)
+    compiled = task.get_trainable_module()
+    check = StepCheck(compiled)
+    updates, _ = train_one_epoch(0, task, loader, optimizer, args, mixup_fn=mixup_fn, check=check)
+    train_one_epoch(1, task, loader, optimizer, args, mixup_fn=mixup_fn, check=check, num_updates=updates)
+
+    st = capskip_fx.stats(compiled)
+    assert (st.n, st.kept, st.rows, st.fallback, st.step) == (8, 4, 4, None, 3)
+    assert _head_selected(capskip_fx.report(compiled))
+    d = check.done
+    assert d is not None and d.target.is_floating_point() and d.target.shape == (8, 8)  # soft targets
+    ref = _reference_grads(d.ref, lambda m: m(d.input), lambda z: per_row_soft_target(z, d.target), d.weight)
+    assert grad_err(d.grads, ref) < 1e-10
+
+
+def test_timm_train_loop_capskip_rule_with_mixup_then_smoothing(monkeypatch):
+    """Rule capskip (label-inferring) with soft targets: the string backend has no capskip_targets, so the
+    labels come from dL/dz (its most negative entry).  Mixup's soft targets (and, after --mixup-off-epoch,
+    its smoothed one-hot targets == label smoothing 0.1) still give softmax-family gradients: no fallback,
+    rows are skipped, the bound holds and the step is exact for the rule's weights."""
+    pytest.importorskip("timm")
+    from timm.data import Mixup
+    from timm.loss import SoftTargetCrossEntropy
+
+    model, task, optimizer, loader, _, args = _timm_setup(
+        monkeypatch, {"CAPSKIP_RULE": "capskip", "CAPSKIP_BUDGET": "0.5", "CAPSKIP_OPTIONS": "backend=aot_eager"},
+        num_classes=6, criterion=SoftTargetCrossEntropy(), labels_from_model=True, ema=False, n=32, seed=2)
+    mixup_fn = Mixup(mixup_alpha=0.8, cutmix_alpha=1.0, label_smoothing=0.1, num_classes=6)
+    args.mixup_off_epoch = 1
+    compiled = task.get_trainable_module()
+    checks = []
+    updates = 0
+    for epoch in range(2):  # epoch 0: mixup/cutmix; epoch 1: mixup off -> smoothed one-hot targets
+        check = StepCheck(compiled)
+        updates, _ = train_one_epoch(epoch, task, loader, optimizer, args, mixup_fn=mixup_fn, check=check,
+                                     num_updates=updates)
+        checks.append(check)
+    assert capskip_fx.stats(compiled).step == 7 and len(checks[0].seen) + len(checks[1].seen) == 8
+    assert backend_of(compiled).state.rule.name == "capskip"
+    for check in checks:
+        assert all(s.fallback is None for s in check.seen), [s.fallback for s in check.seen]
+        d = check.done
+        assert d is not None, f"no step skipped rows: {[(s.kept, s.n) for s in check.seen]}"
+        assert d.stats.bound <= 0.5 + 1e-9
+        ref = _reference_grads(d.ref, lambda m: m(d.input), lambda z: per_row_soft_target(z, d.target), d.weight)
+        assert grad_err(d.grads, ref) < 1e-10
+    assert checks[0].done.target.max() < 0.95 and checks[1].done.target.max() == pytest.approx(1 - 0.1 + 0.1 / 6)
+
+
+# ==========================================================================================================
+# (b) Hugging Face Trainer
+# ==========================================================================================================
+def _bert(num_labels=3):
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.BertConfig(vocab_size=50, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+                                  intermediate_size=32, max_position_embeddings=16, num_labels=num_labels,
+                                  hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)  # exact reference
+    return transformers.BertForSequenceClassification(cfg).double()
+
+
+def _vit():
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.ViTConfig(image_size=16, patch_size=8, num_channels=1, hidden_size=16, num_hidden_layers=1,
+                                 num_attention_heads=2, intermediate_size=32, num_labels=3)
+    return transformers.ViTForImageClassification(cfg).double()
+
+
+class _Data(torch.utils.data.Dataset):
+    """20 examples of dicts, as a tokenizer / image processor would give them (default_data_collator)."""
+
+    def __init__(self, kind: str, n: int = 20, num_labels: int = 3):
+        g = torch.Generator().manual_seed(0)
+        self.kind = kind
+        self.ids = torch.randint(1, 50, (n, 8), generator=g)
+        self.px = torch.randn(n, 1, 16, 16, generator=g, dtype=torch.float64)
+        self.y = torch.randint(0, num_labels, (n,), generator=g)
+
+    def __len__(self):
+        return len(self.y)
+
+    def __getitem__(self, i):
+        if self.kind == "vit":
+            return {"pixel_values": self.px[i], "labels": self.y[i]}
+        d = {"input_ids": self.ids[i], "labels": self.y[i]}
+        if self.kind == "bert_mask":
+            d["attention_mask"] = torch.ones(8, dtype=torch.long)
+        return d
+
+
+def _args(tmp_path, **kw):
+    transformers = pytest.importorskip("transformers")
+    base = dict(output_dir=str(tmp_path), use_cpu=True, report_to=[], save_strategy="no", dataloader_drop_last=True,
+                per_device_train_batch_size=8, max_steps=3, logging_strategy="no", disable_tqdm=True)
+    return transformers.TrainingArguments(**{**base, **kw})
+
+
+def test_hf_torch_compile_backend_capskip_is_rejected_by_accelerate(monkeypatch, tmp_path):
+    """TrainingArguments(torch_compile_backend="capskip") and ACCELERATE_DYNAMO_BACKEND=capskip both go through
+    accelerate's DynamoBackend enum (fixed names): rejected when the Trainer builds its Accelerator."""
+    transformers = pytest.importorskip("transformers")
+    _env(monkeypatch)
+    with pytest.raises(ValueError, match="'CAPSKIP' is not a valid DynamoBackend"):
+        transformers.Trainer(model=_bert(), args=_args(tmp_path, torch_compile=True, torch_compile_backend="capskip"),
+                             train_dataset=_Data("bert"))
+    monkeypatch.setenv("ACCELERATE_DYNAMO_BACKEND", "capskip")
+    with pytest.raises(ValueError, match="'CAPSKIP' is not a valid DynamoBackend"):
+        transformers.Trainer(model=_bert(), args=_args(tmp_path), train_dataset=_Data("bert"))
+
+
+def test_hf_compiled_model_needs_remove_unused_columns_false(monkeypatch, tmp_path):
+    """The compiled module's forward is (*args, **kwargs): Trainer's column filter (remove_unused_columns=True,
+    the default) then keeps only the label columns.  With False the batch reaches the model whole."""
+    transformers = pytest.importorskip("transformers")
+    _env(monkeypatch)
+    compiled = torch.compile(_bert(), backend="capskip")  # nothing is traced here
+    batch = next(iter(transformers.Trainer(model=compiled, args=_args(tmp_path),
+                                           train_dataset=_Data("bert")).get_train_dataloader()))
+    assert "input_ids" not in batch  # every column is dropped (labels too: label_names come from the signature)
+    batch = next(iter(transformers.Trainer(model=compiled, args=_args(tmp_path, remove_unused_columns=False),
+                                           train_dataset=_Data("bert")).get_train_dataloader()))
+    assert set(batch) == {"input_ids", "labels"}
+
+
+def _run_trainer(monkeypatch, tmp_path, kind: str, loss: str):
+    """The recipe: Trainer(model=torch.compile(model, backend="capskip"), args=...(remove_unused_columns=False)),
+    settings from CAPSKIP_*.  Records the inputs, gradients (before Trainer's clipping) and weight of step 2."""
+    transformers = pytest.importorskip("transformers")
+    _env(monkeypatch, CAPSKIP_RULE="forced", CAPSKIP_OPTIONS="keep=0.5,backend=aot_eager")
+    torch.manual_seed(0)
+    model = _vit() if kind == "vit" else _bert()
+    compiled = torch.compile(model, backend="capskip")
+    snap = {}
+
+    class CheckingTrainer(transformers.Trainer):
+        def training_step(self, model_, inputs, num_items_in_batch=None):
+            if self.state.global_step == 1:
+                snap["inputs"] = {k: v.clone() for k, v in inputs.items()}
+                snap["ref"] = copy.deepcopy(model)  # the weights this step's forward uses
+            out = super().training_step(model_, inputs, num_items_in_batch)
+            if self.state.global_step == 1:
+                snap["grads"], snap["stats"] = _grads(model), capskip_fx.stats(model_)
+                snap["weight"] = snap["stats"].weight.clone() if snap["stats"].weight is not None else None
+            return out
+
+    kw = {}
+    if loss == "outside":  # Trainer pops labels and calls this on the model's outputs
+        kw["compute_loss_func"] = lambda outputs, labels, num_items_in_batch=None: F.cross_entropy(outputs.logits,
+                                                                                                  labels)
+    trainer = CheckingTrainer(model=compiled, args=_args(tmp_path, remove_unused_columns=False),
+                              train_dataset=_Data(kind), **kw)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer.train()
+    return model, compiled, trainer, snap
+
+
+def _assert_hf_step(model, compiled, trainer, snap):
+    assert trainer.model is compiled
+    st = capskip_fx.stats(trainer.model)
+    rep = capskip_fx.report(trainer.model)
+    assert st.n == 8 and st.kept < st.n, f"no rows skipped; stats {st}; refusals: {_reasons(rep)}"
+    assert (st.kept, st.rows, st.fallback) == (4, 4, None)
+    assert capskip_fx.stats(model).kept == 4
+    assert _head_selected(rep), rep
+    inputs = dict(snap["inputs"])
+    labels = inputs.pop("labels")
+    ref = _reference_grads(snap["ref"], lambda m: m(**inputs).logits,
+                           lambda z: F.cross_entropy(z, labels, reduction="none"), snap["weight"])
+    assert grad_err(snap["grads"], ref) < 1e-10
+
+
+@pytest.mark.parametrize("kind", ["bert", "vit"])
+def test_hf_trainer_in_model_loss(kind, monkeypatch, tmp_path):
+    """Trainer's default: labels go into the model, the loss is computed inside (in-graph loss)."""
+    _assert_hf_step(*_run_trainer(monkeypatch, tmp_path, kind, "in_model"))
+
+
+@pytest.mark.parametrize("kind", ["bert", "vit"])
+def test_hf_trainer_loss_outside_the_model(kind, monkeypatch, tmp_path):
+    """Trainer(compute_loss_func=...): labels are popped, F.cross_entropy on outputs.logits."""
+    _assert_hf_step(*_run_trainer(monkeypatch, tmp_path, kind, "outside"))
+
+
+def test_hf_trainer_bert_with_attention_mask(monkeypatch, tmp_path):
+    """What a tokenizer hands the Trainer: input_ids + attention_mask (loss outside the model)."""
+    _assert_hf_step(*_run_trainer(monkeypatch, tmp_path, "bert_mask", "outside"))
+
+
+# ==========================================================================================================
+# (c) PyTorch Lightning
+# ==========================================================================================================
+class _LitNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.body, self.head = nn.Linear(6, 16), nn.Linear(16, 3)
+
+    def forward(self, x):
+        return self.head(F.gelu(self.body(x)))
+
+
+def test_lightning_training_step_calls_a_compiled_inner_model(monkeypatch):
+    L = pytest.importorskip("lightning")
+    _env(monkeypatch, CAPSKIP_RULE="forced", CAPSKIP_OPTIONS="keep=0.5,backend=aot_eager")
+    snap = {}
+
+    class Lit(L.LightningModule):
+        def __init__(self):
+            super().__init__()
+            torch.manual_seed(0)
+            self.net = _LitNet().double()
+            self.inner = torch.compile(self.net, backend="capskip")
+
+        def training_step(self, batch, batch_idx):
+            x, y = batch
+            if batch_idx == 1:
+                snap.update(ref=copy.deepcopy(self.net), x=x.clone(), y=y.clone())
+            return F.cross_entropy(self.inner(x), y)
+
+        def on_after_backward(self):  # before Lightning's gradient clipping and the optimizer step
+            if "ref" in snap and "grads" not in snap:
+                snap.update(grads=_grads(self.net), weight=capskip_fx.stats(self.inner).weight.clone())
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    g = torch.Generator().manual_seed(0)
+    ds = torch.utils.data.TensorDataset(torch.randn(20, 6, dtype=torch.float64, generator=g),
+                                        torch.randint(0, 3, (20,), generator=g))
+    loader = torch.utils.data.DataLoader(ds, batch_size=8, shuffle=True, drop_last=True)
+    lit = Lit()
+    trainer = L.Trainer(max_steps=3, accelerator="cpu", logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False, gradient_clip_val=1.0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer.fit(lit, loader)
+    assert trainer.global_step == 3
+    for m in (lit.inner, lit.net, lit):  # the compiled module, the original, the LightningModule holding it
+        st = capskip_fx.stats(m)
+        assert (st.n, st.kept, st.rows, st.fallback) == (8, 4, 4, None)
+    assert _head_selected(capskip_fx.report(lit.inner))
+    assert sorted(dict(lit.named_parameters())) == ["net.body.bias", "net.body.weight", "net.head.bias",
+                                                    "net.head.weight"]
+    ref = _reference_grads(snap["ref"], lambda m: m(snap["x"]), lambda z: F.cross_entropy(z, snap["y"],
+                                                                                          reduction="none"),
+                           snap["weight"])
+    assert grad_err(snap["grads"], ref) < 1e-10
+
+
+# ==========================================================================================================
+# library bugs found while writing the clients (fail until fixed)
+# ==========================================================================================================
+class _Twin(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.body, self.head = nn.Linear(6, 8), nn.Linear(8, 3)
+
+    def forward(self, x):
+        return self.head(self.body(x).relu())
+
+
+def test_bug_two_modules_of_one_class_share_a_backend(monkeypatch):
+    """BUG: a second module of the same class compiled with backend="capskip" in the same process (a re-created
+    model in a notebook, a second run, an EMA/teacher copy, consecutive tests) is served from the first module's
+    Dynamo cache entry: Dynamo caches on the forward's code object and the string backend is one function, so
+    the guards match and no graph is handed to the backend for the second module.  It then runs the first
+    module's rule and settings (keep=0.5 here, not its own 0.25), its steps are counted in the first module's
+    stats (a's step goes 0 -> 1), and ``capskip_fx.stats(b)`` raises TypeError.  Gradients stay exact for the
+    first module's weights.  Same with identical settings and with ``options={...}``."""
+    _env(monkeypatch, CAPSKIP_RULE="forced", CAPSKIP_OPTIONS="keep=0.5,backend=aot_eager")
+    x = torch.randn(8, 6, dtype=torch.float64)
+    y = torch.randint(0, 3, (8,))
+    torch.manual_seed(0)
+    a = torch.compile(_Twin().double(), backend="capskip")
+    F.cross_entropy(a(x), y).backward()
+    assert capskip_fx.stats(a).kept == 4
+    monkeypatch.setenv("CAPSKIP_OPTIONS", "keep=0.25,backend=aot_eager")
+    b = torch.compile(_Twin().double(), backend="capskip")
+    F.cross_entropy(b(x), y).backward()
+    assert capskip_fx.stats(a).step == 0, "b's step was counted in a's stats"
+    assert backend_of(b) is not None, "no capskip backend ever saw a graph of b (served from a's cache entry)"
+    assert capskip_fx.stats(b).kept == 2
+
+
+class _RowMix(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.body, self.head = nn.Linear(6, 8), nn.Linear(8, 3)
+
+    def forward(self, x):
+        h = self.body(x).relu()
+        return self.head(h - h.mean(0))  # mixes rows: refused, dense
+
+
+def test_bug_string_backend_stats_of_a_refused_graph(monkeypatch):
+    """BUG: the README promises a refused graph's step runs dense 'with one warning and the reason in
+    stats().fallback / report()'.  capskip_fx.compile does that (n=8, kept=8, fallback=reason); with
+    torch.compile(backend="capskip") report() has the reason but stats() is an empty StepStats
+    (n=0, kept=0, fallback=None), so a client checking stats sees nothing ran and no reason."""
+    _env(monkeypatch, CAPSKIP_RULE="forced", CAPSKIP_OPTIONS="keep=0.5,backend=aot_eager")
+    torch.manual_seed(0)
+    m = torch.compile(_RowMix().double(), backend="capskip")
+    x = torch.randn(8, 6, dtype=torch.float64)
+    with pytest.warns(UserWarning, match="cross-example op"):
+        F.cross_entropy(m(x), torch.randint(0, 3, (8,))).backward()
+    assert "cross-example op" in capskip_fx.report(m)[0]["reason"]
+    st = capskip_fx.stats(m)
+    assert (st.n, st.kept) == (8, 8) and st.fallback and "cross-example op" in st.fallback, st
