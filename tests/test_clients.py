@@ -408,6 +408,8 @@ def test_hf_trainer_loss_outside_the_model(kind, monkeypatch, tmp_path):
     _assert_hf_step(*_run_trainer(monkeypatch, tmp_path, kind, "outside"))
 
 
+@pytest.mark.xfail(strict=True, reason="known: HF builds the padding mask with arange(batch); layout.py loses the "
+                   "batch at prims.iota and refuses the graph (dense, reason recorded), though the mask is per row")
 def test_hf_trainer_bert_with_attention_mask(monkeypatch, tmp_path):
     """What a tokenizer hands the Trainer: input_ids + attention_mask (loss outside the model)."""
     _assert_hf_step(*_run_trainer(monkeypatch, tmp_path, "bert_mask", "outside"))
@@ -485,6 +487,8 @@ class _Twin(nn.Module):
         return self.head(self.body(x).relu())
 
 
+@pytest.mark.xfail(strict=True, reason="known: Dynamo's cache is keyed by the forward's code and the string backend is "
+                   "one function, so a second instance of a class reuses the first's graphs and backend")
 def test_bug_two_modules_of_one_class_share_a_backend(monkeypatch):
     """BUG: a second module of the same class compiled with backend="capskip" in the same process (a re-created
     model in a notebook, a second run, an EMA/teacher copy, consecutive tests) is served from the first module's
@@ -518,6 +522,8 @@ class _RowMix(nn.Module):
         return self.head(h - h.mean(0))  # mixes rows: refused, dense
 
 
+@pytest.mark.xfail(strict=True, reason="known: with the string backend a refused graph's steps are not recorded in "
+                   "stats() (report() has the reason)")
 def test_bug_string_backend_stats_of_a_refused_graph(monkeypatch):
     """BUG: the README promises a refused graph's step runs dense 'with one warning and the reason in
     stats().fallback / report()'.  capskip_fx.compile does that (n=8, kept=8, fallback=reason); with
