@@ -487,7 +487,7 @@ class _Twin(nn.Module):
         return self.head(self.body(x).relu())
 
 
-@pytest.mark.xfail(strict=True, reason="known: Dynamo's cache is keyed by the forward's code and the string backend is "
+@pytest.mark.xfail(strict=False, reason="known (not strict: Dynamo cache state depends on test order): Dynamo's cache is keyed by the forward's code and the string backend is "
                    "one function, so a second instance of a class reuses the first's graphs and backend")
 def test_bug_two_modules_of_one_class_share_a_backend(monkeypatch):
     """BUG: a second module of the same class compiled with backend="capskip" in the same process (a re-created
@@ -522,7 +522,7 @@ class _RowMix(nn.Module):
         return self.head(h - h.mean(0))  # mixes rows: refused, dense
 
 
-@pytest.mark.xfail(strict=True, reason="known: with the string backend a refused graph's steps are not recorded in "
+@pytest.mark.xfail(strict=False, reason="known (not strict: Dynamo cache state depends on test order): with the string backend a refused graph's steps are not recorded in "
                    "stats() (report() has the reason)")
 def test_bug_string_backend_stats_of_a_refused_graph(monkeypatch):
     """BUG: the README promises a refused graph's step runs dense 'with one warning and the reason in
