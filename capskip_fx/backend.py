@@ -89,6 +89,30 @@ class _Forward:
         return getattr(self.compiled, name)
 
 
+class _DenseBackward:
+    """Backward of a refused graph: plain dense.  Without bound forwards (the string backend) it is what
+    records the step (n rows, all kept, the reason) in stats(); CapskipModule records it at its forward."""
+
+    def __init__(self, compiled, state: RuntimeState, reason: str, batch_arg: Optional[int]):
+        self._boxed_call = True
+        self.compiled, self.state, self.reason, self.batch_arg = compiled, state, reason, batch_arg
+
+    def __call__(self, args):
+        if not self.state.bound_forwards and self.batch_arg is not None:
+            self.state.record_dense_graph(int(args[self.batch_arg].shape[0]), self.reason)
+        return self.compiled(args)
+
+    def __getattr__(self, name):
+        return getattr(self.compiled, name)
+
+
+def _batch_arg(example_inputs) -> Optional[int]:
+    """Index of the first input whose dim 0 is a plain symbol (the batch), else of the first tensor."""
+    tensors = [(i, t) for i, t in enumerate(example_inputs) if isinstance(t, torch.Tensor) and t.dim() > 0]
+    sym = [i for i, t in tensors if isinstance(t.shape[0], torch.SymInt) and t.shape[0].node.expr.is_Symbol]
+    return sym[0] if sym else (tensors[0][0] if tensors else None)
+
+
 def _trace(name: str, payload) -> None:
     """A structured-trace artifact (tlparse shows it beside Inductor's graphs)."""
     torch._logging.trace_structured("artifact", metadata_fn=lambda: {"name": name, "encoding": "string"},
@@ -190,7 +214,9 @@ class CapskipBackend:
         _no_donated_buffers()
         if not any(n.target in SELECTION_OPS for n in gm.graph.nodes):
             rec.backward = BackwardMode.DENSE
-            return base(gm, example_inputs, **kwargs)
+            compiled = base(gm, example_inputs, **kwargs)
+            return _DenseBackward(compiled, self.state, rec.reason, _batch_arg(example_inputs)) if rec.reason \
+                else compiled
         try:
             gm, plan, w_val, example_inputs = plan_backward(gm, example_inputs, rec.layouts)
         except Refused as e:
@@ -287,7 +313,29 @@ def capskip_backend(gm: fx.GraphModule, example_inputs, options: Optional[dict] 
     for p in params:
         _BY_PARAM.setdefault(p, {})[key] = backend
     _LAST[0] = weakref.ref(backend)
+    _pin_to_module(gm)
     return backend(gm, example_inputs)
+
+
+def _pin_to_module(gm: fx.GraphModule) -> None:
+    """Guard this graph's cache entry on the identity of the module its parameters come from.
+
+    Dynamo shares cache entries across instances of one class (parameters are graph inputs) and treats
+    equal ``torch.compile(backend="capskip")`` wrappers as one backend, so a second instance would run the
+    first one's backend, rule state and settings.  Each instance thus compiles its own entry; beyond
+    ``torch._dynamo.config.recompile_limit`` instances of one class, ``isolate_recompiles=True`` keeps them
+    apart (torch.compile's own option)."""
+    from torch._dynamo.guards import GuardBuilder
+
+    tc = torch._guards.TracingContext.try_get()
+    for node in gm.graph.find_nodes(op="placeholder"):
+        arg = node.meta.get("grapharg")
+        if arg is not None and isinstance(getattr(arg, "example", None), torch.nn.Parameter) and tc is not None:
+            root = arg.source
+            while getattr(root, "base", None) is not None:
+                root = root.base
+            tc.guards_context.dynamo_guards.add(root.make_guard(GuardBuilder.ID_MATCH))
+            return
 
 
 def _compiling_module() -> Optional[torch.nn.Module]:

@@ -35,6 +35,10 @@ Invariants:
 * Values whose rows are identical or i.i.d. random (``full``/``zeros``/``rand`` of a batch shape,
   ``expand`` of a free value) fit any layout: they take batch-major when created and never
   conflict with the other operand of a pointwise op or a cat.
+* ``arange(N)`` (start 0, step 1) is a *row index*: row ``b`` holds the value ``b``.  Copies of it that
+  stay batch-major with inner 1 (views, slices, casts) are row indices too, and indexing a batch value
+  along its batch dim with a row index (other indices free: HF's ``mask[arange(N)[:, None], kv]``)
+  reads row ``b`` from row ``b``: not mixing.  Any arithmetic on it (a roll's ``(i + k) % N``) is not.
 * Refusals met during the walk come first (the first in topological order); the checks of forward
   outputs and backward consumers come after them.  The walk itself never stops early.
 
@@ -182,6 +186,14 @@ NEW_OPS = _packets(aten, "new_zeros new_ones new_full new_empty new_empty_stride
 FACTORY_OPS = NEW_OPS | _packets(aten, """full zeros ones empty empty_strided empty_permuted rand randn randint
     normal scalar_tensor""") | _packets(prims, "full empty_strided empty_permuted scalar_tensor normal uniform")
 PAD_OPS = _packets(aten, "constant_pad_nd")
+# ``arange(N)``: row b holds the value b (a row index, as HF's masks build with ``torch.arange(batch_size)``)
+ARANGE_OPS = _packets(aten, "arange") | _packets(prims, "iota")
+# ops whose output elements are copies of input elements (views, slices, copies, casts): a row index stays
+# one through them where the walk keeps its layout batch-major with inner 1 (element at row b from row b)
+VALUE_KEEPING_OPS = _packets(aten, """slice slice_copy select narrow permute transpose t unsqueeze squeeze expand expand_as movedim alias clone
+    contiguous detach lift_fresh lift_fresh_copy _to_copy to type_as view reshape _unsafe_view _reshape_alias
+    view_copy flatten permute_copy transpose_copy t_copy unsqueeze_copy squeeze_copy alias_copy detach_copy
+    expand_copy""") | _packets(prims, "squeeze transpose view_of clone reshape convert_element_type")
 AS_STRIDED_OPS = _packets(aten, "as_strided") | _packets(prims, "as_strided")  # a reshape when contiguous
 # functional copies of a tensor into another's shape: pointwise in effect
 POINTWISE_EXTRA = _packets(aten, "copy copy_ fill_ masked_fill where _masked_scale lerp clamp") | _packets(
@@ -309,6 +321,7 @@ class _Walk:
         self.exclude = exclude
         self.lay: dict[fx.Node, Result] = {}
         self.any_layout: set[fx.Node] = set()  # batch values whose rows are constant or i.i.d. random
+        self.row_index: set[fx.Node] = set()  # batch-major values whose row b holds the value b (arange(N))
         self.refusals: list[str] = []
 
     # ---- value helpers
@@ -428,7 +441,11 @@ class _Walk:
                 return self.unknown(n, "(no value recorded)")
             return None  # SymInt / SymFloat / None: not a tensor
         rule = _rule(n)
-        return rule(self, n) if rule is not None else self.generic(n)
+        r = rule(self, n) if rule is not None else self.generic(n)
+        if _packet(n) in VALUE_KEEPING_OPS and n.args and n.args[0] in self.row_index and isinstance(r, Layout) \
+                and r.kind == "batch" and r.outer == 1 and r.inner == 1:
+            self.row_index.add(n)
+        return r
 
     def placeholder(self, val: Any) -> Optional[Layout]:
         if not isinstance(val, torch.Tensor):
@@ -706,6 +723,13 @@ def _index(w: _Walk, n: fx.Node, mask: Optional[fx.Node] = None) -> Result:
     xl = w.of(x)
     il = [(i, w.of(t)) for i, t in enumerate(indices) if isinstance(t, fx.Node) and w.of(t) is not None]
     if xl is not None and xl.kind == "batch" and _packet(n) not in EMBEDDING_OPS and any(i == xl.dim for i, _ in il):
+        at = indices[xl.dim]
+        if mask is None and xl.outer == 1 and xl.inner == 1 and at in w.row_index \
+                and all(l.kind == "free" for i, l in il if i != xl.dim):
+            # x[arange(N)[:, None], j]: row b reads row b of x only (HF's padding mask)
+            nd = max(_ndim(t) for t in indices if isinstance(t, fx.Node))
+            lay = _aligned(w.of(at), _ndim(at), nd)
+            return w.per_output(n, lambda v: w.track(lay, v), "(indexed by the row index)")
         raise w.mixing(n, "indexes along the batch dim (a permutation, roll or gather of rows)")
     ins = w.tensor_inputs(n)
     bad = w.first_unknown(ins)
@@ -914,6 +938,30 @@ def _factory(w: _Walk, n: fx.Node) -> Result:
     return r
 
 
+def _arange(w: _Walk, n: fx.Node) -> Result:
+    """``arange(N)`` (start 0, step 1, length the batch symbol): a row index; otherwise a factory."""
+    if _packet(n) == "prims::iota":
+        length, start, step = n.args[0], n.kwargs.get("start", 0), n.kwargs.get("step", 1)
+    else:
+        pos = [a for a in n.args if not isinstance(a, (torch.dtype, torch.device))]
+        start, length, step = (0, pos[0], 1) if len(pos) == 1 else (pos[0], pos[1], pos[2] if len(pos) > 2 else 1)
+        start, step = n.kwargs.get("start", start), n.kwargs.get("step", step)
+    length, start, step = (a.meta.get("val") if isinstance(a, fx.Node) else a for a in (length, start, step))
+    val = n.meta.get("val")
+    if isinstance(val, torch.Tensor) and val.dim() == 1 and _eq(_expr(val.shape[0]), w.sym) \
+            and _is_int(length, None, w.sym) and _is_int(start, 0) and _is_int(step, 1):
+        w.row_index.add(n)
+        return Layout("batch", 0)
+    return w.per_output(n, lambda v: FREE if not _sdims(_shape(v), w.sym) else None,
+                        "(creates a batch-sized value)")
+
+
+def _is_int(v: Any, k: Optional[int], expr: Optional[sympy.Expr] = None) -> bool:
+    """``v`` is the integer ``k`` (or the expression ``expr``), structurally."""
+    return isinstance(v, (int, torch.SymInt)) and not isinstance(v, bool) \
+        and _eq(_expr(v), expr if expr is not None else sympy.Integer(k))
+
+
 _RULES: dict = {}
 for _ops, _fn in (
         (MOVE_OPS, _move), (RESHAPE_OPS, _reshape), (REDUCE_OPS, _reduce), (ALONG_OPS, _along),
@@ -923,7 +971,7 @@ for _ops, _fn in (
         (SCATTER_OPS | INDEX_UPDATE_OPS, _scatter), (SCATTER_SLICE_OPS, _slice_scatter),
         (MATMUL_OPS, _matmul), (ATTENTION_OPS, _attention), (ADD_MATMUL_OPS, _add_matmul),
         (PER_SAMPLE_OPS, _per_sample), (LAYER_NORM_OPS, _layer_norm), (BATCH_NORM_OPS, _batch_norm),
-        (FACTORY_OPS, _factory), (POINTWISE_EXTRA, _pointwise), (PAD_OPS, _pad), (AS_STRIDED_OPS, _as_strided)):
+        (FACTORY_OPS, _factory), (ARANGE_OPS, _arange), (POINTWISE_EXTRA, _pointwise), (PAD_OPS, _pad), (AS_STRIDED_OPS, _as_strided)):
     for _p in _ops:
         _RULES.setdefault(_p, _fn)
 

@@ -431,6 +431,34 @@ def test_row_mixing_refused_naming_the_op(name, f, op, extra):
     assert op in res.refusal and extra in res.refusal
 
 
+def _row_indexed_mask(rows):
+    """HF's padding mask: ``mask[arange(N)[:, None], arange(T)[None, :]]`` (masking_utils), ``rows`` the row index."""
+    def f(h):
+        mask = h > 0
+        b = rows(h.shape[0])[:, None]
+        return h * mask[b, torch.arange(h.shape[1])[None, :]]
+    return f
+
+
+def test_row_index_from_arange_is_not_mixing():
+    g, res = joint("row_index", lambda: Fn(_row_indexed_mask(lambda n: torch.arange(n))), _x())
+    assert res.refusal is None, res.refusal
+    idx = node(g, lambda n: target(n) == "aten.index.Tensor")
+    assert res.layouts[idx.name] == Layout("batch", 0)
+    assert_saved_gatherable(g, res)
+
+
+@pytest.mark.parametrize("name,rows", [
+    ("shifted", lambda n: (torch.arange(n) + 1) % n),  # a roll of the rows
+    ("from1", lambda n: torch.arange(1, n + 1) % n),
+    ("reversed", lambda n: torch.arange(n - 1, -1, -1)),
+    ("flipped", lambda n: torch.arange(n).flip(0)),
+])
+def test_other_row_indices_are_mixing(name, rows):
+    g, res = joint(f"row_index_{name}", lambda: Fn(_row_indexed_mask(rows)), _x())
+    assert res.refusal is not None and res.refusal.startswith("cross-example op in the forward"), res.refusal
+
+
 def test_batch_cat_is_refused_naming_the_cat():
     # cat along the batch stacks the batch as slabs (outer 2): refused where the Linear reads it
     g, res = joint("cat_batch", lambda: Fn(lambda h: torch.cat([h, 2 * h])), _x())

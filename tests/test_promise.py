@@ -229,6 +229,51 @@ def test_non_batch_positional_and_batch_keyword_inputs(n):
     assert max_rel_err(_grads(model), _grads(ref)) < 1e-10
 
 
+class PaddedTokens(nn.Module):
+    """HF's padding mask (masking_utils): ``mask[arange(N)[:, None], arange(T)[None, :]]``, saved by attention."""
+
+    def __init__(self, shift=0):
+        super().__init__()
+        self.shift = shift
+        self.qkv, self.head = nn.Linear(4, 12), nn.Linear(4, 3)
+
+    def forward(self, x, mask):
+        n, t = x.shape[:2]
+        rows = (torch.arange(n)[:, None] + self.shift) % n if self.shift else torch.arange(n)[:, None]
+        m = mask.bool()[rows, torch.arange(t)[None, :]]  # (N, T)
+        q, k, v = self.qkv(x).chunk(3, -1)
+        a = F.scaled_dot_product_attention(q, k, v, attn_mask=m[:, None, :].expand(n, t, t))
+        return self.head(a.mean(1))
+
+
+@pytest.mark.parametrize("shift", [0, 1])
+def test_padding_mask_indexed_by_the_row_index(shift):
+    """shift 0: row b reads its own mask row (selected rows, exact); shift 1: row b reads row b + 1's
+    (not a row index: dense with the reason, exact)."""
+    torch.manual_seed(0)
+    model = PaddedTokens(shift).double()
+    cm = capskip_fx.compile(model, rule="forced", keep=lambda n: torch.tensor([1, 4]), backend="aot_eager")
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(6, 5, 4, dtype=torch.float64, generator=g)
+    mask = (torch.arange(5) < 5 - torch.arange(6)[:, None] % 3).long()
+    y = torch.arange(6) % 3
+    if shift:
+        with pytest.warns(UserWarning, match="dense backward"):
+            F.cross_entropy(cm(x, mask), y).backward()
+    else:
+        F.cross_entropy(cm(x, mask), y).backward()
+    st = capskip_fx.stats(cm)
+    ref = copy.deepcopy(model)
+    ref.zero_grad()
+    w = st.weight if st.weight is not None else torch.ones(6, dtype=torch.float64)
+    (F.cross_entropy(ref(x, mask), y, reduction="none") * w).sum().div(6).backward()
+    assert max_rel_err(_grads(model), _grads(ref)) < 1e-10
+    if shift:
+        assert st.kept == 6 and "remainder" in st.fallback
+    else:
+        assert (st.kept, st.rows, st.fallback) == (2, 2, None)
+
+
 def test_counters_record_rewrites_and_refusals():
     counters().clear()
     model, cm = _net(rule="forced", keep=0.5)

@@ -116,11 +116,13 @@ def slow(n):
 # The model grammar
 
 ROWWISE = ("linear", "flat_linear", "reshape_linear", "ln", "gelu", "relu", "relu_inplace", "res_mlp", "glu",
-           "attn", "einsum_attn", "tokmix", "conv1d", "groupnorm", "bn_eval", "l2norm", "dropout", "droppath")
+           "attn", "einsum_attn", "tokmix", "conv1d", "groupnorm", "bn_eval", "l2norm", "dropout", "droppath",
+           "row_mask")
 # cross-example ops (true coupling; "center_detached" mixes the forward only) and row-wise math whose
 # batch is not batch-major inside (layout)
 MIXING = ("bn", "center", "center_detached", "bsoftmax", "bsum", "max0", "normalize0", "roll", "flip", "shift_cat",
-          "sort", "cumsum", "index_select", "perm_index", "gram", "mha_over_batch")
+          "sort", "cumsum", "index_select", "perm_index", "gram", "mha_over_batch",
+          "rolled_mask")
 LAYOUT = ("tokmajor", "mha_bf", "mha_tf")
 NMAX = 9  # batch sizes 2..9
 
@@ -234,7 +236,15 @@ def codegen(spec: Spec):
             elif op == "droppath":  # per-row scaling by a fixed per-row tensor
                 bufs[m] = ("droppath", NMAX)
                 L.append(f"    h = h * self.{m}[:h.shape[0]].view(-1, 1, 1)")
+            elif op == "row_mask":  # HF's padding mask: mask[arange(N)[:, None], arange(T)[None, :]]
+                L.append("    mk = h[..., 0] > 0")
+                L.append(f"    h = h * mk[torch.arange(h.shape[0], device=h.device)[:, None], "
+                         f"torch.arange({T}, device=h.device)[None, :]].unsqueeze(-1).to(h.dtype)")
             # -- cross-example ops
+            elif op == "rolled_mask":  # the same with the row index rolled: row b reads row b + 1's mask
+                L.append("    mk = h[..., 0] > 0")
+                L.append(f"    h = h * mk[(torch.arange(h.shape[0], device=h.device)[:, None] + 1) % h.shape[0], "
+                         f"torch.arange({T}, device=h.device)[None, :]].unsqueeze(-1).to(h.dtype)")
             elif op == "bn":
                 mods[m] = lambda: nn.BatchNorm1d(D)
                 L.append(f"    h = self.{m}(h.transpose(1, 2)).transpose(1, 2)")

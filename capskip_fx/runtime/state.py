@@ -321,6 +321,17 @@ class RuntimeState:
         self._task = None
         self.step += 1
 
+    def record_dense_graph(self, n: int, reason: str) -> None:
+        """A refused graph's dense backward (string backend): the step's stats, once per backward, unless
+        a selecting graph already recorded this backward."""
+        task = getattr(torch._C, "_current_graph_task_id", lambda: -1)()
+        if task != -1 and task == self._task:
+            self.last.fallback = self.last.fallback or reason
+            return
+        self._log_step(self.last)
+        self.record_dense_step(n, reason)
+        self._task = task
+
     # -- checkpointing ---------------------------------------------------------------
     def state_dict(self) -> dict:
         return {"rule": self.rule.state_dict(), "step": self.step, "epoch": self.epoch,
