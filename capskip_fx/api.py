@@ -242,7 +242,10 @@ def _backend_of(model) -> CapskipBackend:
     backend = backend_of(model) if isinstance(model, nn.Module) else None
     if backend is None:
         raise TypeError("capskip_fx.stats/report expect the module returned by capskip_fx.compile, or one "
-                        "compiled by torch.compile(backend='capskip') after its first step")
+                        "compiled by torch.compile(backend='capskip') after its first step. If this one has run "
+                        "a step, Dynamo handed capskip no graph of it: it ran eagerly (dense), e.g. because "
+                        "torch._dynamo.config.recompile_limit instances of its class were compiled before it "
+                        "(see Dynamo's warning; torch.compile(..., isolate_recompiles=True) avoids that)")
     return backend
 
 
