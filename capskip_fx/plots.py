@@ -5,7 +5,9 @@ epoch) and ``steps.jsonl`` (one line per step).  Runs are grouped by their label
 budget/options, see :func:`run_label`); seeds of one configuration share a label.
 
 Figures are drawn on :class:`matplotlib.figure.Figure` objects (Agg, no pyplot state), so this
-works headless and inside test processes.
+works headless and inside test processes.  Groups with several seeds are drawn as one mean curve with
+its 95% t band; the table gives 95% t intervals over seeds, the paired (same-seed) difference to the
+time-matched dense runs, and the wall-clock to reach dense's final top-1 (and 99% of it).
 """
 from __future__ import annotations
 
@@ -18,6 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable, Optional, Sequence
 
+import numpy as np
 import yaml
 from matplotlib.figure import Figure
 
@@ -165,8 +168,44 @@ def _moving_average(values: list[float], window: int) -> list[float]:
     return out
 
 
+def _band(ys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Mean and 95% t half-width over axis 0 (rows = seeds); half-width 0 for one seed."""
+    from scipy import stats
+
+    ys = np.asarray(ys, dtype=float)
+    mean = np.nanmean(ys, axis=0)
+    n = np.sum(~np.isnan(ys), axis=0)
+    if ys.shape[0] < 2:
+        return mean, np.zeros_like(mean)
+    sd = np.nanstd(ys, axis=0, ddof=1)
+    half = stats.t.ppf(0.975, np.maximum(n - 1, 1)) * sd / np.sqrt(np.maximum(n, 1))
+    return mean, np.where(n >= 2, half, 0.0)
+
+
+def _curve(r: Run, x: str) -> tuple[np.ndarray, np.ndarray]:
+    rows = [s for s in r.summary if s.get("eval_top1") is not None]
+    return np.array([float(s[x]) for s in rows]), np.array([float(s["eval_top1"]) for s in rows])
+
+
+def _group_curve(members: Sequence[Run], name: str) -> tuple[np.ndarray, np.ndarray]:
+    """(x, top-1 per seed on a common x): epochs as they are; wall-clock interpolated on a common grid
+    up to the shortest run's end (no extrapolation)."""
+    if name == "accuracy_vs_epoch.png":
+        curves = [_curve(r, "epoch") for r in members]
+        length = min(len(x) for x, _ in curves)
+        return curves[0][0][:length], np.stack([y[:length] for _, y in curves])
+    curves = [_curve(r, "wall_clock_s") for r in members]
+    curves = [(x, y) for x, y in curves if len(x)]
+    if not curves:
+        return np.zeros(0), np.zeros((len(members), 0))
+    lo, hi = max(x[0] for x, _ in curves), min(x[-1] for x, _ in curves)
+    grid = np.linspace(lo, hi, 50) if hi > lo else np.array([hi])
+    return grid, np.stack([np.interp(grid, x, y) for x, y in curves])
+
+
 def plot_runs(runs: Sequence[Run], out_dir: str | Path) -> list[Path]:
-    """Accuracy vs wall-clock, accuracy vs epoch, kept fraction over steps; one line per run."""
+    """Accuracy vs wall-clock, accuracy vs epoch (one mean curve with its 95% band per group), kept
+    fraction over steps (one line per run)."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     groups = group_runs(runs)
@@ -181,17 +220,22 @@ def plot_runs(runs: Sequence[Run], out_dir: str | Path) -> list[Path]:
         fig = Figure(figsize=(6.4, 4.2), layout="constrained")
         ax = fig.subplots()
         for label, members in groups.items():
-            for j, r in enumerate(members):
-                if name == "kept_fraction.png":
+            if name == "kept_fraction.png":
+                for j, r in enumerate(members):
                     xs = [s["step"] for s in r.steps]
                     fr = [s["kept"] / s["n"] if s.get("n") else math.nan for s in r.steps]
                     ys = _moving_average(fr, max(1, len(fr) // 50))
-                else:
-                    rows = [s for s in r.summary if s.get("eval_top1") is not None]
-                    xs = [s["wall_clock_s" if name == "accuracy_vs_wallclock.png" else "epoch"] for s in rows]
-                    ys = [s["eval_top1"] for s in rows]
-                ax.plot(xs, ys, color=colors[label], alpha=0.85, marker="." if len(xs) < 40 else None,
-                        label=label if j == 0 else None)
+                    ax.plot(xs, ys, color=colors[label], alpha=0.85, label=label if j == 0 else None)
+                continue
+            xs, ys = _group_curve(members, name)
+            if not len(xs):
+                continue
+            mean, half = _band(ys)
+            n = len(members)
+            ax.plot(xs, mean, color=colors[label], marker="." if len(xs) < 20 else None,
+                    label=f"{label} (n={n})" if n > 1 else label)
+            if n > 1:
+                ax.fill_between(xs, mean - half, mean + half, color=colors[label], alpha=0.2, linewidth=0)
         ax.set_xlabel(xlabel)
         ax.set_ylabel(ylabel)
         ax.grid(alpha=0.3)
@@ -231,23 +275,81 @@ def compare_table(runs: Sequence[Run]) -> str:
     return _table(runs)
 
 
+def t_interval(xs: Sequence[Optional[float]], level: float = 0.95) -> tuple[float, float]:
+    """(mean, half-width of the ``level`` Student-t interval); half-width NaN for fewer than 2 values."""
+    from scipy import stats
+
+    xs = [x for x in xs if x is not None and not math.isnan(x)]
+    if not xs:
+        return math.nan, math.nan
+    m = statistics.fmean(xs)
+    if len(xs) < 2:
+        return m, math.nan
+    return m, float(stats.t.ppf(0.5 + level / 2, len(xs) - 1)) * statistics.stdev(xs) / math.sqrt(len(xs))
+
+
+def fmt_interval(xs: Sequence[Optional[float]], fmt: str = ".2f", signed: bool = False) -> str:
+    """``mean [lo, hi]`` (95% t), or the value alone for one seed."""
+    m, h = t_interval(xs)
+    if math.isnan(m):
+        return "n/a"
+    f = ("+" if signed else "") + fmt
+    return format(m, f) if math.isnan(h) else f"{format(m, f)} [{format(m - h, f)}, {format(m + h, f)}]"
+
+
+def _time_to(r: Run, target: float) -> Optional[float]:
+    """First wall-clock at which the run's eval curve reaches ``target``, linearly interpolated between
+    evaluations (the first evaluation's time if it is already there); None if never."""
+    prev = None
+    for t, acc in zip(*_curve(r, "wall_clock_s")):
+        if acc >= target:
+            if prev is None:
+                return float(t)
+            (t0, a0) = prev
+            return float(t0 + (t - t0) * (target - a0) / (acc - a0))
+        prev = (t, acc)
+    return None
+
+
+def _ratio_to(members: Sequence[Run], dense: Sequence[Run], target: float) -> str:
+    """Median time to ``target`` over the group's seeds / dense's, and how many seeds reached it."""
+    mine = [t for t in (_time_to(r, target) for r in members) if t is not None]
+    ref = [t for t in (_time_to(r, target) for r in dense) if t is not None]
+    if not mine or not ref:
+        return f"never ({len(mine)}/{len(members)})"
+    return f"{statistics.median(mine) / statistics.median(ref):.2f} ({len(mine)}/{len(members)})"
+
+
 def _table(runs: Sequence[Run]) -> str:
     groups = group_runs(runs)
     dense = next((g for g in groups.values() if all(r.is_dense_reference for r in g)), None)
+    matched = next((g for g in groups.values()
+                    if all(r.config.get("rule") == "dense" and r.config.get("time_budget") for r in g)), None)
     dense_wall = _mean([r.final.get("wall_clock_s") for r in dense]) if dense else math.nan
+    target = _mean([r.final.get("eval_top1") for r in dense]) if dense else math.nan
+    by_seed = lambda g: {r.seed: r.final.get("eval_top1") for r in g}  # noqa: E731
     lines = [
-        "| run | seeds | final top-1 (%) | wall-clock (s) | × dense wall-clock | mean kept | backward rows | check violations |",
-        "|---|---|---|---|---|---|---|---|",
+        "| run | seeds | final top-1 (%) [95% CI] | Δ vs time-matched dense (pp, paired) [95% CI] "
+        "| wall-clock (s) | × dense wall-clock | time to dense's final top-1 (× dense) | to 99% of it "
+        "| mean kept | backward rows | check violations |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for label, members in groups.items():
         wall = _mean([r.final.get("wall_clock_s") for r in members])
         ratio = f"{wall / dense_wall:.2f}" if dense_wall and not math.isnan(dense_wall) and not math.isnan(wall) else "n/a"
         rows = _mean([r.final.get("backward_rows") for r in members])
         viol = sum(int(r.final.get("violations") or 0) for r in members)
+        diff = "n/a"
+        if matched is not None and members is not matched:
+            a, b = by_seed(members), by_seed(matched)
+            diffs = [a[s] - b[s] for s in a if s in b and a[s] is not None and b[s] is not None]
+            diff = fmt_interval(diffs, ".2f", signed=True) if diffs else "n/a"
+        reach = (_ratio_to(members, dense, target), _ratio_to(members, dense, 0.99 * target)) \
+            if dense and not math.isnan(target) else ("n/a", "n/a")
         lines.append(
-            f"| {label} | {len(members)} | {_mean_std([r.final.get('eval_top1') for r in members], '.2f')} "
+            f"| {label} | {len(members)} | {fmt_interval([r.final.get('eval_top1') for r in members])} | {diff} "
             f"| {_mean_std([r.final.get('wall_clock_s') for r in members], '.1f')} | {ratio} "
-            f"| {_mean_std([r.kept_frac for r in members], '.3f')} "
+            f"| {reach[0]} | {reach[1]} | {_mean_std([r.kept_frac for r in members], '.3f')} "
             f"| {'n/a' if math.isnan(rows) else f'{rows:.0f}'} | {viol} |"
         )
     return "\n".join(lines) + "\n"
@@ -262,6 +364,9 @@ def compare(paths: Iterable[str | Path], out_dir: str | Path) -> str:
     dirs = "\n".join(f"- `{r.path}` ({r.label}, seed {r.seed})" for r in runs)
     (out_dir / "compare.md").write_text(
         "# Comparison\n\n" + table + "\nWall-clock is training time only (compile warm-up and "
-        "evaluation excluded); top-1 is the last evaluation of each run.\n\n"
+        "evaluation excluded); top-1 is the last evaluation of each run. Intervals: 95% Student-t over "
+        "seeds; Δ pairs each seed with the time-matched dense run of the same seed; time to an accuracy is "
+        "read off each run's per-epoch evaluations (linear between them), median over seeds / dense's "
+        "median, with the number of seeds that reached it. Wall-clock ± is the sample std.\n\n"
         + "".join(f"![{p}]({p})\n" for p in PLOTS) + "\nRuns:\n" + dirs + "\n")
     return table

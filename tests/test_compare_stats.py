@@ -1,0 +1,59 @@
+"""The comparison table's statistics: t intervals over seeds, paired differences, time to accuracy."""
+from __future__ import annotations
+
+import csv
+import math
+
+import pytest
+import yaml
+
+from capskip_fx import plots
+
+T975_DF2 = 4.302652729911275  # Student t, 97.5% quantile, 2 degrees of freedom
+
+
+def _run(root, name, seed, curve, **cfg):
+    d = root / name
+    d.mkdir(parents=True)
+    (d / "config.yaml").write_text(yaml.safe_dump({"dataset": "mnist", "seed": seed, **cfg}))
+    with open(d / "summary.csv", "w", newline="") as f:
+        w = csv.DictWriter(f, ["epoch", "eval_top1", "wall_clock_s", "backward_rows", "rows"])
+        w.writeheader()
+        for e, (t, acc) in enumerate(curve, 1):
+            w.writerow({"epoch": e, "eval_top1": acc, "wall_clock_s": t, "backward_rows": 10, "rows": 10})
+
+
+def test_intervals_paired_differences_and_time_to_accuracy(tmp_path):
+    finals = {"dense": [90.0, 91.0, 92.0], "tm": [89.0, 89.5, 91.0], "capskip": [91.5, 90.0, 92.5]}
+    for s in range(3):
+        _run(tmp_path, f"dense-s{s}", s, [(10, 80.0), (20, finals["dense"][s])], rule="dense")
+        _run(tmp_path, f"tm-s{s}", s, [(6, 80.0), (12, finals["tm"][s])], rule="dense", time_budget=12)
+        # capskip reaches 91 (dense's mean final) half-way through its second epoch on seeds 0 and 2
+        _run(tmp_path, f"capskip-s{s}", s, [(5, 81.0), (11, finals["capskip"][s])], rule="capskip", budget=0.3)
+    table = plots.compare_table(plots.find_runs([tmp_path]))
+    rows = {line.split("|")[1].strip(): [c.strip() for c in line.split("|")[2:-1]]
+            for line in table.splitlines()[2:]}
+    half = T975_DF2 * 1.0 / math.sqrt(3)  # dense: sd 1
+    assert rows["dense"][1] == f"91.00 [{91 - half:.2f}, {91 + half:.2f}]"
+    d = [a - b for a, b in zip(finals["capskip"], finals["tm"])]  # +2.5, +0.5, +1.5
+    m, sd = sum(d) / 3, math.sqrt(sum((x - sum(d) / 3) ** 2 for x in d) / 2)
+    assert rows["capskip b=0.3"][2] == f"{m:+.2f} [{m - T975_DF2 * sd / math.sqrt(3):+.2f}, {m + T975_DF2 * sd / math.sqrt(3):+.2f}]"
+    assert rows["dense time-matched"][2] == "n/a"
+    # time to 91: dense seeds 1, 2 reach it at 20 and 10 + 10 * (91 - 80) / (92 - 80); median of those two
+    dense_t = sorted([20.0, 10 + 10 * 11 / 12])
+    cap_t = sorted([5 + 6 * (91 - 81) / (91.5 - 81), 5 + 6 * (91 - 81) / (92.5 - 81)])
+    assert rows["capskip b=0.3"][5] == f"{(sum(cap_t) / 2) / (sum(dense_t) / 2):.2f} (2/3)"
+    assert rows["dense time-matched"][5] == f"{12 / (sum(dense_t) / 2):.2f} (1/3)"  # only seed 2: 91.0 at 12 s
+
+
+def test_one_seed_has_no_interval_and_plots_draw_bands(tmp_path):
+    _run(tmp_path, "dense-s0", 0, [(10, 80.0), (20, 90.0)], rule="dense")
+    for s in range(2):
+        _run(tmp_path, f"capskip-s{s}", s, [(5, 81.0 + s), (11, 90.0 + s)], rule="capskip", budget=0.3)
+    table = plots.compare(plots.find_runs([tmp_path]) and [tmp_path], tmp_path / "cmp")
+    assert "| dense | 1 | 90.00 |" in table
+    for p in plots.PLOTS:
+        assert (tmp_path / "cmp" / p).stat().st_size > 1000
+    mean, half = plots._band([[1.0, 2.0], [3.0, 4.0]])
+    assert mean.tolist() == [2.0, 3.0]
+    assert half == pytest.approx([12.706204736174698 * math.sqrt(2) / math.sqrt(2)] * 2)
