@@ -50,10 +50,10 @@ def test_one_seed_has_no_interval_and_plots_draw_bands(tmp_path):
     _run(tmp_path, "dense-s0", 0, [(10, 80.0), (20, 90.0)], rule="dense")
     for s in range(2):
         _run(tmp_path, f"capskip-s{s}", s, [(5, 81.0 + s), (11, 90.0 + s)], rule="capskip", budget=0.3)
-    table = plots.compare(plots.find_runs([tmp_path]) and [tmp_path], tmp_path / "cmp")
+    table = plots.compare([tmp_path], tmp_path / "cmp")
     assert "| dense | 1 | 90.00 |" in table
     for p in plots.PLOTS:
         assert (tmp_path / "cmp" / p).stat().st_size > 1000
     mean, half = plots._band([[1.0, 2.0], [3.0, 4.0]])
     assert mean.tolist() == [2.0, 3.0]
-    assert half == pytest.approx([12.706204736174698 * math.sqrt(2) / math.sqrt(2)] * 2)
+    assert half == pytest.approx([12.706204736174698 * math.sqrt(2) / math.sqrt(2)] * 2)  # t(0.975, 1) * sd / sqrt(n)
