@@ -4,10 +4,14 @@
     loss = F.cross_entropy(model(x), y); loss.backward()   # backward on the selected rows only
     capskip_fx.stats(model)                                 # n, kept, bound, fallback, variants
 """
-from .api import CapskipModule, compile, report, stats
-from .config import CapskipConfig
-from .rules import RULES, HeadView, Rule, Selection, make_rule
-from .rules.vcas import VCAS
+from . import compat
+
+compat.check()  # a moved torch internal fails here, loudly, never as a silently dense step
+
+from .api import CapskipModule  # noqa: E402, compile, report, stats
+from .config import CapskipConfig  # noqa: E402
+from .rules import RULES, HeadView, Rule, Selection, make_rule  # noqa: E402
+from .rules.vcas import VCAS  # noqa: E402
 
 __all__ = ["compile", "stats", "report", "CapskipModule", "CapskipConfig", "RULES", "Rule", "HeadView",
            "Selection", "make_rule", "VCAS"]

@@ -1,0 +1,65 @@
+"""The torch internals capskip_fx relies on, checked once at import.
+
+The pass hooks into private Inductor / AOTAutograd / Dynamo / autograd APIs.  If one has moved in the
+installed torch, importing capskip_fx fails here with the torch version and what is missing: it must
+never degrade into a silently dense (or wrong) step.  Optional internals (the code has a documented
+fallback when they are absent) are not checked.
+"""
+from __future__ import annotations
+
+import importlib
+import inspect
+
+import torch
+
+#: the torch releases CI tests (pyproject's range)
+TESTED = ("2.11", "2.14", "2.15")
+
+# (module, attribute path): required internals, each with the reason it is needed
+REQUIRED = (
+    ("torch._C", "_current_autograd_node", "binds each selection to the forward that made it"),
+    ("torch._C", "_current_graph_task_id", "one step per backward"),
+    ("torch._inductor.compile_fx", "compile_fx", "the backend compiles through Inductor"),
+    ("torch._inductor.compile_fx", "compile_fx_inner", "the backward's inner compile"),
+    ("torch._inductor.config", "joint_custom_pre_pass", "the selection pass runs on the joint graph"),
+    ("torch._inductor.custom_graph_pass", "CustomGraphPass", "the selection pass's base class"),
+    ("torch._functorch.config", "enable_autograd_cache", "the cache must not serve a dense backward"),
+    ("torch._guards", "TracingContext.try_get", "the forward metadata and the module guard"),
+    ("torch._dynamo.guards", "GuardBuilder.ID_MATCH", "each compiled module its own cache entry"),
+    ("torch._dynamo.eval_frame", "OptimizedModule", "the string backend finds its module"),
+    ("torch._dynamo.backends.registry", "register_backend", 'torch.compile(backend="capskip")'),
+    ("torch._dynamo.utils", "counters", "capskip's counters"),
+    ("torch._dynamo", "maybe_mark_dynamic", "the batch dim is made symbolic"),
+)
+
+
+def missing() -> list[str]:
+    """The required internals this torch lacks, one line each."""
+    out = []
+    for mod, path, why in REQUIRED:
+        try:
+            obj = importlib.import_module(mod)
+            for part in path.split("."):
+                obj = getattr(obj, part)
+        except (ImportError, AttributeError) as e:
+            out.append(f"{mod}.{path} ({why}): {type(e).__name__}: {e}")
+    try:
+        from torch._inductor.compile_fx import compile_fx
+
+        params = inspect.signature(compile_fx).parameters
+        for p in ("inner_compile", "config_patches"):
+            if p not in params:
+                out.append(f"torch._inductor.compile_fx.compile_fx has no {p!r} parameter")
+    except (ImportError, ValueError, TypeError):
+        pass  # reported above
+    return out
+
+
+def check() -> None:
+    """Raise ImportError naming the torch version and every missing internal."""
+    gone = missing()
+    if gone:
+        raise ImportError(
+            f"capskip_fx cannot run on torch {torch.__version__}: internals it relies on have moved or are "
+            f"missing:\n  - " + "\n  - ".join(gone) + f"\nTested with torch {', '.join(TESTED)}; install one "
+            "of those (pip install 'torch>=2.11,<2.16') or report this torch version.")

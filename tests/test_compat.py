@@ -1,0 +1,28 @@
+"""A torch whose internals moved fails at import, naming the version and what is missing."""
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from capskip_fx import compat
+
+
+def test_this_torch_has_every_required_internal():
+    assert compat.missing() == []
+
+
+def test_a_missing_internal_is_named_with_the_torch_version(monkeypatch):
+    monkeypatch.setattr(compat, "REQUIRED", compat.REQUIRED + (("torch._C", "_no_such_thing", "a test"),))
+    with pytest.raises(ImportError, match=r"(?s)torch \S+.*torch\._C\._no_such_thing \(a test\)") as e:
+        compat.check()
+    assert torch.__version__ in str(e.value)
+
+
+def test_import_fails_loudly_when_an_internal_moved():
+    code = ("import torch; del torch._C._current_autograd_node\n"
+            "try:\n    import capskip_fx\nexcept ImportError as e:\n    print('IMPORT-ERROR', e)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120).stdout
+    assert "IMPORT-ERROR" in out and "_current_autograd_node" in out and torch.__version__ in out, out
