@@ -8,7 +8,7 @@ from . import compat
 
 compat.check()  # a moved torch internal fails here, loudly, never as a silently dense step
 
-from .api import CapskipModule  # noqa: E402, compile, report, stats
+from .api import CapskipModule, compile, report, stats  # noqa: E402
 from .config import CapskipConfig  # noqa: E402
 from .rules import RULES, HeadView, Rule, Selection, make_rule  # noqa: E402
 from .rules.vcas import VCAS  # noqa: E402
