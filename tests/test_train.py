@@ -14,8 +14,8 @@ import torch
 import yaml
 
 import capskip_fx
-from capskip_fx import plots
 from capskip_fx import train
+from capskip_fx.train import loop, plots
 
 torch.set_num_threads(1)
 
@@ -82,7 +82,7 @@ def test_violations_are_counted_not_raised(tmp_path, monkeypatch):
     def broken(*a, **k):
         return {"cos_all": 0.5, "rel_l2_all": 0.9, "cos_head": 0.5, "rel_l2_head": 0.9, "dense_loss": 1.0}
 
-    monkeypatch.setattr(train, "distortion_check", broken)
+    monkeypatch.setattr(loop, "distortion_check", broken)  # the name the loop calls
     res = train.run([*TINY, "--epochs", "1", "--check-every", "1", "--out", str(tmp_path / "v")])
     _, checks, summary = _read(tmp_path / "v")
     assert res["violations"] == 3 == int(summary[0]["violations"])
@@ -206,8 +206,6 @@ def test_cli_errors_come_before_any_work(tmp_path, capsys):
 
 
 def test_compare_splits_runs_of_different_datasets(tmp_path):
-    from capskip_fx import plots
-
     runs = [plots.Run(path=tmp_path / n, config={"dataset": d, "rule": "dense", "seed": 0},
                       summary=[{"eval_top1": 50.0, "wall_clock_s": 1.0}]) for n, d in (("a", "digits"), ("b", "mnist"))]
     table = plots.compare_table(runs)

@@ -1,0 +1,4 @@
+"""``python -m capskip_fx.train ...``"""
+from .cli import main
+
+main()

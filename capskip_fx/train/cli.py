@@ -1,0 +1,166 @@
+"""The command line: ``capskip-train [train] FLAGS`` and ``capskip-train compare RUNS``."""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import Any, Optional, Sequence
+
+import yaml
+
+from capskip_fx.data.datasets import DATASETS
+
+from . import checkpoint, plots
+from .config import AMP, BACKENDS, FIELDS, RULE_NAMES, TrainConfig, default, normalise_keys, read_yaml
+from .loop import train
+
+DESCRIPTION = "Training harness: fine-tune a timm model with a selective-backprop rule, log everything."
+
+
+def _optional(tp):
+    def conv(s: str):
+        return None if s.lower() in ("none", "null", "") else tp(s)
+
+    conv.__name__ = tp.__name__  # argparse names the type in its error messages
+    return conv
+
+
+def _key_value(s: str):
+    if "=" not in s:
+        raise argparse.ArgumentTypeError(f"expected KEY=VALUE, got {s!r}")
+    k, v = s.split("=", 1)
+    return k.replace("-", "_"), yaml.safe_load(v)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="capskip-train", description=DESCRIPTION)
+    sub = p.add_subparsers(dest="command", metavar="{train,compare}")
+    t = sub.add_parser("train", help="train one run (the default sub-command)",
+                       argument_default=argparse.SUPPRESS)  # only flags given on the command line override
+
+    def add(name, type=None, help="", **kw):
+        dest = name.lstrip("-").replace("-", "_")
+        if "action" not in kw:
+            kw["type"] = type
+        g.add_argument(name, dest=dest, help=f"{help} (default: {default(dest)})".strip(), **kw)
+
+    g = t
+    t.add_argument("--config", dest="config_file", help="YAML file of config keys; flags override it")
+    g = t.add_argument_group("data")
+    add("--dataset", str, choices=DATASETS)
+    add("--data-dir", _optional(str), "folder with the dataset files")
+    add("--train-subset", _optional(int), "use a fixed random subset of this many training images")
+    add("--eval-subset", _optional(int), "use a fixed random subset of this many eval images")
+    add("--augment", action=argparse.BooleanOptionalAction, help="random crop (+ flip) when training")
+    add("--workers", int, "DataLoader workers")
+    g = t.add_argument_group("model")
+    add("--model", str, "any timm model name")
+    add("--img-size", _optional(int), "input size; None: the dataset's default")
+    add("--patch-size", _optional(int), "ViT patch size; None: img_size // 4")
+    add("--depth", _optional(int))
+    add("--embed-dim", _optional(int))
+    add("--num-heads", _optional(int))
+    add("--in-chans", _optional(int), "model input channels; None: from the data (1 -> 3 repeats grey)")
+    g.add_argument("--model-kw", dest="model_kw", type=_key_value, action="append",
+                   help="extra timm.create_model kwarg KEY=VALUE (YAML value), repeatable")
+    g = t.add_argument_group("checkpoints")
+    add("--resume", _optional(str), "a run's checkpoint.pt: continue that run bit-exactly (its config is the "
+                                    "base; flags override, e.g. --epochs to train longer)")
+    add("--initial-checkpoint", _optional(str), "start from these model weights only: a checkpoint.pt, a "
+                                                "state_dict .pt/.pth or a .safetensors file")
+    add("--pretrained", action=argparse.BooleanOptionalAction, help="start from timm's pretrained weights "
+                                                                   "(downloads; offline use --initial-checkpoint)")
+    g = t.add_argument_group("selection")
+    add("--rule", str, "selection rule ('vcas': all rows, VCAS samples inside the backward)", choices=RULE_NAMES)
+    add("--budget", float, "relative last-layer gradient budget b")
+    add("--keep", _optional(float), "keep fraction (forced, random, sb)")
+    add("--match", _optional(str), "rule whose per-step kept counts to match (random)")
+    g.add_argument("--rule-opt", dest="rule_opt", type=_key_value, action="append",
+                   help="extra rule option KEY=VALUE (YAML value), repeatable")
+    g.add_argument("--vcas-opt", dest="vcas_opt", type=_key_value, action="append",
+                   help="VCAS option KEY=VALUE (capskip_fx.VCAS fields, e.g. freq=16); with a rule other "
+                        "than vcas it turns VCAS on inside that rule's kept rows; repeatable")
+    add("--backend", str, choices=BACKENDS)
+    g = t.add_argument_group("optimisation")
+    add("--epochs", int)
+    add("--batch-size", int)
+    add("--eval-batch-size", int)
+    add("--lr", float, "peak AdamW learning rate")
+    add("--min-lr", float, "cosine floor")
+    add("--weight-decay", float)
+    add("--warmup-epochs", float, "linear warm-up length")
+    add("--amp", str, choices=AMP)
+    g = t.add_argument_group("run")
+    add("--seed", int)
+    add("--device", str, "auto, cpu, cuda, cuda:1, ...")
+    add("--threads", _optional(int), "torch.set_num_threads")
+    add("--out", _optional(str), "run directory; None: runs/<dataset>-<rule>-s<seed>")
+    add("--label", _optional(str), "group label for compare; None: rule + budget/options")
+    add("--time-budget", _optional(float), "stop once training wall-clock (s) reaches this")
+    add("--schedule-by-time", action=argparse.BooleanOptionalAction,
+        help="with --time-budget, anneal the learning rate on time progress too")
+    add("--check-every", int, "exact distortion check every K steps (0: never)")
+    add("--check-tol", float, "slack on capskip's head rel-L2 <= budget")
+    add("--log-every", int, "plain log line every N steps when not a TTY (0: auto)")
+
+    c = sub.add_parser("compare", help="plots + Markdown table over run directories")
+    c.add_argument("runs", nargs="+", help="run directories, or folders searched for them")
+    c.add_argument("--out", default="runs/compare", help="output folder (default: runs/compare)")
+    return p
+
+
+def _resume_base(path: str) -> dict[str, Any]:
+    """The resolved config saved in a run's checkpoint: a resumed run's defaults."""
+    if not Path(path).is_file():
+        raise SystemExit(f"config: resume {path!r} is not a file (--resume)")
+    return normalise_keys(checkpoint.load_for_resume(path)["config"], f"--resume {path}")
+
+
+def config_from_args(ns: argparse.Namespace) -> TrainConfig:
+    """Defaults <- the checkpoint's config (``--resume``) <- YAML file <- flags given on the command line."""
+    values: dict[str, Any] = {}
+    if getattr(ns, "resume", None):
+        values.update(_resume_base(ns.resume))
+    cfg_file = getattr(ns, "config_file", None)
+    if cfg_file:
+        values.update(read_yaml(cfg_file))
+    flags = {k: v for k, v in vars(ns).items() if k in FIELDS}
+    values.update(flags)
+    for flag, key in (("model_kw", "model_kwargs"), ("rule_opt", "rule_options"), ("vcas_opt", "vcas_options")):
+        if getattr(ns, flag, None):
+            values[key] = {**(values.get(key) or {}), **dict(getattr(ns, flag))}
+    if values.get("rule") == "vcas" and values.get("vcas_options") is None:
+        values["vcas_options"] = {}
+    try:
+        return TrainConfig(**values)
+    except (TypeError, ValueError) as e:
+        raise SystemExit(str(e)) from e
+
+
+def parse_config(argv: Sequence[str]) -> TrainConfig:
+    ns = build_parser().parse_args(["train", *argv])
+    return config_from_args(ns)
+
+
+def run(argv: Optional[Sequence[str]] = None) -> Any:
+    """Parse and dispatch; returns the train result dict or the compare table."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = build_parser()
+    if argv in (["-h"], ["--help"]):  # the default sub-command's flags are what a newcomer looks for
+        sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+        print(parser.format_help() + "\n`capskip-train [train] FLAGS` (train is the default):\n\n"
+              + sub.choices["train"].format_help())
+        raise SystemExit(0)
+    if not argv or argv[0] not in ("train", "compare", "-h", "--help"):
+        argv.insert(0, "train")
+    ns = parser.parse_args(argv)
+    if ns.command == "compare":
+        table = plots.compare(ns.runs, ns.out)
+        print(table + f"\nwritten to {ns.out}/compare.md")
+        return table
+    return train(config_from_args(ns))
+
+
+def main(argv: Optional[Sequence[str]] = None) -> None:
+    """Console-script entry point (``capskip-train``)."""
+    run(argv)

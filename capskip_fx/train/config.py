@@ -1,0 +1,173 @@
+"""TrainConfig: the run's settings, their coercion from YAML / flags, and the YAML file."""
+from __future__ import annotations
+
+import dataclasses
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+import yaml
+
+from capskip_fx.data.datasets import DATASETS
+from capskip_fx.rules import RULES, build_rule
+
+RULE_NAMES = sorted(RULES) + ["vcas"]
+
+BACKENDS = ("inductor", "aot_eager", "eager")
+AMP = ("none", "bf16")
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    # data
+    dataset: str = "fashion-mnist"
+    data_dir: Optional[str] = None
+    train_subset: Optional[int] = None
+    eval_subset: Optional[int] = None
+    augment: bool = True
+    workers: int = 0
+    # model (timm)
+    model: str = "deit_tiny_patch16_224"
+    img_size: Optional[int] = None  # None: the dataset's default (28 for Fashion-MNIST)
+    patch_size: Optional[int] = None  # None: img_size // 4 (7 at 28), passed only if the model takes it
+    depth: Optional[int] = None
+    embed_dim: Optional[int] = None
+    num_heads: Optional[int] = None
+    in_chans: Optional[int] = None  # None: the data's channels
+    model_kwargs: dict = field(default_factory=dict)
+    pretrained: bool = False  # timm's pretrained weights (needs the HF hub or timm's cache)
+    initial_checkpoint: Optional[str] = None  # model weights only (checkpoint.pt, .pt/.pth, .safetensors)
+    # selection
+    rule: str = "capskip"
+    budget: float = 0.1
+    keep: Optional[float] = None
+    match: Optional[str] = None
+    rule_options: dict = field(default_factory=dict)
+    vcas_options: Optional[dict] = None  # VCAS inside the backward (rule "vcas", or with another rule)
+    backend: str = "inductor"
+    # optimisation: AdamW, linear warm-up then cosine to min_lr
+    epochs: int = 10
+    batch_size: int = 128
+    eval_batch_size: int = 512
+    lr: float = 1e-3
+    min_lr: float = 1e-5
+    weight_decay: float = 0.05
+    warmup_epochs: float = 1.0
+    amp: str = "none"
+    # run
+    seed: int = 0
+    device: str = "auto"
+    threads: Optional[int] = None
+    out: Optional[str] = None
+    label: Optional[str] = None
+    time_budget: Optional[float] = None
+    schedule_by_time: bool = True
+    check_every: int = 100  # 0: no distortion checks
+    check_tol: float = 1e-4
+    log_every: int = 0  # 0: about ten plain log lines per epoch
+    resume: Optional[str] = None  # a run's checkpoint.pt: continue that run
+
+    def __post_init__(self):
+        def bad(msg):
+            raise ValueError(f"config: {msg}")
+
+        for name, tp in _HINTS.items():  # YAML reads 1e-3 as a string; flags arrive typed already
+            object.__setattr__(self, name, _coerce(name, tp, getattr(self, name)))
+
+        if self.dataset not in DATASETS:
+            bad(f"dataset {self.dataset!r} not in {DATASETS}")
+        if self.rule not in RULE_NAMES:
+            bad(f"rule {self.rule!r} not in {RULE_NAMES}")
+        if self.backend not in BACKENDS:
+            bad(f"backend {self.backend!r} not in {BACKENDS}")
+        if self.amp not in AMP:
+            bad(f"amp {self.amp!r} not in {AMP}")
+        if self.epochs < 1 or self.batch_size < 1 or self.eval_batch_size < 1:
+            bad("epochs, batch_size and eval_batch_size must be >= 1")
+        if self.time_budget is not None and self.time_budget <= 0:
+            bad(f"time_budget must be positive seconds, got {self.time_budget}")
+        if self.check_every < 0 or self.warmup_epochs < 0:
+            bad("check_every and warmup_epochs must be >= 0")
+        if not isinstance(self.model_kwargs, dict) or not isinstance(self.rule_options, dict):
+            bad("model_kwargs and rule_options must be mappings")
+        if self.data_dir is not None and not Path(self.data_dir).is_dir():
+            bad(f"data_dir {self.data_dir!r} is not a folder")
+        for name in ("resume", "initial_checkpoint"):  # a typo fails here, before any data is loaded
+            path = getattr(self, name)
+            if path is not None and not Path(path).is_file():
+                bad(f"{name} {path!r} is not a file (--{name.replace('_', '-')})")
+        # the rule is built here too, so a bad budget or option fails before any data is loaded
+        try:
+            if self.rule != "vcas":
+                build_rule(self.rule, self.budget, rule_options(self))
+        except (TypeError, ValueError) as e:
+            bad(f"rule {self.rule!r}: {e}")
+
+
+FIELDS = {f.name: f for f in dataclasses.fields(TrainConfig)}
+_HINTS = typing.get_type_hints(TrainConfig)
+
+
+def default(name: str) -> Any:
+    """A field's default value."""
+    f = FIELDS[name]
+    return f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+
+
+def _coerce(name: str, tp: Any, value: Any) -> Any:
+    optional = typing.get_origin(tp) is typing.Union and type(None) in typing.get_args(tp)
+    base = next(a for a in typing.get_args(tp) if a is not type(None)) if optional else tp
+    if value is None:
+        if optional:
+            return None
+        raise ValueError(f"config: {name} must not be null")
+    try:
+        if base is bool:
+            if isinstance(value, bool):
+                return value
+            if str(value).lower() in ("true", "yes", "1", "false", "no", "0"):
+                return str(value).lower() in ("true", "yes", "1")
+            raise ValueError(value)
+        if base is int:
+            f = float(value)
+            if f != int(f):
+                raise ValueError(value)
+            return int(f)
+        if base in (float, str):
+            return base(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"config: {name}={value!r} is not a valid {getattr(base, '__name__', base)}") from None
+    return value
+
+
+def rule_options(cfg: TrainConfig) -> dict[str, Any]:
+    opts = dict(cfg.rule_options)
+    if cfg.keep is not None:
+        opts["keep"] = cfg.keep
+    if cfg.match is not None:
+        opts["match"] = cfg.match  # compile() hands the budget on to a matched rule
+    return opts
+
+
+def normalise_keys(d: dict, source: str) -> dict:
+    """Config keys with dashes as underscores; an unknown key exits naming ``source``."""
+    out = {}
+    for k, v in d.items():
+        key = str(k).replace("-", "_")
+        if key not in FIELDS:
+            raise SystemExit(f"{source}: unknown config key {k!r}; known: {', '.join(FIELDS)}")
+        out[key] = v
+    return out
+
+
+def read_yaml(path: str | Path) -> dict:
+    """The config keys of a YAML file (``--config``)."""
+    loaded = yaml.safe_load(Path(path).read_text()) or {}
+    if not isinstance(loaded, dict):
+        raise SystemExit(f"{path}: expected a mapping of config keys")
+    return normalise_keys(loaded, str(path))
+
+
+def write_yaml(cfg: TrainConfig, path: str | Path) -> None:
+    Path(path).write_text(yaml.safe_dump(dataclasses.asdict(cfg), sort_keys=False))

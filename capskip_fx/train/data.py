@@ -1,0 +1,39 @@
+"""The harness's data plumbing: the dataset a config names, its loaders, and the resolved sizes."""
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+from torch.utils.data import DataLoader
+
+from capskip_fx.data.datasets import DEFAULT_IMG_SIZE, DataBundle, load_dataset
+
+from .config import TrainConfig
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+def load_data(cfg: TrainConfig, device: torch.device) -> tuple[DataBundle, TrainConfig]:
+    """The dataset, and the config with the sizes the data decided (image size, channels, patch)."""
+    data = load_dataset(cfg.dataset, cfg.data_dir, img_size=cfg.img_size, in_chans=cfg.in_chans,
+                        train_subset=cfg.train_subset, eval_subset=cfg.eval_subset, augment=cfg.augment)
+    img = cfg.img_size or DEFAULT_IMG_SIZE[cfg.dataset]
+    cfg = dataclasses.replace(cfg, img_size=img, in_chans=data.in_chans,
+                              patch_size=cfg.patch_size or max(1, img // 4), device=str(device))
+    return data, cfg
+
+
+def make_loaders(cfg: TrainConfig, data: DataBundle, device: torch.device):
+    """(train loader, eval loader, the train sampler's generator): checkpoints carry the generator."""
+    gen = torch.Generator().manual_seed(cfg.seed)
+    pin = device.type == "cuda"
+    # a ragged last batch would be one more shape to compile
+    train_loader = DataLoader(data.train, batch_size=cfg.batch_size, shuffle=True, generator=gen,
+                              drop_last=len(data.train) >= cfg.batch_size, num_workers=cfg.workers,
+                              pin_memory=pin, persistent_workers=cfg.workers > 0)
+    eval_loader = DataLoader(data.test, batch_size=cfg.eval_batch_size, num_workers=cfg.workers, pin_memory=pin)
+    return train_loader, eval_loader, gen

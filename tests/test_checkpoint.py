@@ -1,0 +1,211 @@
+"""Training-harness checkpoints: checkpoint.pt each epoch, --resume (bit-exact), --initial-checkpoint
+(checkpoint.pt / state_dict / safetensors, class-count change), --pretrained offline, early path errors.
+
+Runs are the tiny digits ViTs of test_train.py (seconds each; the inductor resume compiles once cold)."""
+from __future__ import annotations
+
+import csv
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from capskip_fx import train
+from capskip_fx.train import checkpoint, loop
+
+torch.set_num_threads(1)
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = ["--dataset", "digits", "--img-size", "16", "--patch-size", "4", "--depth", "1", "--embed-dim", "16",
+        "--num-heads", "2", "--batch-size", "32", "--train-subset", "96", "--eval-subset", "64",
+        "--threads", "1", "--warmup-epochs", "0", "--lr", "1e-2"]
+# the per-epoch values a resumed run must reproduce exactly (times are measured, not computed)
+EXACT = ("epoch", "steps", "train_loss", "eval_top1", "eval_loss", "backward_rows", "rows", "mean_kept_frac", "lr",
+         "checks", "violations", "fallbacks")
+
+
+class Crash(Exception):
+    pass
+
+
+def _summary(out: Path) -> list[dict]:
+    with open(out / "summary.csv", newline="") as f:
+        return list(csv.DictReader(f))
+
+
+def _jsonl(path: Path) -> list[dict]:
+    return [json.loads(l) for l in path.read_text().splitlines()]
+
+
+@pytest.mark.parametrize("backend, rule", [
+    ("aot_eager", ["--rule", "sb", "--keep", "0.5"]),  # history + generator in the rule state
+    ("inductor", ["--rule", "capskip", "--budget", "0.5"]),
+])
+def test_resume_is_bit_exact(tmp_path, monkeypatch, backend, rule):
+    argv = [*TINY, "--backend", backend, *rule, "--epochs", "3", "--check-every", "2"]
+    full = train.run([*argv, "--out", str(tmp_path / "full")])
+
+    # the same run killed in epoch 2 after its steps (they reach steps.jsonl) but before its checkpoint
+    real_evaluate, calls = loop.evaluate, []
+
+    def evaluate(*a, **k):
+        calls.append(1)
+        if len(calls) == 2:
+            raise Crash
+        return real_evaluate(*a, **k)
+
+    monkeypatch.setattr(loop, "evaluate", evaluate)
+    with pytest.raises(Crash):
+        train.run([*argv, "--out", str(tmp_path / "cut")])
+    monkeypatch.setattr(loop, "evaluate", real_evaluate)
+    cut = tmp_path / "cut"
+    ck = torch.load(cut / "checkpoint.pt", weights_only=True)  # plain containers and tensors only
+    assert ck["epoch"] == 1 and ck["counters"]["step"] == 3 and "_capskip" in ck["model"]
+    assert {"torch", "numpy", "python", "loader"} <= set(ck["rng"]) and ck["config"]["backend"] == backend
+    assert len(_jsonl(cut / "steps.jsonl")) == 6  # epoch 2's steps, past the checkpoint
+    epoch1 = _summary(cut)
+
+    res = train.run(["--resume", str(cut / "checkpoint.pt")])  # the config comes from the checkpoint
+    a, b = _summary(tmp_path / "full"), _summary(cut)
+    assert len(b) == 3 and b[0] == epoch1[0]  # rows continued, epoch 1's kept as written
+    for ra, rb in zip(a, b):
+        assert {k: ra[k] for k in EXACT} == {k: rb[k] for k in EXACT}
+    assert res["final_top1"] == full["final_top1"] and res["steps"] == full["steps"] == 9
+    assert res["backward_rows"] == full["backward_rows"] and res["resumed_from"] == str(cut / "checkpoint.pt")
+    # wall-clock continues from the checkpoint's
+    assert float(b[1]["wall_clock_s"]) > float(b[0]["wall_clock_s"]) == pytest.approx(ck["clock"]["total"] -
+                                                                                     float(b[0]["compile_s"]))
+    sa, sb = _jsonl(tmp_path / "full" / "steps.jsonl"), _jsonl(cut / "steps.jsonl")
+    assert [(s["step"], s["loss"], s["kept"]) for s in sa] == [(s["step"], s["loss"], s["kept"]) for s in sb]
+    ca, cb = _jsonl(tmp_path / "full" / "checks.jsonl"), _jsonl(cut / "checks.jsonl")
+    assert [(c["step"], c["rel_l2_head"]) for c in ca] == [(c["step"], c["rel_l2_head"]) for c in cb]
+    assert json.loads((cut / "result.json").read_text())["final_top1"] == full["final_top1"]
+    assert torch.load(cut / "checkpoint.pt", weights_only=True)["epoch"] == 3
+
+
+def test_resume_needs_something_left_to_train(tmp_path):
+    out = tmp_path / "r"
+    train.run([*TINY, "--backend", "eager", "--epochs", "1", "--check-every", "0", "--out", str(out)])
+    with pytest.raises(SystemExit, match="already finished epoch 1 of 1; pass --epochs"):
+        train.run(["--resume", str(out / "checkpoint.pt")])
+    res = train.run(["--resume", str(out / "checkpoint.pt"), "--epochs", "2"])  # flags override its config
+    assert res["steps"] == 6 and [r["epoch"] for r in _summary(out)] == ["1", "2"]
+
+
+def test_atomic_save_never_leaves_a_truncated_file(tmp_path):
+    path = tmp_path / "checkpoint.pt"
+    checkpoint.save({"epoch": 1, "w": torch.arange(1000)}, path)
+
+    class Unpicklable:
+        def __reduce__(self):
+            raise RuntimeError("disk full")  # fails half-way through the write
+
+    with pytest.raises(RuntimeError, match="disk full"):
+        checkpoint.save({"epoch": 2, "w": torch.arange(10**6), "x": Unpicklable()}, path)
+    old = torch.load(path, weights_only=True)
+    assert old["epoch"] == 1 and torch.equal(old["w"], torch.arange(1000))
+    assert [p.name for p in tmp_path.iterdir()] == ["checkpoint.pt"]  # no temp file left behind
+
+
+# ---------------------------------------------------------------- --initial-checkpoint
+
+@pytest.fixture(scope="module")
+def source_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("src") / "run"
+    res = train.run([*TINY, "--backend", "eager", "--epochs", "1", "--check-every", "0", "--out", str(out)])
+    return out, res
+
+
+def _formats(src: Path, tmp_path: Path) -> dict[str, Path]:
+    from safetensors.torch import save_file
+
+    sd = {k: v for k, v in torch.load(src / "checkpoint.pt", weights_only=True)["model"].items() if k != "_capskip"}
+    torch.save(sd, tmp_path / "plain.pth")
+    save_file(sd, str(tmp_path / "w.safetensors"))
+    return {"checkpoint": src / "checkpoint.pt", "state_dict": tmp_path / "plain.pth",
+            "safetensors": tmp_path / "w.safetensors"}
+
+
+@pytest.mark.parametrize("fmt", ["checkpoint", "state_dict", "safetensors"])
+def test_initial_checkpoint_formats(tmp_path, capsys, source_run, fmt):
+    src, src_res = source_run
+    path = _formats(src, tmp_path)[fmt]
+    out = tmp_path / "ft"
+    # lr 0: AdamW leaves the weights as loaded, so the eval loss must be the source run's final one
+    train.run([*TINY, "--backend", "eager", "--epochs", "1", "--check-every", "0", "--lr", "0", "--min-lr", "0",
+               "--initial-checkpoint", str(path), "--out", str(out)])
+    assert _summary(out)[0]["eval_loss"] == _summary(src)[0]["eval_loss"]
+    assert _summary(out)[0]["eval_top1"] == _summary(src)[0]["eval_top1"] != ""
+    text = capsys.readouterr().out
+    assert "[init] missing keys (0): none" in text and "[init] unexpected keys (0): none" in text
+
+
+def test_initial_checkpoint_changes_class_count_and_reports_keys(tmp_path, capsys, source_run):
+    import timm
+
+    src, _ = source_run
+    sd = checkpoint.read_weights(src / "checkpoint.pt")  # 10 digit classes
+    assert "_capskip" not in sd and sd["head.weight"].shape[0] == 10
+    sd["extra.weight"] = torch.zeros(2)
+    del sd["norm.bias"]
+    torch.manual_seed(1)
+    model = timm.create_model("deit_tiny_patch16_224", pretrained=False, num_classes=5, img_size=16, patch_size=4,
+                              depth=1, embed_dim=16, num_heads=2, in_chans=1)
+    fresh_head = {k: v.clone() for k, v in model.head.state_dict().items()}
+    rep = checkpoint.load_weights(model, model.head, sd, "src")
+    assert rep == {"missing": ["norm.bias"], "unexpected": ["extra.weight"], "reinitialised": ["head.bias", "head.weight"]}
+    assert all(torch.equal(model.head.state_dict()[k], v) for k, v in fresh_head.items())  # keeps its init
+    assert torch.equal(model.blocks[0].attn.qkv.weight, sd["blocks.0.attn.qkv.weight"])
+    text = capsys.readouterr().out
+    assert "missing keys (1): norm.bias" in text and "unexpected keys (1): extra.weight" in text
+    assert "re-initialised (class count differs): head.bias, head.weight" in text
+    # a body shape mismatch is an error, not a silent partial load
+    sd["blocks.0.attn.qkv.weight"] = torch.zeros(3, 3)
+    with pytest.raises(SystemExit, match=r"blocks.0.attn.qkv.weight: checkpoint \(3, 3\) vs model \(48, 16\)"):
+        checkpoint.load_weights(model, model.head, sd, "src")
+
+
+def test_safetensors_missing_names_the_install(tmp_path, monkeypatch):
+    f = tmp_path / "w.safetensors"
+    f.write_bytes(b"\0" * 16)
+    monkeypatch.setitem(sys.modules, "safetensors", None)
+    monkeypatch.setitem(sys.modules, "safetensors.torch", None)
+    with pytest.raises(SystemExit, match="pip install safetensors"):
+        checkpoint.read_weights(f)
+
+
+# ---------------------------------------------------------------- failing early
+
+def test_bad_checkpoint_paths_fail_before_any_data(tmp_path, capsys, source_run):
+    src, _ = source_run
+    garbage = tmp_path / "garbage.pt"
+    garbage.write_bytes(b"not a checkpoint")
+    plain = tmp_path / "plain.pth"
+    torch.save({"w": torch.zeros(2)}, plain)
+    out = tmp_path / "run"
+    cases = [(["--resume", str(tmp_path / "nope.pt")], "resume '.*nope.pt' is not a file"),
+             (["--initial-checkpoint", str(tmp_path / "nope.pt")], "initial_checkpoint '.*nope.pt' is not a file"),
+             (["--resume", str(plain)], "not a capskip-train checkpoint.pt .*use --initial-checkpoint"),
+             (["--resume", str(garbage)], "--resume .*garbage.pt: cannot read it"),
+             (["--initial-checkpoint", str(garbage)], "--initial-checkpoint .*garbage.pt: cannot read it")]
+    for argv, msg in cases:
+        with pytest.raises(SystemExit, match=msg):
+            train.run([*TINY, "--backend", "eager", *argv, "--out", str(out)])
+        assert not out.exists()
+    assert "[data]" not in capsys.readouterr().out
+
+
+def test_pretrained_offline_fails_at_start_naming_initial_checkpoint(tmp_path):
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path / "hf"), "TORCH_HOME": str(tmp_path / "th"),
+           "PYTHONPATH": str(ROOT)}
+    out = tmp_path / "run"
+    p = subprocess.run([sys.executable, "-m", "capskip_fx.train", *TINY, "--backend", "eager", "--pretrained",
+                        "--out", str(out)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 1, p.stderr[-2000:]
+    assert "Traceback" not in p.stderr and "--initial-checkpoint" in p.stderr
+    assert "could not fetch timm's pretrained weights for 'deit_tiny_patch16_224'" in p.stderr
+    assert "[data]" not in p.stdout and not out.exists()
