@@ -49,6 +49,10 @@ class Selection:
     weight: Tensor  # (N,) float, finite, >= 0
     bound: Optional[Tensor] = None  # scalar tensor; for capskip ||S_k|| / ||G||
     info: dict[str, Any] = field(default_factory=dict)
+    # kept rows (weight != 0) when the host knows it without reading the device (a fixed count): the
+    # step then reads nothing.  Set it only if the rule's state never depends on the step's values: it
+    # runs even on a step that falls back (non-finite), with no read to undo it.
+    count: Optional[int] = None
 
 
 class Rule:
