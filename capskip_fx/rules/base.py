@@ -59,7 +59,9 @@ class Rule:
     """Base class: subclasses set ``name`` and implement :meth:`select`.
 
     Rules with state (histories, controllers, counters) keep it in plain attributes listed
-    in ``_state_keys`` so that ``state_dict()`` round-trips it.
+    in ``_state_keys`` so that ``state_dict()`` round-trips it.  The runtime also runs ``select``
+    before it reads whether the step falls back (NaN, unusable dL/dz, bad labels), and undoes such a
+    step through ``state_dict()``/``load_state_dict()``: state kept elsewhere would see it.
     """
 
     name: str = "rule"
