@@ -250,7 +250,8 @@ def _backend_of(model) -> CapskipBackend:
 
 
 def stats(model) -> StepStats:
-    """The last step's statistics (no device sync unless ``.bound`` is read)."""
+    """The last step's statistics (no device sync unless ``.bound``, or ``.fallback`` after a step of a
+    fixed-count rule, is read)."""
     state = _backend_of(model).state
     s = state.last
     s.variants = state.variants

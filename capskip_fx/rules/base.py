@@ -49,13 +49,19 @@ class Selection:
     weight: Tensor  # (N,) float, finite, >= 0
     bound: Optional[Tensor] = None  # scalar tensor; for capskip ||S_k|| / ||G||
     info: dict[str, Any] = field(default_factory=dict)
+    # kept rows (weight != 0) when the host knows it without reading the device (a fixed count): the
+    # step then reads nothing.  Set it only if the rule's state never depends on the step's values: it
+    # runs even on a step that falls back (non-finite), with no read to undo it.
+    count: Optional[int] = None
 
 
 class Rule:
     """Base class: subclasses set ``name`` and implement :meth:`select`.
 
     Rules with state (histories, controllers, counters) keep it in plain attributes listed
-    in ``_state_keys`` so that ``state_dict()`` round-trips it.
+    in ``_state_keys`` so that ``state_dict()`` round-trips it.  The runtime also runs ``select``
+    before it reads whether the step falls back (NaN, unusable dL/dz, bad labels), and undoes such a
+    step through ``state_dict()``/``load_state_dict()``: state kept elsewhere would see it.
     """
 
     name: str = "rule"

@@ -31,7 +31,8 @@ class Forced(Rule):
                 w[sel.long()] = 1
         else:
             w[: max(1, round(float(self.keep) * n))] = 1
-        return Selection(weight=w)
+        count = None if callable(self.keep) else min(n, max(1, round(float(self.keep) * n)))  # the host knows k
+        return Selection(weight=w, count=count)
 
     def __repr__(self) -> str:
         return f"Forced(keep={self.keep!r})"

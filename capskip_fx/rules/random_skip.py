@@ -123,7 +123,8 @@ class RandomSkip(SeededRule):
             w = w * (n / k.clamp_min(1).to(dt))
         info["n_keep"] = k
         info["prob"] = (k.to(dt) / max(n, 1)).expand(n)
-        return Selection(weight=w, info=info)
+        count = None if self.match is not None else min(n, max(1, round(self.keep * n)))  # the host knows k
+        return Selection(weight=w, info=info, count=count)
 
     def __repr__(self) -> str:
         what = f"match={self.match!r}" if self.match is not None else f"keep={self.keep}"

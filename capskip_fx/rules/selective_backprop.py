@@ -130,7 +130,7 @@ class SelectiveBackprop(SeededRule):
                 keep = composer_sample_mask(loss, k, self.keep, self.uniform(view, n, dt))
             else:
                 keep = top_loss_mask(loss, k)
-            return Selection(weight=keep.to(dt), info={"loss": loss})
+            return Selection(weight=keep.to(dt), info={"loss": loss}, count=min(n, k))
         self.record(loss)
         p = self.keep_prob(loss)
         u = self.uniform(view, n, dt)  # drawn even when priming: the stream stays aligned

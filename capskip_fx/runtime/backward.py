@@ -2,10 +2,13 @@
 
 Per call (one backward of one forward):
   - head graph of the returned logits (its autograd node carries its forward, runtime/state.py):
-    run the rule on that forward's h, z, dL/dz and labels;
+    run the rule on that forward's h, z, dL/dz and labels (one host read, none for a fixed count;
+    the kept-row index below is built on the device either way);
   - any other graph (graph breaks, DDP splits, a Linear output that is not the logits): drop the
     rows whose incoming gradient is zero (one host read).  Those are its forward's skipped rows when
-    the head's backward ran first, and dropping them is exact whatever code lies between graphs;
+    the head's backward ran first and the code between the graphs is row-wise, which is not proven
+    (that code is not traced): so the head's count is not reused, and dropping them is exact whatever
+    code lies between graphs;
   - an in-graph loss (the loss computed inside the model): its backward (up to dL/dz) runs first on
     all rows, as its own compiled graph; the rows are selected on dL/dz;
   - the kept rows first, ``kb = bucket(k)`` rows gathered (pad rows are skipped rows, weight 0),

@@ -8,7 +8,11 @@ back-propagated, two models interleaved).  The context lives exactly as long as 
 registry to evict.  The head graph's backward calls :meth:`RuntimeState.select` once per forward.
 A step is one autograd backward (graph task): ``stats()`` shows the last one, with its forwards
 when there were several.  Stats are kept as tensors where reading them would sync the device;
-``StepStats.bound`` syncs lazily, only when read.
+``StepStats.bound`` (and ``fallback`` after a fixed-count step) syncs lazily, only when read.
+
+Host reads (each stalls an accelerator's queue): a head backward reads the device once (the kept
+count k with the fallback checks folded in), or not at all when the rule's Selection carries a
+host-known ``count``; a body graph (after a graph break) reads once (runtime/backward.py).
 """
 from __future__ import annotations
 
@@ -17,13 +21,13 @@ import math
 import time
 import warnings
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 from torch import Tensor
 
 from ..rules.base import HeadView, Rule, Selection
-from ..rules.labels import SOFTMAX_RESIDUAL_TOL, bad_targets, infer_targets, softmax_residual
+from ..rules.labels import SOFTMAX_RESIDUAL_TOL, infer_targets, softmax_residual
 
 _LABEL_FREE_RULES = ("dense", "forced")
 log = logging.getLogger("capskip_fx")
@@ -50,13 +54,29 @@ class StepStats:
     n: int = 0
     kept: int = 0
     rows: int = 0  # rows the backward actually ran on (kept + zero-weight padding)
-    fallback: Optional[str] = None
+    _fallback: Optional[str] = None  # see the ``fallback`` property
     variants: int = 0
     selection_ms: float = 0.0
     weight: Optional[Tensor] = None
     vcas: Optional[dict] = None  # with VCAS: probe?, rows per segment, s, rho, nu, (kept, total) per sampled matmul
     forwards: list = field(default_factory=list, repr=False)  # per-forward StepStats when a step had several
     _bound: Optional[Tensor] = field(default=None, repr=False)
+    _pending: Optional[Callable[[], Optional[str]]] = field(default=None, repr=False)  # reads the device
+
+    @property
+    def fallback(self) -> Optional[str]:
+        """Why the step (or part of it) did not run the rule's selection as usual; None if it did.
+        After a fixed-count step this reads the device once (its checks were not read at the step)."""
+        if self._pending is not None:
+            pending, self._pending = self._pending, None
+            self._fallback = self._fallback or pending()
+        if self._fallback is not None:
+            return self._fallback
+        return next((f.fallback for f in self.forwards if f.fallback), None)
+
+    @fallback.setter
+    def fallback(self, reason: Optional[str]) -> None:
+        self._fallback = reason
 
     def add(self, fwd: "StepStats") -> None:
         """Fold one forward's stats into this step's (n, kept, rows add up; weight/bound per forward)."""
@@ -66,7 +86,6 @@ class StepStats:
     def refresh(self) -> None:
         fs = self.forwards
         self.n, self.kept, self.rows = (sum(f.n for f in fs), sum(f.kept for f in fs), sum(f.rows for f in fs))
-        self.fallback = next((f.fallback for f in fs if f.fallback), None)
         self.selection_ms = sum(f.selection_ms for f in fs)
         one = fs[0] if len(fs) == 1 else None
         self.weight = one.weight if one else None
@@ -185,7 +204,8 @@ class RuntimeState:
 
     # -- the selection ---------------------------------------------------------------
     def select(self, h: Tensor, z: Tensor, g: Tensor, fwd: Optional[ForwardContext]) -> tuple[Tensor, int]:
-        """Run the rule on one forward's head.  Returns ``(weight (N,), k)``; two host reads (checks, then k)."""
+        """Run the rule on one forward's head.  Returns ``(weight (N,), k)``.  One host read (k with the
+        fallback checks), none when the rule's Selection carries a host-known ``count``."""
         t0 = time.perf_counter()
         n = g.shape[0]
         fwd = fwd if fwd is not None else ForwardContext()
@@ -195,27 +215,46 @@ class RuntimeState:
         h, z, g, index, lo = self._global_view(h.detach(), z.detach(), g.detach(), targets, fwd.index)
         if lo is not None:
             targets = self._gathered_targets
-        finite = torch.isfinite(g).all() & torch.isfinite(z).all() & torch.isfinite(h).all()
-        # checked before the rule runs: stateful rules (SB's history, KABENA's controller) must never
-        # see a NaN step, and labels the rule can't use must not reach it silently
-        fallback = self._precheck(finite, g, targets)
-        if fallback is None:
-            # selection math in float32 whatever the autocast dtype (bf16 Grams/losses are too coarse)
-            step = self._begin_step()
-            view = HeadView(delta=_f32(g), h=_f32(h), z=_f32(z), targets=targets, index=index, step=step,
-                            epoch=self.epoch, generator=self.generator(g.device), head_bias=self.head_bias)
-            sel: Selection = self.rule.select(view) if g.shape[0] > 0 else Selection(weight=g.new_ones(0))
-            weight = sel.weight.to(g.dtype)
-            if lo is not None:  # every rank decided over the global batch; keep this rank's rows
-                weight = weight[lo:lo + n]
-            k = int((weight != 0).sum())  # the second host read
+        names, flags, safe_targets = self._checks(h, z, g, targets)
+        # The rule runs before the checks are read, so that one read serves both.  A step that falls back
+        # (or raises) puts the rule's state back: stateful rules (SB's history, UB's EMA, the generators
+        # KABENA and the others draw from) never keep an update from a NaN or unusable step.
+        gen = self.generator(g.device)
+        saved = self.rule.state_dict(), gen.get_state()
+        # selection math in float32 whatever the autocast dtype (bf16 Grams/losses are too coarse)
+        view = HeadView(delta=_f32(g), h=_f32(h), z=_f32(z), targets=safe_targets, index=index,
+                        step=self._peek_step(), epoch=self.epoch, generator=gen, head_bias=self.head_bias)
+        sel: Selection = self.rule.select(view) if g.shape[0] > 0 else Selection(weight=g.new_ones(0), count=0)
+        weight = sel.weight.to(g.dtype)
+        if lo is not None:  # every rank decided over the global batch; keep this rank's rows
+            weight = weight[lo:lo + n]
+        fallback, pending = None, None
+        if sel.count is not None and lo is None and "bad_targets" not in names:
+            # the host knows k: no read.  The checks stay on the device: a non-finite step's kept rows
+            # weigh NaN, so its gradient is non-finite as a dense step's (GradScaler skips it);
+            # stats().fallback reads the checks when asked
+            k = sel.count
+            weight = torch.where(flags[0].bool() | (weight == 0), weight, torch.full_like(weight, math.nan))
+            pending = self._deferred(names, flags)
         else:
-            self.warn_once(fallback)
-            step = self._begin_step()
-            sel = Selection(weight=g.new_ones(n))
-            weight, k = sel.weight, n
-        fwd.stats = StepStats(step=step, n=n, kept=int(k), rows=n, fallback=fallback or self.fallback,
-                              variants=self.variants, weight=weight.detach(), _bound=sel.bound,
+            *vals, k = torch.cat([flags, (weight != 0).sum().reshape(1)]).tolist()  # the one host read
+            checks = dict(zip(names, vals))
+            fallback = _reason(checks)
+            if fallback is not None or checks.get("bad_targets"):
+                self.rule.load_state_dict(saved[0])
+                gen.set_state(saved[1])
+            if checks.get("bad_targets"):
+                t = targets.to(g.device)
+                raise ValueError(f"capskip_targets must be class labels in [-1, {g.shape[1]}) for logits with "
+                                 f"{g.shape[1]} classes (-1 = unknown); got values in "
+                                 f"[{int(t.min())}, {int(t.max())}]")
+            if fallback is not None:
+                self.warn_once(fallback)
+                sel = Selection(weight=g.new_ones(n))
+                weight, k = sel.weight, n
+        step = self._begin_step()
+        fwd.stats = StepStats(step=step, n=n, kept=int(k), rows=n, _fallback=fallback or self.fallback,
+                              variants=self.variants, weight=weight.detach(), _bound=sel.bound, _pending=pending,
                               selection_ms=(time.perf_counter() - t0) * 1e3)
         self.last.add(fwd.stats)
         return weight, int(k)
@@ -262,33 +301,35 @@ class RuntimeState:
             stats.fallback = stats.fallback or reason
             self.last.refresh()
 
-    def _precheck(self, finite: Tensor, g: Tensor, targets: Optional[Tensor]) -> Optional[str]:
-        """One host read before the rule: why to skip it (dense step), or None.  Bad labels raise."""
-        checks = {"finite": finite}
+    def _checks(self, h: Tensor, z: Tensor, g: Tensor, targets: Optional[Tensor]):
+        """The fallback checks as one (m,) int64 device tensor (no read) and their names; and the labels
+        with out-of-range ones as -1 (unknown), so the rule, run before the read, never indexes with them."""
+        checks = {"finite": torch.isfinite(g).all() & torch.isfinite(z).all() & torch.isfinite(h).all()}
         if targets is not None:
-            checks["bad_targets"] = bad_targets(targets.to(g.device), g.shape[1])
+            targets = targets.to(g.device)
+            bad = (targets < -1) | (targets >= g.shape[1])
+            checks["bad_targets"] = bad.any()
+            targets = torch.where(bad, torch.full_like(targets, -1), targets)
         if g.shape[0] > 0 and _needs_labels(self.rule):
             # an unused 2-D output picked as the logits reads as "every row free": CAPSkip would skip all
             checks["zero"] = (g == 0).all()
             if targets is None:
                 checks["not_softmax"] = softmax_residual(g) > SOFTMAX_RESIDUAL_TOL
-        flags = dict(zip(checks, torch.stack(list(checks.values())).tolist()))
-        if flags.get("bad_targets"):
-            t = targets.to(g.device)
-            raise ValueError(f"capskip_targets must be class labels in [-1, {g.shape[1]}) for logits with "
-                             f"{g.shape[1]} classes (-1 = unknown); got values in "
-                             f"[{int(t.min())}, {int(t.max())}]")
-        if not flags["finite"]:
-            return "non-finite logits or gradient: selection skipped, dense backward"
-        if flags.get("zero"):
-            return ("dL/dz of the logits output is zero on every row: the loss does not use that output "
-                    "(another (N, C) Linear output first in a tuple/dict?); pass logits_index= to "
-                    "capskip_fx.compile. Selection skipped, dense backward")
-        if flags.get("not_softmax"):
-            return ("dL/dz is not the gradient of a softmax loss (its rows don't sum to 0, e.g. MSE on the "
-                    "logits): labels can't be inferred from it; pass model(x, capskip_targets=y). "
-                    "Selection skipped, dense backward")
-        return None
+        return list(checks), torch.stack(list(checks.values())).long(), targets
+
+    def _deferred(self, names: list, flags: Tensor) -> Callable[[], Optional[str]]:
+        """A fixed-count step's fallback reason, read from the device when stats ask for it."""
+        def read() -> Optional[str]:
+            reason = _reason(dict(zip(names, flags.tolist())), deferred=True)
+            if reason is not None:
+                self.warn_once(reason)
+            return reason
+        return read
+
+    def _peek_step(self) -> int:
+        """The step number :meth:`_begin_step` will give the running backward (nothing changes)."""
+        task = getattr(torch._C, "_current_graph_task_id", lambda: -1)()
+        return self.step if task == -1 or task != self._task else self.last.step
 
     def _global_view(self, h, z, g, targets, index):
         """scope="global": all-gather the head's tensors (and labels, indices) across ranks."""
@@ -316,7 +357,7 @@ class RuntimeState:
 
     def record_dense_step(self, n: int, reason: Optional[str] = None) -> None:
         """Stats for a step whose graph was refused (or that ran eagerly): every row ran, and why."""
-        self.last = StepStats(step=self.step, n=n, kept=n, rows=n, fallback=reason or self.fallback,
+        self.last = StepStats(step=self.step, n=n, kept=n, rows=n, _fallback=reason or self.fallback,
                               variants=self.variants)
         self._task = None
         self.step += 1
@@ -349,6 +390,25 @@ class RuntimeState:
         if state.get("generator") is not None:
             self._generator = torch.Generator(device=state.get("generator_device") or "cpu")
             self._generator.set_state(state["generator"])
+
+
+def _reason(checks: dict, deferred: bool = False) -> Optional[str]:
+    """Why the checks make the step fall back, or None.  ``deferred``: a fixed-count step, which ran its
+    k rows (no read to go dense): the reason says what happened instead."""
+    if not checks["finite"]:
+        return ("non-finite logits or gradient: the fixed-count rule's kept rows ran with weight NaN, so "
+                "the gradient is non-finite as a dense step's" if deferred else
+                "non-finite logits or gradient: selection skipped, dense backward")
+    tail = ("The fixed-count rule kept its rows anyway (an uninformed selection)" if deferred else
+            "Selection skipped, dense backward")
+    if checks.get("zero"):
+        return ("dL/dz of the logits output is zero on every row: the loss does not use that output "
+                "(another (N, C) Linear output first in a tuple/dict?); pass logits_index= to "
+                "capskip_fx.compile. " + tail)
+    if checks.get("not_softmax"):
+        return ("dL/dz is not the gradient of a softmax loss (its rows don't sum to 0, e.g. MSE on the "
+                "logits): labels can't be inferred from it; pass model(x, capskip_targets=y). " + tail)
+    return None
 
 
 def _compiled_node(node):

@@ -1,0 +1,278 @@
+"""Host reads per steady-state step (issue 14): on a GPU every read of a tensor's value stalls the
+queue.  CAPSkip reads once (its k, with the fallback checks folded in); rules whose kept count the host
+already knows (random/forced/sb with a fixed count) read nothing.  Counted on CPU with a dispatch mode
+(``_local_scalar_dense`` is what item()/int()/bool()/float() reach; nonzero-like ops sync on a GPU)
+plus ``Tensor.tolist``, which does not dispatch."""
+from __future__ import annotations
+
+import contextlib
+import copy
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import capskip_fx
+
+from conftest import max_rel_err
+
+N, C, D = 16, 5, 6
+aten = torch.ops.aten
+_SYNC_OPS = {aten._local_scalar_dense.default, aten.nonzero.default, aten.masked_select.default,
+             aten.repeat_interleave.Tensor}
+
+
+@pytest.fixture(autouse=True)
+def _many_compiles():
+    with torch._dynamo.config.patch(recompile_limit=64):
+        yield
+
+
+class _Reads(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.ops: list = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in _SYNC_OPS:
+            self.ops.append(str(func))
+        elif func in (aten.index.Tensor, aten.index_put.default, aten.index_put_.default):
+            if any(isinstance(i, torch.Tensor) and i.dtype in (torch.bool, torch.uint8) for i in args[1] if i is not None):
+                self.ops.append(f"{func} (mask index)")  # a boolean index is a nonzero
+        return func(*args, **kwargs)
+
+
+@contextlib.contextmanager
+def count_reads():
+    """Yields the list of host reads made inside (tolist is patched: it does not dispatch)."""
+    mode = _Reads()
+    orig = torch.Tensor.tolist
+
+    def tolist(t):
+        mode.ops.append("tolist")
+        return orig(t)
+
+    torch.Tensor.tolist = tolist
+    try:
+        with mode:
+            yield mode.ops
+    finally:
+        torch.Tensor.tolist = orig
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(D, 8)
+        self.head = nn.Linear(8, C)
+
+    def forward(self, x):
+        return self.head(F.gelu(self.fc(x)))
+
+
+def _grads(model):
+    return {k: (p.grad if p.grad is not None else torch.zeros_like(p)).clone() for k, p in model.named_parameters()}
+
+
+def _ref(model, x, y, w):
+    """Eager float64 gradient of sum_i w_i l_i / N."""
+    ref = copy.deepcopy(model)
+    ref.zero_grad(set_to_none=True)
+    (F.cross_entropy(ref(x), y, reduction="none") * w).sum().div(x.shape[0]).backward()
+    return _grads(ref)
+
+
+def _batch(seed):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(N, D, dtype=torch.float64, generator=g), torch.randint(0, C, (N,), generator=g)
+
+
+def test_counter_sees_reads():
+    """The counter is what the other tests rely on: it must catch each kind of read."""
+    t = torch.ones(3)
+    with count_reads() as ops:
+        t.sum().item()
+        int(t[0])
+        bool(t[0] > 0)
+        t.tolist()
+        t.nonzero()
+        t[t > 0]
+    assert len(ops) == 6, ops
+    with count_reads() as ops:
+        (t * 2).sum()
+        torch.argsort(t, stable=True)
+    assert ops == []
+
+
+RULES = [  # (rule options, reads per steady-state step)
+    (dict(rule="capskip", budget=0.5), 1),
+    (dict(rule="random", keep=0.5), 0),
+    (dict(rule="forced", keep=0.5), 0),
+    (dict(rule="sb", keep=0.5), 0),
+]
+
+
+@pytest.mark.parametrize("opts,reads", RULES, ids=[o["rule"] for o, _ in RULES])
+def test_reads_per_step_and_exact(opts, reads):
+    torch.manual_seed(0)
+    model = Net().double()
+    cm = capskip_fx.compile(model, backend="aot_eager", **opts)
+    for step in range(4):  # steps 0-1: compile, verify
+        x, y = _batch(step)
+        model.zero_grad(set_to_none=True)
+        loss = F.cross_entropy(cm(x), y)  # outside the mode: Dynamo does not trace under one
+        with count_reads() as ops:
+            loss.backward()
+        if step >= 2:
+            assert len(ops) == reads, (step, ops)
+            st = capskip_fx.stats(cm)
+            assert st.fallback is None and 0 < st.kept < N and st.rows < N, st
+            assert max_rel_err(_grads(model), _ref(model, x, y, st.weight)) < 1e-10
+
+
+class ReadingForced(capskip_fx.rules.Forced):
+    """A fixed-count rule that reads the device once: the counter must see reads made in the backward."""
+
+    def select(self, view):
+        view.delta.abs().sum().item()
+        return super().select(view)
+
+
+def test_counter_sees_a_read_in_the_backward():
+    torch.manual_seed(0)
+    model = Net().double()
+    cm = capskip_fx.compile(model, rule=ReadingForced(keep=0.5), backend="aot_eager")
+    for step in range(3):
+        x, y = _batch(step)
+        loss = F.cross_entropy(cm(x), y)
+        with count_reads() as ops:
+            loss.backward()
+    assert ops == ["aten._local_scalar_dense.default"]
+
+
+def _state(cm):
+    return cm.backend.state
+
+
+def _snapshot(cm):
+    st = _state(cm)
+    return st.rule.state_dict(), st._generator.get_state()
+
+
+def _same(a, b):
+    (ra, ga), (rb, gb) = a, b
+    assert torch.equal(ga, gb) and ra.keys() == rb.keys()
+    for k in ra:
+        if isinstance(ra[k], torch.Tensor):
+            assert torch.equal(ra[k].nan_to_num(-7.0), rb[k].nan_to_num(-7.0)), k
+        elif isinstance(ra[k], dict) and "state" in ra[k]:
+            assert torch.equal(ra[k]["state"], rb[k]["state"]), k
+        else:
+            assert ra[k] == rb[k], k
+
+
+BAD_STEPS = {  # loss from (logits, y), and the reason the step falls back
+    "nan": (lambda z, y: F.cross_entropy(z * float("nan"), y), "non-finite"),
+    "zero": (lambda z, y: 0.0 * F.cross_entropy(z, y), "zero on every row"),
+    "mse": (lambda z, y: F.mse_loss(z, F.one_hot(y, C).double()), "capskip_targets="),
+}
+
+
+@pytest.mark.parametrize("bad", sorted(BAD_STEPS))
+@pytest.mark.parametrize("opts", [dict(rule="sb", beta=1.0, history=64), dict(rule="kabena", tau=0.5),
+                                  dict(rule="ub", b=6, tau_th=0)], ids=["sb", "kabena", "ub"])
+def test_fallback_step_reads_once_runs_dense_and_leaves_the_rule_state(opts, bad):
+    """The rule runs before the single read; a step that falls back puts its state back (and the
+    runtime generator it draws from)."""
+    torch.manual_seed(0)
+    model = Net().double()
+    cm = capskip_fx.compile(model, backend="aot_eager", **opts)
+    for step in range(3):
+        x, y = _batch(step)
+        model.zero_grad(set_to_none=True)
+        F.cross_entropy(cm(x), y).backward()
+    before = _snapshot(cm)
+    loss_fn, reason = BAD_STEPS[bad]
+    x, y = _batch(9)
+    model.zero_grad(set_to_none=True)
+    loss = loss_fn(cm(x), y)
+    with pytest.warns(UserWarning, match="dense backward"), count_reads() as ops:
+        loss.backward()
+    assert len(ops) == 1, ops
+    st = capskip_fx.stats(cm)
+    assert reason in st.fallback and st.kept == N and bool((st.weight == 1).all())
+    _same(_snapshot(cm), before)
+    ref = copy.deepcopy(model)
+    ref.zero_grad(set_to_none=True)
+    loss_fn(ref(x), y).backward()
+    for k, g in _grads(model).items():
+        r = ref.get_parameter(k).grad
+        if bad == "nan":
+            assert torch.equal(torch.isnan(g), torch.isnan(r))
+        else:
+            assert torch.allclose(g, r, rtol=1e-10, atol=1e-12)
+
+
+def test_bad_labels_raise_before_the_state_changes():
+    torch.manual_seed(0)
+    model = Net().double()
+    cm = capskip_fx.compile(model, rule="sb", beta=1.0, history=64, backend="aot_eager")
+    x, y = _batch(0)
+    F.cross_entropy(cm(x, capskip_targets=y), y).backward()
+    before = _snapshot(cm)
+    t = y.clone()
+    t[2] = C + 3  # the rule must not index the logits with it either (it runs before the read)
+    with pytest.raises(ValueError, match=rf"capskip_targets must be class labels in \[-1, {C}\) .*got values in "
+                                         rf"\[\d+, {C + 3}\]"):
+        F.cross_entropy(cm(x, capskip_targets=t), y).backward()
+    _same(_snapshot(cm), before)
+
+
+def test_fixed_count_nan_step_reads_nothing_and_its_gradient_is_non_finite():
+    """No read, so no dense fallback: the kept rows weigh NaN (the gradient is non-finite, as a dense
+    step's: GradScaler skips it); stats().fallback reads the checks when asked."""
+    torch.manual_seed(0)
+    model = Net().double()
+    cm = capskip_fx.compile(model, rule="random", keep=0.5, backend="aot_eager")
+    for step in range(3):
+        x, y = _batch(step)
+        F.cross_entropy(cm(x), y).backward()
+    x, y = _batch(9)
+    x[3] = float("nan")  # one row: a random half usually skips it
+    model.zero_grad(set_to_none=True)
+    loss = F.cross_entropy(cm(x), y)
+    with count_reads() as ops:
+        loss.backward()
+    assert ops == []
+    assert all(not torch.isfinite(g).all() for g in _grads(model).values())
+    st = capskip_fx.stats(cm)
+    assert st.kept == N // 2 and st.rows < N
+    with pytest.warns(UserWarning, match="non-finite"), count_reads() as ops:
+        assert "non-finite" in st.fallback
+    assert ops == ["tolist"]
+    F.cross_entropy(cm(_batch(10)[0]), _batch(10)[1]).backward()  # the next finite step is clean
+    assert capskip_fx.stats(cm).fallback is None
+
+
+def test_fixed_count_uninformative_step_keeps_its_rows_exactly_and_says_so():
+    """sb keep= on MSE without labels: the fixed count runs (no read to go dense), exact for its rows;
+    the reason is in stats().fallback."""
+    torch.manual_seed(0)
+    model = Net().double()
+    cm = capskip_fx.compile(model, rule="sb", keep=0.5, backend="aot_eager")
+    for step in range(3):
+        x, y = _batch(step)
+        model.zero_grad(set_to_none=True)
+        loss = F.mse_loss(cm(x), F.one_hot(y, C).double())
+        with count_reads() as ops:
+            loss.backward()
+    assert ops == []
+    st = capskip_fx.stats(cm)
+    assert st.kept == N // 2 and "capskip_targets=" in st.fallback and "kept its rows" in st.fallback
+    ref = copy.deepcopy(model)
+    ref.zero_grad(set_to_none=True)
+    (F.mse_loss(ref(x), F.one_hot(y, C).double(), reduction="none").mean(1) * st.weight).sum().div(N).backward()
+    assert max_rel_err(_grads(model), _grads(ref)) < 1e-10
