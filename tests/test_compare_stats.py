@@ -7,7 +7,7 @@ import math
 import pytest
 import yaml
 
-from capskip_fx import plots
+from capskip_fx.train import plots
 
 T975_DF2 = 4.302652729911275  # Student t, 97.5% quantile, 2 degrees of freedom
 
