@@ -23,7 +23,7 @@ Wiring into a training loop (what a loader needs; the rule keeps the staleness c
   * ``DataLoader(ds, batch_sampler=StaleBatchSampler(sampler, StaleBatchFilter(rule), batch_size))``
     (the batch sampler runs in the main process; workers only receive index lists);
   * the same epoch on both sides: ``batch_sampler.set_epoch(e)`` (also forwarded to a
-    ``DistributedSampler``) and ``capskip_fx.set_epoch``/``cm.set_epoch(e)``; once the filter has run,
+    ``DistributedSampler``) and ``cm.set_epoch(e)`` on the compiled model; once the filter has run,
     the rule stamps its clock with the filter's epoch, and priming (``prime_epochs``) reads it too;
   * ``filt.state_dict()`` next to the model's in checkpoints (the rule's cache is in the model's);
   * epoch length varies (fewer forwards after priming): an LR schedule keyed to steps must count
