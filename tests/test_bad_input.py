@@ -106,7 +106,7 @@ def test_model_on_meta_device_is_a_clear_error():
 # ---------------------------------------------------------------- non-finite steps
 
 def test_nan_logits_skip_selection_run_dense_warn_once_and_spare_the_rule_state():
-    model, cm = _net(rule="sb", beta=1.0, history=64)
+    model, cm = _net(rule="sb", beta=1.0, history=64, prime_epochs=0)
     x, y = _x(), torch.randint(0, C, (N,))
     F.cross_entropy(cm(x), y).backward()  # a finite step: SB records 8 losses
     hist = cm.rule.history.clone()

@@ -260,7 +260,7 @@ def test_inference_graph_leaves_no_refusal_behind():
 # ---------------------------------------------------------------- checkpoint / resume
 
 def _sb_run(model, batches, cm=None, opt=None, seed=5):
-    cm = cm or capskip_fx.compile(model, rule="sb", beta=1.0, history=32, backend="aot_eager", seed=seed)
+    cm = cm or capskip_fx.compile(model, rule="sb", beta=1.0, history=32, prime_epochs=0, backend="aot_eager", seed=seed)
     opt = opt or torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.05)
     weights = []
     for x, y in batches:
@@ -290,7 +290,7 @@ def test_checkpoint_resume_is_bit_identical_for_sb():
     assert "history" in cm.state_dict()["_capskip"]["rule"]  # the rule's state is in the checkpoint
 
     resumed = fresh(123)  # a new process: other init, other seed, state from disk
-    cm2 = capskip_fx.compile(resumed, rule="sb", beta=1.0, history=32, backend="aot_eager", seed=99)
+    cm2 = capskip_fx.compile(resumed, rule="sb", beta=1.0, history=32, prime_epochs=0, backend="aot_eager", seed=99)
     opt2 = torch.optim.AdamW(resumed.parameters(), lr=1e-2, weight_decay=0.05)
     buf.seek(0)
     ckpt = torch.load(buf, weights_only=False)

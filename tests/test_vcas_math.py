@@ -356,7 +356,7 @@ def test_controller_s_increases_when_sgd_var_zero_but_act_var_positive():
     c = _ctrl(1, 1)
     c.s = 0.5
     c.update(_probe(sgd=0.0, act=1.0, w_var=[1.0], w_sgd=[0.0], norms=[torch.ones(4)]))
-    assert c.nu == [1.0]  # weight branch: w_var > 0 with zero SGD variance counts as over budget
+    assert c.nu == [pytest.approx(1 / 0.95)]  # weight branch: w_var > 0 with zero SGD variance is over budget
     assert c.s > 0.5  # activation branch should behave the same way
 
 
@@ -371,12 +371,16 @@ def test_controller_nu_direction_and_clamps():
     c = _ctrl(1, 4, tau_w=0.1, w_mul=0.5, nu_min=0.01)
     c.nu = [0.2, 0.2, 0.8, 0.015]
     c.update(_probe(w_var=[1.0, 0.01, 1.0, 0.0], w_sgd=[1.0, 1.0, 1.0, 1.0], norms=[torch.ones(3)]))
-    assert c.nu == [pytest.approx(0.4), pytest.approx(0.1), 1.0, 0.01]
+    assert c.nu == [pytest.approx(0.4), pytest.approx(0.1), pytest.approx(1.6), 0.01]  # no cap at 1 (reference)
     assert c.last["w_ratio"] == [1.0, 0.01, 1.0, 0.0]
     # exactly at tau counts as under; sgd = 0 and w_var > 0 counts as over
     c.nu = [0.5, 0.5, 0.5, 0.5]
     c.update(_probe(w_var=[0.1, 1.0, 0.0, 0.3], w_sgd=[1.0, 0.0, 0.0, 1.0], norms=[torch.ones(3)]))
     assert c.nu == [pytest.approx(0.25), 1.0, pytest.approx(0.25), 1.0]
+    capped = _ctrl(1, 2, tau_w=0.1, w_mul=0.5, nu_max=1.0)  # our earlier cap, as an option
+    capped.nu = [0.8, 0.8]
+    capped.update(_probe(w_var=[1.0, 0.0], w_sgd=[1.0, 1.0], norms=[torch.ones(3)]))
+    assert capped.nu == [1.0, pytest.approx(0.4)]
 
 
 def test_controller_rho_uses_new_s_and_ema():
@@ -395,7 +399,7 @@ def test_controller_rho_uses_new_s_and_ema():
         assert c.rho == [pytest.approx(w, abs=1e-12) for w in want]
 
 
-def test_controller_rho_non_increasing_from_top():
+def test_controller_rho_raised_from_the_bottom():
     # raw per-boundary fractions at s: top concentrated (small), lower ones spread (large)
     n = 10
     top = torch.tensor([100.0] + [1.0] * (n - 1))
@@ -406,8 +410,9 @@ def test_controller_rho_non_increasing_from_top():
     s = c.s
     raw = [find_top_sum(t, s) for t in (mid, top, low)]
     assert raw[1] < raw[2]  # the raw schedule increases below the top one ...
-    want = [raw[0], min(raw[0], raw[1]), min(raw[0], raw[1], raw[2])]
-    assert c.rho == [pytest.approx(w) for w in want]  # ... and is made non-increasing
+    # ... and, as the reference, each boundary is raised to the max of those below it (rho is top first)
+    want = [max(raw), max(raw[1], raw[2]), raw[2]]
+    assert c.rho == [pytest.approx(w) for w in want]
     assert all(a >= b for a, b in zip(c.rho, c.rho[1:]))
 
 
@@ -418,7 +423,8 @@ def test_controller_invariants_random_probes(data):
     M = data.draw(st.integers(0, 4), label="matmuls")
     cfg = VCAS(tau_act=data.draw(st.floats(0.01, 1.0)), tau_w=data.draw(st.floats(0.01, 1.0)),
                s_step=data.draw(st.sampled_from([0.01, 0.05, 0.2])), w_mul=data.draw(st.floats(0.5, 0.99)),
-               rho_decay=data.draw(st.floats(0.0, 1.0)), nu_min=data.draw(st.sampled_from([1e-3, 0.1, 0.5])))
+               rho_decay=data.draw(st.floats(0.0, 1.0)), nu_min=data.draw(st.sampled_from([0.0, 1e-3, 0.1, 0.5])),
+               nu_max=data.draw(st.sampled_from([1.0, 2.0, math.inf])))
     c = VcasController(cfg)
     c.ensure(B, M)
     pos = st.floats(min_value=0.0, max_value=10.0)
@@ -435,20 +441,21 @@ def test_controller_invariants_random_probes(data):
         else:
             assert c.s == pytest.approx(max(0.0, s0 - cfg.s_step))
         new = [find_top_sum(t, c.s) for t in r.norms]
-        for i in range(1, B):
-            new[i] = min(new[i], new[i - 1])
+        for i in range(B - 2, -1, -1):
+            new[i] = max(new[i], new[i + 1])
         assert c.rho == [pytest.approx(cfg.rho_decay * o + (1 - cfg.rho_decay) * w, abs=1e-12)
                          for o, w in zip(rho0, new)]
         assert all(a >= b - 1e-12 for a, b in zip(c.rho, c.rho[1:]))
         assert all(0 < v <= 1 for v in c.rho)
         for j in range(M):
             if r.w_var[j] / r.w_sgd_var[j] > cfg.tau_w:
-                assert c.nu[j] == pytest.approx(min(1.0, nu0[j] / cfg.w_mul))
+                assert c.nu[j] == pytest.approx(min(cfg.nu_max, nu0[j] / cfg.w_mul))
             else:
                 assert c.nu[j] == pytest.approx(max(cfg.nu_min, nu0[j] * cfg.w_mul))
-            assert cfg.nu_min <= c.nu[j] <= 1.0
+            assert cfg.nu_min <= c.nu[j] <= cfg.nu_max
         assert 0.0 <= c.s <= 1.0
-        assert 1 / 3 - 1e-12 <= c.flops_fraction() <= 1.0 + 1e-12
+        assert 1 - 1e-12 <= c.step_units() <= 3.0 + 1e-12
+        assert c.flops_fraction() <= (3 * cfg.freq + 2 * cfg.probes) / (3 * cfg.freq) + 1e-12
 
 
 def test_controller_state_dict_round_trip():
@@ -491,7 +498,8 @@ def test_controller_is_probe(freq):
     dict(every=0),
     dict(w_mul=1), dict(w_mul=0), dict(w_mul=1.5), dict(w_mul=-0.5), dict(w_mul=math.nan),
     dict(rho_decay=-0.1), dict(rho_decay=1.1), dict(rho_decay=math.nan),
-    dict(nu_min=0), dict(nu_min=1.5), dict(nu_min=math.nan),
+    dict(nu_min=-0.1), dict(nu_min=1.5), dict(nu_min=math.nan),
+    dict(nu_max=0.5), dict(nu_max=math.nan),
 ])
 def test_vcas_config_rejects_bad_values(kw):
     with pytest.raises(ValueError):
@@ -500,7 +508,7 @@ def test_vcas_config_rejects_bad_values(kw):
 
 def test_vcas_config_accepts_edges():
     VCAS()
-    VCAS(rho_decay=0.0, nu_min=1.0, freq=1, probes=1, every=3, w_mul=0.5, tau_act=10, tau_w=1e-6)
+    VCAS(rho_decay=0.0, nu_min=1.0, nu_max=1.0, freq=1, probes=1, every=3, w_mul=0.5, tau_act=10, tau_w=1e-6)
     VCAS(rho_decay=1.0)
     with pytest.raises(dataclasses.FrozenInstanceError):
         VCAS().freq = 3
@@ -518,10 +526,17 @@ def test_vcas_config_rejects_bad_s_step(s_step):
 
 def test_flops_fraction():
     c = _ctrl(3, 4)
-    assert c.flops_fraction() == 1.0
+    assert c.flops_fraction() == 1.0 and c.step_units() == 3.0
     c.rho, c.nu = [0.5] * 3, [0.5] * 4
-    assert c.flops_fraction() == pytest.approx((1 + 0.5 + 0.25) / 3)
-    # (1 + mean rho + mean nu * mean rho) / 3
+    assert c.step_units() == pytest.approx(1 + 0.5 + 0.25)
+    # sampled step: 1 + mean rho + mean nu * mean rho (units of 3); probes amortised over freq
     c.rho, c.nu = [1.0, 0.5], [0.2, 0.4, 0.6]
-    assert c.flops_fraction() == pytest.approx((1 + 0.75 + 0.4 * 0.75) / 3)
+    units = 1 + 0.75 + 0.4 * 0.75
+    assert c.step_units() == pytest.approx(units)
+    F, M = c.cfg.freq, c.cfg.probes
+    assert c.flops_fraction() == pytest.approx(((F - 1) * units + 3 + M * 2 * 0.75) / (3 * F))
+    assert c.flops_fraction("reference") == pytest.approx((units * F + 3 * M + M * M * (1 + 2 * 0.75)) / (3 * F))
+    c.nu = [2.0, 2.0, 2.0]  # nu >= 1 runs exact: counts 1 (the reference's log counts the raw nu)
+    assert c.step_units() == pytest.approx(1 + 0.75 + 0.75)
+    assert c.step_units(clip_nu=False) == pytest.approx(1 + 0.75 + 1.5)
     assert VcasController(VCAS()).flops_fraction() == 1.0  # nothing registered yet

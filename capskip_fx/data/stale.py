@@ -13,6 +13,21 @@ it yields fixed-size batches of forwarded indices (the authors' queue), which su
 models.  Both must run in the main process (they read and write the rule's cache); a batch
 sampler does (DataLoader workers only receive its index lists).  With prefetching the sampler
 runs a few batches ahead of training, so decisions use slightly older losses.
+
+Wiring into a training loop (what a loader needs; the rule keeps the staleness clock, see
+:mod:`capskip_fx.rules.stale_sb`):
+  * ONE ``StaleSB`` object shared by the compiled model and the filter, built with
+    ``num_examples=len(dataset)`` (preallocated cache, no host sync to grow it);
+  * a dataset whose items carry the dataset index (``ImageDataset`` yields ``(x, y, index)``), and
+    ``cm(x, capskip_index=index)`` on every forward so the rule pairs losses with examples;
+  * ``DataLoader(ds, batch_sampler=StaleBatchSampler(sampler, StaleBatchFilter(rule), batch_size))``
+    (the batch sampler runs in the main process; workers only receive index lists);
+  * the same epoch on both sides: ``batch_sampler.set_epoch(e)`` (also forwarded to a
+    ``DistributedSampler``) and ``cm.set_epoch(e)`` on the compiled model; once the filter has run,
+    the rule stamps its clock with the filter's epoch, and priming (``prime_epochs``) reads it too;
+  * ``filt.state_dict()`` next to the model's in checkpoints (the rule's cache is in the model's);
+  * epoch length varies (fewer forwards after priming): an LR schedule keyed to steps must count
+    the batches actually yielded.
 """
 from __future__ import annotations
 

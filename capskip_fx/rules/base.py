@@ -6,6 +6,16 @@ backward is not run); a kept row's incoming gradient is scaled by its weight (1 
 unweighted rules, ``1/pi`` for Horvitz-Thompson rules).  The loss keeps its ``1/N``: the
 applied gradient is ``sum_i w_i * grad(l_i) / N``.
 
+Normalisation (the ``normalize`` option every rule takes; :func:`normalize_weight`):
+  * ``"batch"``: the weights as the rule computed them, the loss's own ``1/N`` stays
+    (CAPSkip, KABENA, UB, random, forced);
+  * ``"kept"``: the weights are rescaled by ``N / sum(w)``, so the step is the (weighted) mean over
+    the back-propagated rows; for 0/1 weights that is ``N / k`` per kept row, i.e. the mean over
+    the k kept rows.  This is Selective-Backprop's and Composer's semantics (both train on the
+    selected rows' mean loss), the default of ``sb`` and ``stale_sb``.  A step that keeps nothing
+    stays all zero.
+Rules apply it once, through :meth:`Rule.finish`, to the Selection they return.
+
 Rules run in the backward runtime, after the forward.  Their tensors live on the model's
 device; selection math is done in float32 (or float64 when the model is float64).
 """
@@ -55,6 +65,26 @@ class Selection:
     count: Optional[int] = None
 
 
+#: the values of every rule's ``normalize`` option
+NORMALIZE = ("batch", "kept")
+
+
+def check_normalize(value: str, rule: str) -> str:
+    if value not in NORMALIZE:
+        raise ValueError(f"{rule} normalize must be one of {NORMALIZE}, got {value!r}")
+    return value
+
+
+def normalize_weight(weight: Tensor, mode: str) -> Tensor:
+    """``"batch"``: ``weight`` unchanged.  ``"kept"``: ``weight * N / sum(weight)`` (``N / k`` per
+    kept row for 0/1 weights; all-zero weights stay zero).  No host sync."""
+    if mode == "batch" or weight.numel() == 0:
+        return weight
+    tot = weight.sum()
+    scale = weight.shape[0] / tot.clamp_min(torch.finfo(weight.dtype).tiny)
+    return torch.where(tot > 0, weight * scale, weight)
+
+
 class Rule:
     """Base class: subclasses set ``name`` and implement :meth:`select`.
 
@@ -66,6 +96,12 @@ class Rule:
 
     name: str = "rule"
     _state_keys: tuple[str, ...] = ()
+    normalize: str = "batch"  # see the module docstring; rules take it as an option
+
+    def finish(self, sel: Selection) -> Selection:
+        """Apply ``self.normalize`` to ``sel.weight`` (every rule returns through this)."""
+        sel.weight = normalize_weight(sel.weight, self.normalize)
+        return sel
 
     def select(self, view: HeadView) -> Selection:  # pragma: no cover - interface
         raise NotImplementedError

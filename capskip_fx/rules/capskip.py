@@ -24,7 +24,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from .base import HeadView, Rule, Selection, selection_dtype
+from .base import HeadView, Rule, Selection, check_normalize, selection_dtype
 from .labels import correct_mask
 
 
@@ -86,16 +86,21 @@ class CAPSkip(Rule):
     ``compile``: run the selection as one Inductor-compiled graph (dynamic N; one compile per
     budget/bias), so it is fused like the rest of the step.  ``None`` (default): on CUDA only,
     where kernel-launch count matters; on CPU the eager ops cost < 1 ms at N = 128.
+    ``normalize``: ``"batch"`` (default: the loss's own 1/N, so the bound ``||S_k|| <= b ||G||``
+    is the bound on the applied head gradient's change) or ``"kept"`` (mean over the kept rows;
+    the bound then no longer holds as stated, algorithms.md §1.3).
     """
 
     name = "capskip"
 
-    def __init__(self, budget: float = 0.1, bias: bool = True, compile: Optional[bool] = None):
+    def __init__(self, budget: float = 0.1, bias: bool = True, compile: Optional[bool] = None,
+                 normalize: str = "batch"):
         budget = float(budget)
         if not (0.0 <= budget <= 1.0):  # also rejects NaN
             raise ValueError(f"capskip budget must be in [0, 1], got {budget!r}; "
                              "b is the allowed relative change of the last-layer gradient")
         self.budget = budget
+        self.normalize = check_normalize(normalize, "capskip")
         self.bias = bias
         self.compile = compile
         self._compiled = None
@@ -110,10 +115,11 @@ class CAPSkip(Rule):
     def select(self, view: HeadView) -> Selection:
         weight, bound, correct = self._fn(view.delta.device)(
             view.delta, view.h, view.z, view.targets, self.budget, self.bias and view.head_bias)
-        return Selection(weight=weight, bound=bound, info={"n_correct": correct.sum()})
+        return self.finish(Selection(weight=weight, bound=bound, info={"n_correct": correct.sum()}))
 
     def __repr__(self) -> str:
-        return f"CAPSkip(budget={self.budget}, bias={self.bias})"
+        norm = "" if self.normalize == "batch" else f", normalize={self.normalize!r}"
+        return f"CAPSkip(budget={self.budget}, bias={self.bias}{norm})"
 
     def __getstate__(self):  # the compiled function is rebuilt on demand
         return {**self.__dict__, "_compiled": None}

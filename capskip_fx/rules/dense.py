@@ -1,11 +1,14 @@
 """Keep every row: the reference.  The backward runs un-gathered (no gather, no padding)."""
 from __future__ import annotations
 
-from .base import HeadView, Rule, Selection
+from .base import HeadView, Rule, Selection, check_normalize
 
 
 class Dense(Rule):
     name = "dense"
+
+    def __init__(self, normalize: str = "batch"):  # every row kept: both modes give weight 1
+        self.normalize = check_normalize(normalize, "dense")
 
     def select(self, view: HeadView) -> Selection:
         return Selection(weight=view.delta.new_ones(view.n))

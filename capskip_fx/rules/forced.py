@@ -9,13 +9,14 @@ from typing import Callable, Union
 
 import torch
 
-from .base import HeadView, Rule, Selection
+from .base import HeadView, Rule, Selection, check_normalize
 
 
 class Forced(Rule):
     name = "forced"
 
-    def __init__(self, keep: Union[float, Callable[[int], torch.Tensor]] = 1.0):
+    def __init__(self, keep: Union[float, Callable[[int], torch.Tensor]] = 1.0, normalize: str = "batch"):
+        self.normalize = check_normalize(normalize, "forced")
         if not callable(keep) and not (0.0 < float(keep) <= 1.0):
             raise ValueError(f"forced keep fraction must be in (0, 1], got {keep!r}")
         self.keep = keep
@@ -32,7 +33,7 @@ class Forced(Rule):
         else:
             w[: max(1, round(float(self.keep) * n))] = 1
         count = None if callable(self.keep) else min(n, max(1, round(float(self.keep) * n)))  # the host knows k
-        return Selection(weight=w, count=count)
+        return self.finish(Selection(weight=w, count=count))
 
     def __repr__(self) -> str:
         return f"Forced(keep={self.keep!r})"

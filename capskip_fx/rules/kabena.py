@@ -30,7 +30,7 @@ import math
 import torch
 from torch import Tensor
 
-from .base import HeadView, Selection, selection_dtype
+from .base import HeadView, Selection, check_normalize, selection_dtype
 from .random_skip import SeededRule
 from .selective_backprop import view_losses
 
@@ -76,8 +76,10 @@ class KABENA(SeededRule):
     name = "kabena"
     _state_keys = ("generator_state",)
 
-    def __init__(self, tau: float = 0.1, pi_min: float = 0.1, bias: bool = True, seed: int = 0):
+    def __init__(self, tau: float = 0.1, pi_min: float = 0.1, bias: bool = True, seed: int = 0,
+                 normalize: str = "batch"):
         super().__init__(seed)
+        self.normalize = check_normalize(normalize, "kabena")  # "batch": HT with the 1/N denominator
         tau, pi_min = float(tau), float(pi_min)
         if not (tau >= 0.0 and math.isfinite(tau)):
             raise ValueError(f"kabena tau must be a finite number >= 0, got {tau!r}; "
@@ -95,7 +97,7 @@ class KABENA(SeededRule):
                                   self.bias and view.head_bias)
         u = self.uniform(view, view.n, dt)
         w = torch.where(u < pi, 1.0 / pi, torch.zeros_like(pi))
-        return Selection(weight=w, info={"prob": pi, "K": k, "var_ratio": rel})
+        return self.finish(Selection(weight=w, info={"prob": pi, "K": k, "var_ratio": rel}))
 
     def __repr__(self) -> str:
         return f"KABENA(tau={self.tau}, pi_min={self.pi_min}, bias={self.bias}, seed={self.seed})"

@@ -3,8 +3,11 @@
 ``RandomSkip(keep=f)`` keeps exactly ``max(1, round(f * N))`` rows, a uniformly random subset.
 ``RandomSkip(match=rule)`` runs ``rule`` on the same view and keeps a uniformly random subset of
 the SAME size as ``rule`` kept (0 included), so a rule and its random twin skip equally many rows
-on every step.  Kept rows weigh 1 (like CAPSkip and SB: no renormalisation), or ``N / k`` with
-``unbiased=True`` (Horvitz-Thompson for inclusion probability ``k / N``).
+on every step.  Kept rows weigh 1 with the loss's 1/N (``normalize="batch"``, the default, like
+CAPSkip), or ``N / k`` with ``normalize="kept"`` (the mean over the kept rows, as SB's and Composer's
+steps are; for a uniform subset it is also Horvitz-Thompson for inclusion probability ``k / N``,
+hence the older spelling ``unbiased=True``, which is the same thing).  To compare with ``sb`` at
+its default normalisation, use ``normalize="kept"``.
 
 Invariants (tests/test_rules_literature.py):
   * the kept count is exact (``match=``: equal to the matched rule's count, step by step);
@@ -23,7 +26,7 @@ from typing import Any, Optional, Union
 import torch
 from torch import Tensor
 
-from .base import HeadView, Rule, Selection, selection_dtype
+from .base import HeadView, Rule, Selection, check_normalize, selection_dtype
 
 
 class SeededRule(Rule):
@@ -81,8 +84,13 @@ class RandomSkip(SeededRule):
     _state_keys = ("generator_state", "match_state")
 
     def __init__(self, keep: Optional[float] = None, match: Union[None, str, Rule] = None,
-                 unbiased: bool = False, seed: int = 0):
+                 unbiased: bool = False, seed: int = 0, normalize: Optional[str] = None):
         super().__init__(seed)
+        if normalize is None:
+            normalize = "kept" if unbiased else "batch"
+        elif unbiased and normalize != "kept":
+            raise ValueError("random: unbiased=True is normalize='kept'; do not combine it with normalize='batch'")
+        self.normalize = check_normalize(normalize, "random")
         if match is not None and keep is not None:
             raise ValueError("random: give either keep= or match=, not both")
         if match is None:
@@ -96,7 +104,7 @@ class RandomSkip(SeededRule):
             raise TypeError(f"random match= must be a Rule or a rule name, got {type(match).__name__}")
         self.keep = keep
         self.match = match
-        self.unbiased = bool(unbiased)
+        self.unbiased = self.normalize == "kept"
 
     @property
     def match_state(self) -> Optional[dict[str, Any]]:
@@ -118,13 +126,10 @@ class RandomSkip(SeededRule):
             k = (other.weight > 0).sum()  # stays on the device: no host sync
             info["matched"] = other
         keep = random_ranks(self.uniform(view, n, dt)) < k
-        w = keep.to(dt)
-        if self.unbiased:
-            w = w * (n / k.clamp_min(1).to(dt))
         info["n_keep"] = k
         info["prob"] = (k.to(dt) / max(n, 1)).expand(n)
         count = None if self.match is not None else min(n, max(1, round(self.keep * n)))  # the host knows k
-        return Selection(weight=w, info=info, count=count)
+        return self.finish(Selection(weight=keep.to(dt), info=info, count=count))
 
     def __repr__(self) -> str:
         what = f"match={self.match!r}" if self.match is not None else f"keep={self.keep}"

@@ -12,9 +12,21 @@ at each incoming example BEFORE its forward:
     cached loss goes into the SB history; on "keep" it is forwarded and marked pre-selected, and
     the rule keeps it with weight 1 (no second draw, which would keep it with probability ``p**2``).
 Every example's loss enters the history exactly once per pass (dropped rows' cached losses by the
-filter, forwarded rows' fresh losses by the rule), and every fresh loss refreshes the cache.  Losses
-are paired with examples through ``view.index``, never by position (the defect of the authors'
-``forward_pass``, algorithms.md §2.5).
+filter, forwarded rows' fresh losses by the rule), and every fresh loss refreshes the cached VALUE.
+Losses are paired with examples through ``view.index``, never by position (the defect of the
+authors' ``forward_pass``, algorithms.md §2.5).
+
+The staleness clock is the reference's (``StaleSelector`` + ``CutoutForwardpropper``): it counts
+epochs since the example's last SELECTION forward.  A row forwarded because its cache was stale (or
+empty) restarts the clock; a pre-selected row (fresh cache, drew "keep") is forwarded only to be
+trained on: its loss refreshes the cached value (upstream's backpropper writes ``metadata["loss"]``)
+but not the clock (upstream resets ``epochs_since_update`` only in the selection forward).  So a row
+kept every epoch is still re-scored every ``staleness`` epochs.
+
+Defaults as upstream: ``beta=3``, ``staleness=2`` (the ``SelectiveBackpropper`` signature; its
+``examples/train.py`` CLI passes 3), one primed epoch during which everything is forwarded and
+kept and the SB history is not touched, ``normalize="kept"`` (see
+:mod:`capskip_fx.rules.selective_backprop`).
 
 Epochs: once a filter has run, losses are stamped with the epoch the data side gave it (the
 runtime's ``view.epoch`` need not be maintained; a prefetching sampler may stamp the last batches
@@ -47,16 +59,17 @@ class StaleSB(SelectiveBackprop):
     _state_keys = ("history", "hist_pos", "generator_state", "cache_loss", "cache_epoch", "presel",
                    "data_epoch")
 
-    def __init__(self, beta: float = 2.0, history: int = 1024, staleness: int = 2,
-                 num_examples: Optional[int] = None, p_min: float = 0.0, prime_epochs: int = 0,
-                 seed: int = 0):
-        super().__init__(beta=beta, history=history, p_min=p_min, prime_epochs=prime_epochs, seed=seed)
+    def __init__(self, beta: float = 3.0, history: int = 1024, staleness: int = 2,
+                 num_examples: Optional[int] = None, p_min: float = 0.0, prime_epochs: int = 1,
+                 seed: int = 0, normalize: str = "kept"):
+        super().__init__(beta=beta, history=history, p_min=p_min, prime_epochs=prime_epochs, seed=seed,
+                         normalize=normalize)
         if int(staleness) < 0:
             raise ValueError(f"stale_sb staleness must be >= 0 epochs, got {staleness!r}")
         self.staleness = int(staleness)
         self.num_examples = None if num_examples is None else int(num_examples)
         self.cache_loss: Optional[Tensor] = None  # (M,) last loss seen per dataset index
-        self.cache_epoch: Optional[Tensor] = None  # (M,) int64 epoch of that loss, NEVER if none
+        self.cache_epoch: Optional[Tensor] = None  # (M,) int64 epoch of the last SELECTION forward, NEVER if none
         self.presel: Optional[Tensor] = None  # (M,) bool: pre-selected by the filter, not yet seen
         self.data_epoch: Optional[int] = None  # the epoch the data side last gave plan_forward
         self._warned_no_index = False
@@ -89,7 +102,7 @@ class StaleSB(SelectiveBackprop):
         return None if self.cache_loss is None else self.cache_loss.device
 
     def fresh(self, idx: Tensor, epoch: int) -> Tensor:
-        """(n,) bool: the cached loss of each index is fresh at ``epoch``."""
+        """(n,) bool: each index's last selection forward is less than ``staleness`` epochs old."""
         if self.cache_loss is None:
             return torch.zeros(idx.shape, dtype=torch.bool, device=idx.device)
         size = self.cache_loss.shape[0]
@@ -143,18 +156,21 @@ class StaleSB(SelectiveBackprop):
         self._ensure_cache(idx, loss)
         epoch = self.epoch_of(view)
         pre = self.presel[idx]
-        self.record(loss)
-        p = torch.where(pre, torch.ones_like(loss), self.keep_prob(loss))
+        if self.priming(epoch):  # upstream's primed selectors: keep all, history untouched
+            p = torch.ones_like(loss)
+        else:
+            self.record(loss)
+            p = torch.where(pre, torch.ones_like(loss), self.keep_prob(loss))
         u = self.uniform(view, n, dt)
-        if epoch < self.prime_epochs:
-            p = torch.ones_like(p)
         seen = ~torch.isnan(loss)
         self.cache_loss[idx] = torch.where(seen, loss.to(self.cache_loss.dtype), self.cache_loss[idx])
-        self.cache_epoch[idx] = torch.where(seen, torch.full_like(idx, epoch), self.cache_epoch[idx])
+        # the clock restarts on selection forwards only (not on a pre-selected row's training forward)
+        scored = seen & ~pre
+        self.cache_epoch[idx] = torch.where(scored, torch.full_like(idx, epoch), self.cache_epoch[idx])
         self.presel[idx] = False
-        return Selection(weight=(u < p).to(dt), info={"prob": p, "loss": loss, "preselected": pre})
+        return self.finish(Selection(weight=(u < p).to(dt), info={"prob": p, "loss": loss, "preselected": pre}))
 
     def __repr__(self) -> str:
         return (f"StaleSB(beta={self.beta}, history={self.R}, staleness={self.staleness}, "
                 f"num_examples={self.num_examples}, p_min={self.p_min}, "
-                f"prime_epochs={self.prime_epochs}, seed={self.seed})")
+                f"prime_epochs={self.prime_epochs}, normalize={self.normalize!r}, seed={self.seed})")

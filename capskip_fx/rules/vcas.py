@@ -11,11 +11,34 @@ weight-gradient matmuls) and runtime/vcas.py (runs the segments, samples between
 - The controller (every ``freq`` steps, on the current batch): exact backward of two random halves
   (their difference estimates the SGD variance, their sum is the step's gradient), ``probes``
   activation-sampled backwards (Monte-Carlo activation variance), the closed-form weight variance;
-  then ``s``, ``rho_l``, ``nu_l`` as in VCAS.  Two quirks of the reference code are fixed:
-  the Monte-Carlo passes use distinct seeds (the reference reseeds each with the same value), and the
-  new ``rho`` schedule is computed at the new ``s`` (the reference pairs an increase of ``s`` with the
-  schedule for ``s - 0.01`` and vice versa).  The probe uses the current batch (halves for the SGD
-  variance) instead of extra batches from a cycling loader.
+  then ``s``, ``rho_l``, ``nu_l`` as in VCAS (``vcas/sample_scheme.py``, ``update``):
+    * ``s += s_step`` if act-variance / SGD-variance > ``tau_act`` else ``-= s_step``, in [0, 1];
+    * the new schedule ``find_top_sum(norms_l, s)`` is made monotone the reference's way: walking
+      up from the bottom boundary, each boundary is RAISED to the running max of those below it
+      (layers closer to the loss keep at least as many rows); then EMA ``rho <- d rho + (1-d) new``;
+    * ``nu_l /= w_mul`` if its weight-variance ratio > ``tau_w`` else ``*= w_mul``, with no cap at 1
+      (``nu_max=inf``, the reference: a ``nu`` above 1 runs exact and has to decay below 1 before
+      sampling resumes, a hysteresis) and no floor (``nu_min=0``, the reference).
+- Budgets are integers as in the reference (``k = int(N * rho)``, ``k_w = int(T * nu)``: see
+  :func:`vcas_k`); ``k = 0`` means no sampling there (the reference's ``ActSampler`` passes the
+  gradient through when no row survives, ``leverage_k`` runs the exact matmul for ``k == 0``), while
+  the probe's closed-form weight variance at ``k = 0`` is huge (the reference's ``soft_topk`` gives
+  every row probability ~1e-9), so ``nu`` climbs back.
+- FLOPs (:meth:`VcasController.flops_fraction`): the reference's per-step units
+  ``(1 + mean rho + mean(nu rho)) / 3`` plus the probes' cost amortised over ``freq`` steps.
+
+Kept deliberately (quirk fixes and constraints of running inside one backward):
+  * the Monte-Carlo passes use distinct seeds (the reference reseeds each with the same value, so its
+    M passes are one draw);
+  * the new ``rho`` schedule is computed at the new ``s`` (the reference pairs an increase of ``s``
+    with the schedule for ``s - 0.01`` and vice versa);
+  * the probe uses the current batch: the SGD variance comes from the difference of two random halves
+    of it (the reference: M extra batches from a cycling loader), and the probe step's returned
+    gradient is the exact one (the sum of the halves);
+  * SampleW's variance is the closed form on the exact gradients (as the reference's
+    ``cal_leverage_var``) and its SGD variance is per matmul from the same two halves;
+  * rho and nu count the rows that carry gradient (after the example-level rule), not all N;
+  * the first probe is at step 0 (the reference's at step F; both start from rho = nu = 1).
 """
 from __future__ import annotations
 
@@ -45,8 +68,26 @@ def soft_topk(a: Tensor, k) -> Tensor:
     first = torch.where(ok.any(), ok.to(torch.int8).argmax(), torch.tensor(n - 1, device=a.device))
     c = (k - first.double()) / tail[first].clamp_min(1e-300)
     p = torch.clamp(c * a, max=1.0)
-    p = torch.where(k >= (a > 0).sum(), (a > 0).double(), p)
+    p = torch.where(k >= (a > 0).sum(), (a > 0).double(), p).clamp_min(0.0)  # k <= 0: all zero
     return torch.where(a > 0, p, torch.zeros_like(p))
+
+
+def vcas_k(frac, n):
+    """The reference's integer budget ``int(n * frac)`` (floor; ``n``, ``frac`` >= 0); a number or a
+    0-d tensor (no host sync), as ``n`` is."""
+    if isinstance(n, Tensor) or isinstance(frac, Tensor):
+        return torch.floor(torch.as_tensor(frac, dtype=torch.float64) * torch.as_tensor(n, dtype=torch.float64))
+    return math.floor(frac * n)
+
+
+def sample_probs(a: Tensor, frac, n) -> Tensor:
+    """Inclusion probabilities for sampling with budget ``int(n * frac)``, the reference's way:
+    ``soft_topk``, except that a budget of 0 samples nothing away (every row with ``a > 0`` kept)."""
+    k = vcas_k(frac, n)
+    cnt = (a > 0).sum()
+    k = torch.where(torch.as_tensor(k, device=a.device) <= 0, cnt.to(torch.float64),
+                    torch.as_tensor(k, dtype=torch.float64, device=a.device))
+    return soft_topk(a, k)
 
 
 def bernoulli_keep(p: Tensor, generator: Optional[torch.Generator] = None) -> Tensor:
@@ -89,8 +130,9 @@ class VCAS:
     tau_act, tau_w: added-variance budgets relative to the SGD variance.  freq: a probe every F
     backward steps (the first at step 0).  probes: M activation-sampled Monte-Carlo passes per probe.
     s_step, w_mul, rho_decay: controller steps.  sample_act / sample_w switch SampleA / SampleW.
-    nu_min: floor of the weight ratios.  every: cut at every k-th residual fork (1 = each fork,
-    i.e. attention and MLP sub-blocks of a pre-norm transformer).
+    nu_min, nu_max: floor and cap of the weight ratios; the reference has neither (0, inf: the
+    defaults); ``nu_max=1`` is our earlier cap (no hysteresis).  every: cut at every k-th residual
+    fork (1 = each fork, i.e. attention and MLP sub-blocks of a pre-norm transformer).
     """
 
     tau_act: float = 0.025
@@ -102,7 +144,8 @@ class VCAS:
     rho_decay: float = 0.6
     sample_act: bool = True
     sample_w: bool = True
-    nu_min: float = 1e-3
+    nu_min: float = 0.0
+    nu_max: float = math.inf
     every: int = 1
 
     def __post_init__(self):
@@ -122,8 +165,10 @@ class VCAS:
             raise ValueError(f"VCAS w_mul must be in (0, 1), got {self.w_mul!r}")
         if not 0 <= self.rho_decay <= 1:
             raise ValueError(f"VCAS rho_decay must be in [0, 1], got {self.rho_decay!r}")
-        if not 0 < self.nu_min <= 1:
-            raise ValueError(f"VCAS nu_min must be in (0, 1], got {self.nu_min!r}")
+        if not 0 <= self.nu_min <= 1:
+            raise ValueError(f"VCAS nu_min must be in [0, 1], got {self.nu_min!r}")
+        if not (isinstance(self.nu_max, (int, float)) and self.nu_max >= 1):  # also rejects NaN
+            raise ValueError(f"VCAS nu_max must be >= 1 (inf: no cap, the reference), got {self.nu_max!r}")
 
 
 @dataclass
@@ -148,6 +193,7 @@ class VcasController:
     step: int = 0
     probes_done: int = 0
     last: dict = field(default_factory=dict)
+    flops_mean: float = 1.0  # running mean over probes of flops_fraction(), taken before each update
 
     def ensure(self, boundaries: int, matmuls: int) -> None:
         if len(self.rho) != boundaries:
@@ -165,28 +211,63 @@ class VcasController:
             self.s = min(1.0, self.s + cfg.s_step)
         else:
             self.s = max(0.0, self.s - cfg.s_step)
+        # the reference logs the FLOPs ratio of the schedule in force before this update
+        self.flops_mean = (self.flops_mean * self.probes_done + self.flops_fraction()) / (self.probes_done + 1)
         new = [find_top_sum(nm, self.s) for nm in r.norms]  # at the new s (the reference's quirk fixed)
-        for i in range(1, len(new)):  # closer to the loss keeps at least as many rows
-            new[i] = min(new[i], new[i - 1])
+        # rho is top first; the reference (bottom first) raises each boundary to the running max of the
+        # ones below it, so layers closer to the loss keep at least as many rows
+        for i in range(len(new) - 2, -1, -1):
+            new[i] = max(new[i], new[i + 1])
         self.rho = [cfg.rho_decay * old + (1 - cfg.rho_decay) * nw for old, nw in zip(self.rho, new)]
         w_ratio = []
         for j, (wv, sv) in enumerate(zip(r.w_var, r.w_sgd_var)):
             ratio = wv / sv if sv > 0 else (0.0 if wv == 0 else math.inf)
             w_ratio.append(ratio)
-            self.nu[j] = min(1.0, self.nu[j] / cfg.w_mul) if ratio > cfg.tau_w else max(cfg.nu_min, self.nu[j] * cfg.w_mul)
+            nu = self.nu[j] / cfg.w_mul if ratio > cfg.tau_w else self.nu[j] * cfg.w_mul
+            self.nu[j] = min(cfg.nu_max, max(cfg.nu_min, nu))
         self.probes_done += 1
         self.last = {"act_ratio": act_ratio, "w_ratio": w_ratio, "sgd_var": r.sgd_var, "act_var": r.act_var}
 
-    def flops_fraction(self) -> float:
-        """VCAS's own accounting of a sampled step vs 3 units dense: (1 + mean rho + mean(nu*rho)) / 3."""
+    def step_units(self, slot_boundary: Optional[list] = None, clip_nu: bool = True) -> float:
+        """A sampled step in VCAS's units (3 = dense: forward, activation backward, weight backward):
+        ``1 + mean(rho) + mean_s(nu_s * rho_b(s))``.  ``slot_boundary[s]``: the boundary whose rho
+        matmul ``s`` runs under (the reference: its block); without it ``mean(nu) * mean(rho)`` (the
+        same when every block has as many matmuls).  ``clip_nu``: a ``nu >= 1`` matmul runs exact, so
+        it counts 1 (the reference's log counts the raw ``nu``)."""
         rho = self.rho or [1.0]
         mean_rho = sum(rho) / len(rho)
-        nu = self.nu or [1.0]
-        return (1 + mean_rho + (sum(nu) / len(nu)) * mean_rho) / 3
+        nu = [min(1.0, v) if clip_nu else v for v in (self.nu or [1.0])]
+        if slot_boundary is not None and self.nu and self.rho:
+            w = sum(v * rho[b] for v, b in zip(nu, slot_boundary)) / len(nu)
+        else:
+            w = (sum(nu) / len(nu)) * mean_rho
+        return 1 + mean_rho + w
+
+    def flops_fraction(self, accounting: str = "ours", slot_boundary: Optional[list] = None) -> float:
+        """Training FLOPs relative to dense, probes included, amortised over ``freq`` steps.
+
+        ``"reference"``: thu-ml/VCAS's log, ``(units * F + 3 M + M^2 (1 + 2 mean rho)) / (3 F)``
+        (M = probes: M extra exact forward+backward passes and M^2 activation-sampled ones, all
+        counted on top of F sampled steps; raw nu).  ``"ours"``: what our probe runs: every F-th step
+        is the probe instead of a sampled step (exact forward + two exact half backwards = 3 units)
+        plus M activation-sampled backwards on the same forward (2 mean rho units each; only while
+        some rho < 1): ``((F - 1) units + 3 + M 2 mean rho [rho < 1]) / (3 F)``."""
+        cfg = self.cfg
+        rho = self.rho or [1.0]
+        mean_rho = sum(rho) / len(rho)
+        F, M = cfg.freq, cfg.probes
+        if accounting == "reference":
+            units = self.step_units(slot_boundary, clip_nu=False)
+            return (units * F + 3 * M + M * M * (1 + 2 * mean_rho)) / (3 * F)
+        if accounting != "ours":
+            raise ValueError(f"accounting must be 'ours' or 'reference', got {accounting!r}")
+        units = self.step_units(slot_boundary)
+        act_probes = M * 2 * mean_rho if (cfg.sample_act and any(r < 1.0 for r in rho)) else 0.0
+        return ((F - 1) * units + 3 + act_probes) / (3 * F)
 
     def state_dict(self) -> dict:
         return {"s": self.s, "rho": list(self.rho), "nu": list(self.nu), "step": self.step,
-                "probes_done": self.probes_done, "config": asdict(self.cfg)}
+                "probes_done": self.probes_done, "flops_mean": self.flops_mean, "config": asdict(self.cfg)}
 
     def load_state_dict(self, state: dict) -> None:
         self.s = float(state.get("s", 1.0))
@@ -194,3 +275,4 @@ class VcasController:
         self.nu = list(state.get("nu", self.nu))
         self.step = int(state.get("step", 0))
         self.probes_done = int(state.get("probes_done", 0))
+        self.flops_mean = float(state.get("flops_mean", 1.0))

@@ -24,7 +24,7 @@ from ..passes.batch import evaluate
 from ..passes.segment_backward import SegmentPlan
 from ..rows import Spec, conform, gather_rows, scatter_rows
 from ..rules.vcas import (VCAS, ProbeResult, VcasController, bernoulli_keep, closed_form_var, ht_scale,
-                          soft_topk)
+                          sample_probs, soft_topk, vcas_k)
 
 def _row_norms(x: Tensor, spec: Spec, n: int) -> Tensor:
     y = x.unflatten(spec.dim, (n, spec.factor)).movedim(spec.dim, 0).reshape(n, -1)
@@ -81,12 +81,13 @@ class VcasBackward:
             self.wrows.append((slot, g.shape[0], g.shape[0], g.shape[1] * x.shape[1]))
             return torch.mm(g.t(), x)
         q = _row_norms(g, Spec("batch"), g.shape[0]) * _row_norms(x, Spec("batch"), x.shape[0])
-        p = soft_topk(q, nu * (q > 0).sum())
-        if mode == "probe":
+        if mode == "probe":  # the variance at the integer budget; k = 0: huge (the reference's 1e-9 probs)
+            p = soft_topk(q, vcas_k(nu, (q > 0).sum()))
             out = torch.mm(g.t(), x)
             self._stash.setdefault(slot, []).append((out.detach().clone(), closed_form_var(q, p)))
             self.wrows.append((slot, g.shape[0], g.shape[0], g.shape[1] * x.shape[1]))
             return out
+        p = sample_probs(q, nu, (q > 0).sum())  # int(T nu) rows; 0: exact, as the reference's leverage_k
         keep = bernoulli_keep(p, self.state.generator(g.device))
         idx = keep.nonzero().squeeze(1)  # the host read of this matmul
         if idx.numel() > self.gather_below * g.shape[0]:
@@ -186,7 +187,7 @@ class VcasBackward:
                 rho = rho_all[j]
                 if resample[j]:
                     gen = gen or self.state.generator(b.device)
-                    p = soft_topk(nrm, rho * n_ref)
+                    p = sample_probs(nrm, rho, n_ref)  # int(n rho) rows; 0: no sampling (the reference)
                     keep = bernoulli_keep(p, gen)
                     kept = int(keep.sum())  # the host read of this cut
                     if kept > self.gather_below * b_n:  # gathers would cost more than they save: mask

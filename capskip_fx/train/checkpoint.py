@@ -131,14 +131,16 @@ def read_weights(path: str | Path) -> dict[str, torch.Tensor]:
     return sd
 
 
-def load_weights(model: nn.Module, head: nn.Module, sd: dict[str, torch.Tensor], source: str) -> dict[str, list]:
+def load_weights(model: nn.Module, head: nn.Module, sd: dict[str, torch.Tensor], source: str,
+                 reset_head: bool = False) -> dict[str, list]:
     """Load ``sd`` into ``model`` non-strictly and print what did not match.  Head tensors whose shape
-    differs (another class count) are dropped: the head keeps its fresh init.  Any other shape
-    mismatch exits: silently skipping a body weight would train from a half-random model."""
+    differs (another class count), or all of them with ``reset_head``, are dropped: the head keeps its
+    fresh init.  Any other shape mismatch exits: silently skipping a body weight would train from a
+    half-random model."""
     own = model.state_dict()
     head_keys = {n for n, p in model.named_parameters() if any(p is q for q in head.parameters())}
     head_keys |= {n for n, b in model.named_buffers() if any(b is q for q in head.buffers())}
-    reinit = sorted(k for k in sd if k in head_keys and tuple(sd[k].shape) != tuple(own[k].shape))
+    reinit = sorted(k for k in sd if k in head_keys and (reset_head or tuple(sd[k].shape) != tuple(own[k].shape)))
     bad = [f"{k}: checkpoint {tuple(sd[k].shape)} vs model {tuple(own[k].shape)}"
            for k in sd if k in own and k not in reinit and tuple(sd[k].shape) != tuple(own[k].shape)]
     if bad:
@@ -151,5 +153,6 @@ def load_weights(model: nn.Module, head: nn.Module, sd: dict[str, torch.Tensor],
     print(f"[init] missing keys ({len(missing)}): {', '.join(missing) or 'none'}")
     print(f"[init] unexpected keys ({len(report['unexpected'])}): {', '.join(report['unexpected']) or 'none'}")
     if reinit:
-        print(f"[init] re-initialised (class count differs): {', '.join(reinit)}")
+        why = "--reset-head" if reset_head else "class count differs"
+        print(f"[init] re-initialised ({why}): {', '.join(reinit)}")
     return report

@@ -51,6 +51,8 @@ def build_parser() -> argparse.ArgumentParser:
     add("--data-dir", _optional(str), "folder with the dataset files")
     add("--train-subset", _optional(int), "use a fixed random subset of this many training images")
     add("--eval-subset", _optional(int), "use a fixed random subset of this many eval images")
+    add("--val-split", _optional(int), "evaluate on this many images held out of the training split (the same "
+                                       "for every seed) instead of the test set: for choosing hyper-parameters")
     add("--augment", action=argparse.BooleanOptionalAction, help="random crop (+ flip) when training")
     add("--workers", int, "DataLoader workers")
     g = t.add_argument_group("model")
@@ -68,6 +70,8 @@ def build_parser() -> argparse.ArgumentParser:
                                     "base; flags override, e.g. --epochs to train longer)")
     add("--initial-checkpoint", _optional(str), "start from these model weights only: a checkpoint.pt, a "
                                                 "state_dict .pt/.pth or a .safetensors file")
+    add("--reset-head", action=argparse.BooleanOptionalAction, help="with --initial-checkpoint: keep the "
+                                                                   "fresh classifier head (fine-tuning on a new task)")
     add("--pretrained", action=argparse.BooleanOptionalAction, help="start from timm's pretrained weights "
                                                                    "(downloads; offline use --initial-checkpoint)")
     g = t.add_argument_group("selection")

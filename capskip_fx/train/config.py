@@ -25,6 +25,7 @@ class TrainConfig:
     data_dir: Optional[str] = None
     train_subset: Optional[int] = None
     eval_subset: Optional[int] = None
+    val_split: Optional[int] = None  # evaluate on this many rows held out of the training split (not the test set)
     augment: bool = True
     workers: int = 0
     # model (timm)
@@ -38,6 +39,7 @@ class TrainConfig:
     model_kwargs: dict = field(default_factory=dict)
     pretrained: bool = False  # timm's pretrained weights (needs the HF hub or timm's cache)
     initial_checkpoint: Optional[str] = None  # model weights only (checkpoint.pt, .pt/.pth, .safetensors)
+    reset_head: bool = False  # with initial_checkpoint: keep the fresh classifier head (a new task)
     # selection
     rule: str = "capskip"
     budget: float = 0.1
@@ -141,10 +143,13 @@ def _coerce(name: str, tp: Any, value: Any) -> Any:
     return value
 
 
-def rule_options(cfg: TrainConfig) -> dict[str, Any]:
+def rule_options(cfg: TrainConfig, total_steps: Optional[int] = None) -> dict[str, Any]:
+    """The rule's keyword options; ``total_steps`` places Composer's [start, end) window for sb keep=."""
     opts = dict(cfg.rule_options)
     if cfg.keep is not None:
         opts["keep"] = cfg.keep
+        if cfg.rule == "sb" and total_steps and "total_steps" not in opts and "total_epochs" not in opts:
+            opts["total_steps"] = total_steps
     if cfg.match is not None:
         opts["match"] = cfg.match  # compile() hands the budget on to a matched rule
     return opts

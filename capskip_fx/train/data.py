@@ -20,7 +20,8 @@ def resolve_device(name: str) -> torch.device:
 def load_data(cfg: TrainConfig, device: torch.device) -> tuple[DataBundle, TrainConfig]:
     """The dataset, and the config with the sizes the data decided (image size, channels, patch)."""
     data = load_dataset(cfg.dataset, cfg.data_dir, img_size=cfg.img_size, in_chans=cfg.in_chans,
-                        train_subset=cfg.train_subset, eval_subset=cfg.eval_subset, augment=cfg.augment)
+                        train_subset=cfg.train_subset, eval_subset=cfg.eval_subset, augment=cfg.augment,
+                        val_split=cfg.val_split)
     img = cfg.img_size or DEFAULT_IMG_SIZE[cfg.dataset]
     cfg = dataclasses.replace(cfg, img_size=img, in_chans=data.in_chans,
                               patch_size=cfg.patch_size or max(1, img // 4), device=str(device))

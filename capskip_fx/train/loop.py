@@ -125,18 +125,18 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
 
     head = find_head(model)
     if init_sd is not None:
-        checkpoint.load_weights(model, head, init_sd, cfg.initial_checkpoint)
+        checkpoint.load_weights(model, head, init_sd, cfg.initial_checkpoint, reset_head=cfg.reset_head)
     model.to(device)
     vcas = capskip_fx.VCAS(**cfg.vcas_options) if cfg.vcas_options is not None else None
+    train_loader, eval_loader, gen = make_loaders(cfg, data, device)
+    steps_per_epoch = len(train_loader)
+    total_steps = cfg.epochs * steps_per_epoch
     cm = capskip_fx.compile(model, rule=cfg.rule, budget=cfg.budget, backend=cfg.backend, seed=cfg.seed,
-                            vcas=vcas, **rule_options(cfg))
+                            vcas=vcas, **rule_options(cfg, total_steps))
     cm.train()
     from timm.optim import create_optimizer_v2  # AdamW without decay on biases/norms/tokens
 
     opt = create_optimizer_v2(model, "adamw", lr=cfg.lr, weight_decay=cfg.weight_decay)
-    train_loader, eval_loader, gen = make_loaders(cfg, data, device)
-    steps_per_epoch = len(train_loader)
-    total_steps = cfg.epochs * steps_per_epoch
     log_every = cfg.log_every or max(1, steps_per_epoch // 10)
 
     def autocast():
