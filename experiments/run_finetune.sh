@@ -86,7 +86,9 @@ for s in $SEEDS; do
   keep=$(result "$OUT/runs/capskip-s$s" kept_frac)
   ft "$OUT/runs/dense-timematched-s$s" --rule dense --time-budget "$wall" --seed "$s"
   ft "$OUT/runs/random-matched-s$s" --rule random --match capskip --budget "$B" --seed "$s"
-  ft "$OUT/runs/sb-s$s" --rule sb --keep "$keep" --label "sb (capskip's keep rate)" --seed "$s"
+  # SB at capskip's rate on every step: Composer's draw, its window opened to the whole run
+  ft "$OUT/runs/sb-s$s" --rule sb --keep "$keep" --rule-opt start=0 --rule-opt end=1 --rule-opt interrupt=0 \
+    --label "sb (capskip's keep rate)" --seed "$s"
   ft "$OUT/runs/kabena-s$s" --rule kabena --seed "$s"
 done
 

@@ -116,7 +116,7 @@ def test_missing_data_without_download(tmp_path):
     with pytest.raises(FileNotFoundError):
         ds.load_dataset("cifar10", data_dir=str(tmp_path), download=False)
     with pytest.raises(ValueError, match="unknown dataset"):
-        ds.load_dataset("mnist")
+        ds.load_dataset("svhn")
 
 
 def test_digits_split_and_subsets():

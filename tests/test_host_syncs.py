@@ -111,7 +111,7 @@ RULES = [  # (rule options, reads per steady-state step)
     (dict(rule="capskip", budget=0.5), 1),
     (dict(rule="random", keep=0.5), 0),
     (dict(rule="forced", keep=0.5), 0),
-    (dict(rule="sb", keep=0.5), 0),
+    (dict(rule="sb", keep=0.5, start=0, end=1, interrupt=0), 0),
 ]
 
 
@@ -262,7 +262,7 @@ def test_fixed_count_uninformative_step_keeps_its_rows_exactly_and_says_so():
     the reason is in stats().fallback."""
     torch.manual_seed(0)
     model = Net().double()
-    cm = capskip_fx.compile(model, rule="sb", keep=0.5, backend="aot_eager")
+    cm = capskip_fx.compile(model, rule="sb", keep=0.5, start=0, end=1, interrupt=0, backend="aot_eager")
     for step in range(3):
         x, y = _batch(step)
         model.zero_grad(set_to_none=True)
