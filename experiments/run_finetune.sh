@@ -23,8 +23,8 @@ set -euo pipefail
 SEEDS=${SEEDS:-"0 1 2 3 4"}
 PRE_EPOCHS=${PRE_EPOCHS:-3}
 PRE_SUBSET=${PRE_SUBSET:-none}       # Fashion-MNIST rows for stage 1 (none = all 60000)
-FT_EPOCHS=${FT_EPOCHS:-3}
-FT_LR=${FT_LR:-5e-4}
+FT_EPOCHS=${FT_EPOCHS:-8}
+FT_LR=${FT_LR:-1e-3}
 BUDGETS=${BUDGETS:-"0.1 0.2 0.3 0.5"}
 VAL=${VAL:-1000}
 TOL=${TOL:-0.5}

@@ -15,8 +15,12 @@ from conftest import compiled, make_input, max_rel_err, reference_grads, selecte
 N = 8
 TOL = {torch.float64: 1e-10, torch.float32: 1e-5}
 
+# torch 2.11's fake CPU flash attention gives float64 inputs a float32 logsumexp, so Inductor's float64 SDPA
+# backward fails in torch itself (pytorch/pytorch#185539, fixed by #185573 after 2.11): skipped there.
+_SDPA_F64 = pytest.mark.skipif(torch.__version__ < "2.12", reason="torch<2.12: float64 CPU SDPA backward under "
+                               "Inductor fails in torch (pytorch/pytorch#185539)")
 CASES = [(m, dt, "aot_eager") for m in ("mlp", "deit", "mixer") for dt in (torch.float64, torch.float32)]
-CASES += [("mlp", torch.float64, "inductor"), ("deit", torch.float64, "inductor"),
+CASES += [("mlp", torch.float64, "inductor"), pytest.param("deit", torch.float64, "inductor", marks=_SDPA_F64),
           ("deit", torch.float32, "inductor"), ("mixer", torch.float32, "inductor")]
 
 
