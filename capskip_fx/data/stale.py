@@ -110,6 +110,11 @@ class StaleBatchSampler:
         self.drop_last = bool(drop_last)
         self.epoch = int(epoch)
 
+    def __len__(self) -> int:
+        """An upper bound: the batches of a pass that forwards every row (fewer once rows are dropped)."""
+        n = len(self.sampler)
+        return n // self.batch_size if self.drop_last else -(-n // self.batch_size)
+
     def set_epoch(self, epoch: int) -> None:
         self.epoch = int(epoch)
         if hasattr(self.sampler, "set_epoch"):

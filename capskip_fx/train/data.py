@@ -2,11 +2,14 @@
 from __future__ import annotations
 
 import dataclasses
+from typing import Optional
 
 import torch
-from torch.utils.data import DataLoader
+from torch.utils.data import DataLoader, RandomSampler
 
 from capskip_fx.data.datasets import DEFAULT_IMG_SIZE, DataBundle, load_dataset
+from capskip_fx.data.stale import StaleBatchFilter, StaleBatchSampler
+from capskip_fx.rules import StaleSB
 
 from .config import TrainConfig
 
@@ -28,13 +31,24 @@ def load_data(cfg: TrainConfig, device: torch.device) -> tuple[DataBundle, Train
     return data, cfg
 
 
-def make_loaders(cfg: TrainConfig, data: DataBundle, device: torch.device):
-    """(train loader, eval loader, the train sampler's generator): checkpoints carry the generator."""
+def make_loaders(cfg: TrainConfig, data: DataBundle, device: torch.device, stale_rule: Optional[StaleSB] = None):
+    """(train loader, eval loader, the train sampler's generator): checkpoints carry the generator.
+
+    ``stale_rule``: Stale-SB's data side.  The train loader's batch sampler is then a
+    :class:`StaleBatchSampler` (main process; fixed-size batches of the rows it forwards), its
+    filter drawing from that rule's cache with its own generator (seeded from ``cfg.seed``)."""
     gen = torch.Generator().manual_seed(cfg.seed)
     pin = device.type == "cuda"
     # a ragged last batch would be one more shape to compile
-    train_loader = DataLoader(data.train, batch_size=cfg.batch_size, shuffle=True, generator=gen,
-                              drop_last=len(data.train) >= cfg.batch_size, num_workers=cfg.workers,
-                              pin_memory=pin, persistent_workers=cfg.workers > 0)
+    drop_last = len(data.train) >= cfg.batch_size
+    if stale_rule is not None:
+        batches = StaleBatchSampler(RandomSampler(data.train, generator=gen), StaleBatchFilter(stale_rule, cfg.seed),
+                                    cfg.batch_size, drop_last=drop_last)
+        train_loader = DataLoader(data.train, batch_sampler=batches, num_workers=cfg.workers, pin_memory=pin,
+                                  persistent_workers=cfg.workers > 0)
+    else:
+        train_loader = DataLoader(data.train, batch_size=cfg.batch_size, shuffle=True, generator=gen,
+                                  drop_last=drop_last, num_workers=cfg.workers,
+                                  pin_memory=pin, persistent_workers=cfg.workers > 0)
     eval_loader = DataLoader(data.test, batch_size=cfg.eval_batch_size, num_workers=cfg.workers, pin_memory=pin)
     return train_loader, eval_loader, gen

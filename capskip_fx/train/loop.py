@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import capskip_fx
+from capskip_fx.rules import build_rule
 
 from . import checkpoint, plots
 from .checks import CompileClock, distortion_check
@@ -74,8 +75,9 @@ def evaluate(model: nn.Module, loader, device, autocast) -> tuple[float, float]:
 
 
 SUMMARY_FIELDS = ("epoch", "steps", "train_loss", "eval_top1", "eval_loss", "wall_clock_s", "compile_s",
-                  "backward_rows", "rows", "mean_kept_frac", "lr", "checks", "violations", "fallbacks",
+                  "backward_rows", "rows", "rows_seen", "mean_kept_frac", "lr", "checks", "violations", "fallbacks",
                   "time_budget_hit")
+#: rows: forwarded (every step's batch); rows_seen: drawn from the data (more under Stale-SB's filter)
 COUNTERS = ("step", "backward_rows", "rows", "checks", "violations", "fallbacks")
 
 
@@ -128,11 +130,15 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
         checkpoint.load_weights(model, head, init_sd, cfg.initial_checkpoint, reset_head=cfg.reset_head)
     model.to(device)
     vcas = capskip_fx.VCAS(**cfg.vcas_options) if cfg.vcas_options is not None else None
-    train_loader, eval_loader, gen = make_loaders(cfg, data, device)
-    steps_per_epoch = len(train_loader)
+    stale = None  # Stale-SB: one rule object for the model and the loader's filter (its data side)
+    if cfg.rule == "stale_sb":
+        stale = build_rule("stale_sb", cfg.budget, {"num_examples": len(data.train), **rule_options(cfg)})
+    train_loader, eval_loader, gen = make_loaders(cfg, data, device, stale_rule=stale)
+    stale_filter = train_loader.batch_sampler.filter if stale is not None else None
+    steps_per_epoch = len(train_loader)  # under Stale-SB an upper bound: dropped rows shorten epochs
     total_steps = cfg.epochs * steps_per_epoch
-    cm = capskip_fx.compile(model, rule=cfg.rule, budget=cfg.budget, backend=cfg.backend, seed=cfg.seed,
-                            vcas=vcas, **rule_options(cfg, total_steps))
+    cm = capskip_fx.compile(model, rule=stale or cfg.rule, budget=cfg.budget, backend=cfg.backend, seed=cfg.seed,
+                            vcas=vcas, **({} if stale else rule_options(cfg, total_steps)))
     cm.train()
     from timm.optim import create_optimizer_v2  # AdamW without decay on biases/norms/tokens
 
@@ -159,6 +165,8 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
         opt.load_state_dict(ck["optimizer"])
         clock.load_state_dict(ck["clock"])
         step, backward_rows, rows, checks, violations, fallbacks = (ck["counters"][k] for k in COUNTERS)
+        if stale_filter is not None:
+            stale_filter.load_state_dict(ck["stale_filter"])
         summary = list(ck["summary"])
         start_epoch = ck["epoch"]
         src = Path(cfg.resume).parent
@@ -172,11 +180,17 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
         print(f"[resume] {cfg.resume}: epoch {start_epoch}, step {step}, wall {clock.wall_s:.1f}s")
         del ck
     tol_limit = cfg.budget + cfg.check_tol
+
+    def rows_seen() -> int:
+        return stale_filter.n_seen if stale_filter is not None else rows
+
     lr = lr_at(cfg, step / total_steps)
     with open(out / "steps.jsonl", log_mode) as steps_f, open(out / "checks.jsonl", log_mode) as checks_f:
         for epoch in range(start_epoch + 1, cfg.epochs + 1):
             ep_loss, ep_kept_frac, ep_steps, ep_rows, ep_wall0 = 0.0, 0.0, 0, 0, clock.wall_s
             cm.set_epoch(epoch - 1)
+            if stale_filter is not None:
+                train_loader.batch_sampler.set_epoch(epoch - 1)
             bar = tqdm(train_loader, desc=f"epoch {epoch}/{cfg.epochs}", disable=None, leave=True, dynamic_ncols=True)
             t_prev = time.perf_counter()
             for x, y, idx in bar:
@@ -184,6 +198,8 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
                 t0 = time.perf_counter()
                 data_s = t0 - t_prev
                 progress = (step + 1) / total_steps
+                if stale_filter is not None:  # epochs shrink as rows are dropped: progress through the data
+                    progress = stale_filter.n_seen / (cfg.epochs * len(data.train))
                 if cfg.time_budget and cfg.schedule_by_time:
                     progress = max(progress, clock.wall_s / cfg.time_budget)
                 lr = lr_at(cfg, progress)
@@ -261,7 +277,8 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
             summary.append({
                 "epoch": epoch, "steps": step, "train_loss": ep_loss / max(ep_steps, 1), "eval_top1": top1,
                 "eval_loss": eval_loss, "wall_clock_s": clock.wall_s, "compile_s": clock.compile_s,
-                "backward_rows": backward_rows, "rows": rows, "mean_kept_frac": ep_kept_frac / max(ep_steps, 1),
+                "backward_rows": backward_rows, "rows": rows, "rows_seen": rows_seen(),
+                "mean_kept_frac": ep_kept_frac / max(ep_steps, 1),
                 "lr": lr, "checks": checks, "violations": violations, "fallbacks": fallbacks,
                 "time_budget_hit": int(hit_budget)})
             with open(out / "summary.csv", "w", newline="") as f:
@@ -274,6 +291,7 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
                 "schedule": {"step": step, "total_steps": total_steps, "lr": lr},
                 "counters": dict(zip(COUNTERS, (step, backward_rows, rows, checks, violations, fallbacks))),
                 "clock": clock.state_dict(), "summary": summary, "rng": checkpoint.rng_state(gen),
+                "stale_filter": stale_filter.state_dict() if stale_filter is not None else None,
                 "config": dataclasses.asdict(cfg)}, out / checkpoint.FILENAME)
             print(f"[epoch {epoch}] train_loss {summary[-1]['train_loss']:.4f} eval_top1 {top1:.2f}% "
                   f"wall {clock.wall_s:.1f}s compile {clock.compile_s:.1f}s kept {summary[-1]['mean_kept_frac']:.3f}"
@@ -284,7 +302,8 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
 
     result = {"out": str(out), "label": cfg.label, "seed": cfg.seed, "final_top1": summary[-1]["eval_top1"],
               "wall_clock_s": clock.wall_s, "compile_s": clock.compile_s, "steps": step,
-              "kept_frac": backward_rows / max(rows, 1), "backward_rows": backward_rows, "checks": checks,
+              "kept_frac": backward_rows / max(rows, 1), "backward_rows": backward_rows,
+              "forward_frac": rows / max(rows_seen(), 1), "checks": checks,
               "violations": violations, "fallbacks": fallbacks, "time_budget_hit": hit_budget,
               "data_source": data.source, "n_params": n_params, "torch": torch.__version__,
               "resumed_from": cfg.resume}

@@ -105,6 +105,13 @@ class Run:
             return f["backward_rows"] / f["rows"]
         return f.get("mean_kept_frac", math.nan) if f else math.nan
 
+    @property
+    def forward_frac(self) -> float:
+        """Forwarded rows / rows drawn from the data (below 1 only where a data-side filter drops rows)."""
+        f = self.final
+        seen = f.get("rows_seen") or f.get("rows")
+        return f["rows"] / seen if seen else math.nan
+
 
 def load_run(path: str | Path, with_steps: bool = True) -> Run:
     path = Path(path)
@@ -331,8 +338,8 @@ def _table(runs: Sequence[Run]) -> str:
     lines = [
         "| run | seeds | final top-1 (%) [95% CI] | Δ vs time-matched dense (pp, paired) [95% CI] "
         "| wall-clock (s) | × dense wall-clock | time to dense's final top-1 (× dense) | to 99% of it "
-        "| mean kept | backward rows | check violations |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "| mean kept | forwarded | backward rows | check violations |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for label, members in groups.items():
         wall = _mean([r.final.get("wall_clock_s") for r in members])
@@ -350,6 +357,7 @@ def _table(runs: Sequence[Run]) -> str:
             f"| {label} | {len(members)} | {fmt_interval([r.final.get('eval_top1') for r in members])} | {diff} "
             f"| {_mean_std([r.final.get('wall_clock_s') for r in members], '.1f')} | {ratio} "
             f"| {reach[0]} | {reach[1]} | {_mean_std([r.kept_frac for r in members], '.3f')} "
+            f"| {_mean_std([r.forward_frac for r in members], '.3f')} "
             f"| {'n/a' if math.isnan(rows) else f'{rows:.0f}'} | {viol} |"
         )
     return "\n".join(lines) + "\n"
@@ -367,6 +375,8 @@ def compare(paths: Iterable[str | Path], out_dir: str | Path) -> str:
         "evaluation excluded); top-1 is the last evaluation of each run. Intervals: 95% Student-t over "
         "seeds; Δ pairs each seed with the time-matched dense run of the same seed; time to an accuracy is "
         "read off each run's per-epoch evaluations (linear between them), median over seeds / dense's "
-        "median, with the number of seeds that reached it. Wall-clock ± is the sample std.\n\n"
+        "median, with the number of seeds that reached it. Wall-clock ± is the sample std. Forwarded: rows "
+        "forwarded / rows drawn from the data (below 1 only under Stale-SB's data-side filter); mean kept is "
+        "of the forwarded rows.\n\n"
         + "".join(f"![{p}]({p})\n" for p in PLOTS) + "\nRuns:\n" + dirs + "\n")
     return table
