@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The README experiment: a small ViT on Fashion-MNIST, on this machine's CPU.
 #   dense E epochs | capskip E epochs | dense time-matched to capskip's wall-clock |
-#   random with capskip's per-step kept counts | SB (fixed count) at capskip's mean keep rate |
+#   random with capskip's per-step kept counts | SB (fixed count) at capskip's mean keep rate | Stale-SB |
 #   VCAS alone | CAPSkip then VCAS inside its kept rows (VCAS_FREQ="" skips these two);
 # SEEDS seeds each, then one compare table + plots in $OUT/compare.
 # Finished runs (with result.json) are skipped, so the script can be resumed; FORCE=1 reruns.
@@ -46,7 +46,10 @@ for s in $SEEDS; do
   keep=${SB_KEEP:-$(result "capskip-b$BUDGET-s$s" kept_frac)}
   run "dense-timematched-b$BUDGET-s$s" --rule dense --time-budget "$wall" --seed "$s"
   run "random-matched-b$BUDGET-s$s" --rule random --match capskip --budget "$BUDGET" --seed "$s"
-  run "sb-b$BUDGET-s$s" --rule sb --keep "$keep" --label "sb (capskip's keep rate)" --seed "$s"
+  # SB at capskip's rate on every step: Composer's draw, its window opened to the whole run
+  run "sb-b$BUDGET-s$s" --rule sb --keep "$keep" --rule-opt start=0 --rule-opt end=1 --rule-opt interrupt=0 \
+    --label "sb (capskip's keep rate)" --seed "$s"
+  run "stale-sb-s$s" --rule stale_sb --seed "$s"  # the loader's filter skips forwards too
   if [[ -n "$VCAS_FREQ" ]]; then
     run "vcas-s$s" --rule vcas --vcas-opt freq="$VCAS_FREQ" --seed "$s"
     run "capskip-vcas-b$BUDGET-s$s" --rule capskip --budget "$BUDGET" --vcas-opt freq="$VCAS_FREQ" --seed "$s"
