@@ -109,8 +109,9 @@ class Run:
     def forward_frac(self) -> float:
         """Forwarded rows / rows drawn from the data (below 1 only where a data-side filter drops rows)."""
         f = self.final
-        seen = f.get("rows_seen") or f.get("rows")
-        return f["rows"] / seen if seen else math.nan
+        rows = f.get("rows")
+        seen = f.get("rows_seen") or rows
+        return rows / seen if rows is not None and seen else math.nan
 
 
 def load_run(path: str | Path, with_steps: bool = True) -> Run:
