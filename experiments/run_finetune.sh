@@ -57,8 +57,9 @@ result() {  # result RUN_DIR KEY
 
 # ---- stage 1: dense pretraining on Fashion-MNIST (CKPT=path: start from that checkpoint instead)
 CKPT=${CKPT:-$OUT/pretrain/checkpoint.pt}
+# shellcheck disable=SC2086  # PRE_EXTRA is a list of flags
 [[ -f "$CKPT" ]] || run "$OUT/pretrain" --rule dense --train-subset "$PRE_SUBSET" --eval-subset 2000 \
-  --epochs "$PRE_EPOCHS" --seed 0 $PRE_EXTRA  # shellcheck disable=SC2086
+  --epochs "$PRE_EPOCHS" --seed 0 $PRE_EXTRA
 
 ft() {  # ft DIR FLAGS...: stage 2 from the stage-1 checkpoint, a new head
   local dir=$1; shift

@@ -41,14 +41,13 @@ def make_loaders(cfg: TrainConfig, data: DataBundle, device: torch.device, stale
     pin = device.type == "cuda"
     # a ragged last batch would be one more shape to compile
     drop_last = len(data.train) >= cfg.batch_size
+    workers = dict(num_workers=cfg.workers, pin_memory=pin, persistent_workers=cfg.workers > 0)
     if stale_rule is not None:
         batches = StaleBatchSampler(RandomSampler(data.train, generator=gen), StaleBatchFilter(stale_rule, cfg.seed),
                                     cfg.batch_size, drop_last=drop_last)
-        train_loader = DataLoader(data.train, batch_sampler=batches, num_workers=cfg.workers, pin_memory=pin,
-                                  persistent_workers=cfg.workers > 0)
+        train_loader = DataLoader(data.train, batch_sampler=batches, **workers)
     else:
         train_loader = DataLoader(data.train, batch_size=cfg.batch_size, shuffle=True, generator=gen,
-                                  drop_last=drop_last, num_workers=cfg.workers,
-                                  pin_memory=pin, persistent_workers=cfg.workers > 0)
+                                  drop_last=drop_last, **workers)
     eval_loader = DataLoader(data.test, batch_size=cfg.eval_batch_size, num_workers=cfg.workers, pin_memory=pin)
     return train_loader, eval_loader, gen
