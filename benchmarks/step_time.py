@@ -247,7 +247,7 @@ def main():
 
 
 def set_ratios(cm, rho: float, nu: float) -> None:
-    for r in cm.backend.state.vcas_runners:
+    for r in cm.backend.state.runners:
         r.ctrl.rho = [rho] * len(r.ctrl.rho)
         r.ctrl.nu = [nu] * len(r.ctrl.nu)
 
@@ -268,7 +268,7 @@ def vcas_flops(model, x, y, settings, a, amp) -> list[dict]:
                 loss = F.cross_entropy(cm(x), y)
             with FlopCounterMode(display=False) as fc:
                 loss.backward()
-            bw += fc.get_total_flops() + sum(r.wgrad_flops() for r in cm.backend.state.vcas_runners)
+            bw += fc.get_total_flops() + sum(r.wgrad_flops() for r in cm.backend.state.runners)
         return bw / draws
 
     with FlopCounterMode(display=False) as fc, torch.no_grad(), ctx():
@@ -281,7 +281,7 @@ def vcas_flops(model, x, y, settings, a, amp) -> list[dict]:
     for rho, nu in settings:
         set_ratios(cm, rho, nu)
         bw = count(a.flop_draws)
-        runner = cm.backend.state.vcas_runners[0]
+        runner = cm.backend.state.runners[0]
         out.append({"variant": f"vcas rho={rho:g} nu={nu:g}", "setting": (rho, nu), "bwd_gflop": bw / 1e9,
                     "bwd_flop_ratio": bw / bw0, "total_flop_ratio": (fw0 + bw) / (fw0 + bw0),
                     "vcas_accounting": runner.ctrl.flops_fraction(), "dense_bwd_gflop": bw0 / 1e9,

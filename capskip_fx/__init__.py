@@ -11,7 +11,7 @@ compat.check()  # a moved torch internal fails here, loudly, never as a silently
 from .api import CapskipModule, compile, report, stats  # noqa: E402
 from .config import CapskipConfig  # noqa: E402
 from .rules import RULES, HeadView, Rule, Selection, make_rule  # noqa: E402
-from .rules.vcas import VCAS  # noqa: E402
+from .vcas.controller import VCAS  # noqa: E402
 
 __all__ = ["compile", "stats", "report", "CapskipModule", "CapskipConfig", "RULES", "Rule", "HeadView",
            "Selection", "make_rule", "VCAS"]

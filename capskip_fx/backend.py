@@ -19,15 +19,12 @@ from . import ops
 from .config import ENV_BUDGET, ENV_OPTIONS, ENV_RULE, CapskipConfig, options_from_env, split_options
 from .passes.batch import Refused
 from .passes.insert_select import SELECTION_OPS, InsertSelectPass
-from .passes.sample_wgrad import sample_wgrad
-from .passes.segment_backward import find_cuts, split_backward
 from .passes.selected_rows import check_not_specialised, plan_backward
 from .records import BackwardMode, GraphRecord, counters
-from .rows import spec_of
 from .rules import build_rule
 from .runtime.backward import SelectedRowBackward
 from .runtime.state import RuntimeState
-from .runtime.vcas import VcasBackward
+from .vcas import build_backward as vcas_backward
 
 _MATMULS = ("mm", "addmm", "bmm", "baddbmm")
 
@@ -228,8 +225,9 @@ class CapskipBackend:
         if plan.prefix is not None:  # an in-graph loss: its backward runs first, on all rows
             prefix = base(plan.prefix.gm, list(plan.prefix.examples), **dict(kwargs, static_input_idxs=()))
         compiled = None
-        if self.config.vcas is not None:
-            compiled = self._vcas(rec, gm, list(example_inputs) + [w_val], plan.sym, base, kwargs)
+        if self.config.vcas is not None:  # VCAS's backward, or None: the exact one below
+            compiled = vcas_backward(self.config, self.state, rec, gm, list(example_inputs) + [w_val], plan.sym,
+                                     base, kwargs)
         if compiled is None:
             compiled = base(gm, list(example_inputs) + [w_val], **kwargs)
         try:
@@ -246,38 +244,6 @@ class CapskipBackend:
                f"inputs, reason: {rec.reason}\n" + gm.print_readable(print_output=False))
         return SelectedRowBackward(compiled, plan, self.state, self.config, rec,
                                    dense_only=rec.backward != BackwardMode.SELECTED, prefix=prefix)
-
-    def _vcas(self, rec: GraphRecord, gm: fx.GraphModule, example_inputs: list, sym, base, kwargs):
-        """VCAS: SampleW rewrite, then the backward cut into segments compiled one by one.
-        None (reason recorded, ``gm`` untouched) when there is no residual cut or segmenting is refused:
-        the caller then compiles ``gm`` whole (exact backward)."""
-        cfg = self.config.vcas
-        graph = fx.Graph()
-        env: dict = {}
-        graph.output(graph.graph_copy(gm.graph, env))  # rewritten below; gm stays the exact fallback
-        vgm = fx.GraphModule(gm, graph)
-        cuts = find_cuts(vgm.graph, sym, cfg.every)
-        if not cuts:
-            return self._no_vcas(rec, "VCAS: no residual fork in this backward (no block structure): exact backward")
-        runner = VcasBackward(cfg, self.state, rec, self.config.min_rows, self.config.gather_below)
-        try:
-            slots = sample_wgrad(vgm, sym, runner.key, cuts[0]) if cfg.sample_w else 0
-            plan = split_backward(vgm, example_inputs, sym, cuts)
-            kw = dict(kwargs, static_input_idxs=())
-            compiled = [base(s.gm, s.examples, **kw) for s in plan.segments]
-            check_not_specialised(example_inputs, sym)  # the segments share one shape env
-        except Refused as e:
-            self.state.vcas_runners.remove(runner)
-            return self._no_vcas(rec, f"VCAS: {e}: exact backward")
-        runner.finish(plan, compiled, [spec_of(v, sym) for v in example_inputs], slots)
-        rec.vcas = f"{len(plan.segments)} segments, {slots} sampled weight-gradient matmuls"
-        rec.segmented = True
-        return runner
-
-    def _no_vcas(self, rec: GraphRecord, reason: str) -> None:
-        rec.vcas = reason
-        self.state.warn_once(reason)
-        return None
 
 
 # -- the string backend: torch.compile(model, backend="capskip"[, options={...}]) ----------------------

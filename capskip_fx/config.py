@@ -8,7 +8,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Optional
 
-from .rules.vcas import VCAS
+from .vcas.controller import VCAS
 
 BACKENDS = ("inductor", "aot_eager", "eager")
 
@@ -33,7 +33,7 @@ class CapskipConfig:
                 check: the batch layout itself is proven from the graph before the first step.
     verify_every: also re-check every K-th informative gathered step of a graph (None: only the first).
     on_coupling: "dense" (warn once, run the exact dense backward, record why) or "error".
-    vcas:       a :class:`~capskip_fx.rules.vcas.VCAS` (or True / a dict of its options): sample inside
+    vcas:       a :class:`~capskip_fx.VCAS` (or True / a dict of its options): sample inside
                 the backward (activation rows at residual forks, token rows of weight gradients) on
                 the rows the rule kept.  ``rule="vcas"`` is the dense rule with ``vcas=VCAS()``.
     scope:      under torch.distributed, "per_rank" (each rank selects among its own rows; no

@@ -2,13 +2,13 @@
 
 - ``capskip::select(h, z, g, key) -> w``: the head graph's selection (runs the rule).
 - ``capskip::shared(g, key) -> w``: graphs without the head: the rows that carry gradient.
-- ``capskip::sampled_wgrad(g, x, key, slot)``: VCAS's sampled weight gradient.
 
 The ops are opaque to AOTAutograd/Inductor (fake implementations below), so the partitioner saves
 ``h`` and ``z`` for the backward.  The selected-row backward replaces select/shared by a
 graph input; where that rewrite is refused, Inductor calls the eager implementations here and the
 backward runs dense-masked (exact, no speed-up).  ``key`` names a run-time object registered with
-:func:`register`; this module imports nothing of the runtime (no import cycle).
+:func:`register`; this module imports nothing of the runtime (no import cycle).  VCAS's op,
+``capskip::sampled_wgrad``, lives with its pass (vcas/sample_wgrad.py).
 """
 from __future__ import annotations
 
@@ -56,14 +56,3 @@ def shared(g: Tensor, key: int) -> Tensor:
 @shared.register_fake
 def _shared_fake(g: Tensor, key: int) -> Tensor:
     return g.new_empty(g.shape[0])
-
-
-@torch.library.custom_op("capskip::sampled_wgrad", mutates_args=())
-def sampled_wgrad(g: Tensor, x: Tensor, key: int, slot: int) -> Tensor:
-    """VCAS SampleW: ``g.T @ x`` over Bernoulli-sampled rows reweighted by 1/p (see passes/sample_wgrad.py)."""
-    return lookup(key).wgrad(g, x, slot)
-
-
-@sampled_wgrad.register_fake
-def _sampled_wgrad_fake(g: Tensor, x: Tensor, key: int, slot: int) -> Tensor:
-    return g.new_empty(g.shape[1], x.shape[1])

@@ -2,9 +2,11 @@
 # The README experiment: a small ViT on Fashion-MNIST, on this machine's CPU.
 #   dense E epochs | capskip E epochs | dense time-matched to capskip's wall-clock |
 #   random with capskip's per-step kept counts | SB (fixed count) at capskip's mean keep rate | Stale-SB |
-#   VCAS alone | CAPSkip then VCAS inside its kept rows (VCAS_FREQ="" skips these two);
+#   UB (its defaults) | VCAS alone | CAPSkip then VCAS inside its kept rows (VCAS_FREQ="" skips these two);
 # SEEDS seeds each, then one compare table + plots in $OUT/compare.
 # Finished runs (with result.json) are skipped, so the script can be resumed; FORCE=1 reruns.
+# ONLY="vcas ub" runs only the runs whose names start with one of those words (the time-matched and SB
+# runs need capskip's result).
 #
 #   E=2 TRAIN_SUBSET=2000 EVAL_SUBSET=500 SEEDS="0" experiments/run_main.sh   # a quick look
 set -euo pipefail
@@ -26,6 +28,11 @@ cd "$(dirname "$0")/.."
 
 run() {  # run NAME FLAGS...
   local name=$1; shift
+  if [[ -n "${ONLY:-}" ]]; then
+    local w keep_it=""
+    for w in $ONLY; do [[ "$name" == "$w"* ]] && keep_it=1; done
+    [[ -n "$keep_it" ]] || return 0
+  fi
   if [[ -f "$OUT/$name/result.json" && -z "${FORCE:-}" ]]; then
     echo "== $name: done, skipping"; return
   fi
@@ -42,14 +49,15 @@ result() {  # result RUN KEY
 for s in $SEEDS; do
   run "dense-s$s" --rule dense --seed "$s"
   run "capskip-b$BUDGET-s$s" --rule capskip --budget "$BUDGET" --seed "$s"
-  wall=$(result "capskip-b$BUDGET-s$s" wall_clock_s)
-  keep=${SB_KEEP:-$(result "capskip-b$BUDGET-s$s" kept_frac)}
+  wall=$(result "capskip-b$BUDGET-s$s" wall_clock_s 2>/dev/null || true)  # empty under ONLY without capskip
+  keep=${SB_KEEP:-$(result "capskip-b$BUDGET-s$s" kept_frac 2>/dev/null || true)}
   run "dense-timematched-b$BUDGET-s$s" --rule dense --time-budget "$wall" --seed "$s"
   run "random-matched-b$BUDGET-s$s" --rule random --match capskip --budget "$BUDGET" --seed "$s"
   # SB at capskip's rate on every step: Composer's draw, its window opened to the whole run
   run "sb-b$BUDGET-s$s" --rule sb --keep "$keep" --rule-opt start=0 --rule-opt end=1 --rule-opt interrupt=0 \
     --label "sb (capskip's keep rate)" --seed "$s"
   run "stale-sb-s$s" --rule stale_sb --seed "$s"  # the loader's filter skips forwards too
+  run "ub-s$s" --rule ub --seed "$s"
   if [[ -n "$VCAS_FREQ" ]]; then
     run "vcas-s$s" --rule vcas --vcas-opt freq="$VCAS_FREQ" --seed "$s"
     run "capskip-vcas-b$BUDGET-s$s" --rule capskip --budget "$BUDGET" --vcas-opt freq="$VCAS_FREQ" --seed "$s"

@@ -73,9 +73,24 @@ def test_no_private_names_imported_across_modules():
     ("capskip_fx.passes", ("capskip_fx.backend", "capskip_fx.api", "capskip_fx.runtime")),
     ("capskip_fx.runtime", ("capskip_fx.backend", "capskip_fx.api")),
     ("capskip_fx.rules", ("capskip_fx.runtime", "capskip_fx.passes", "capskip_fx.backend", "capskip_fx.api",
-                          "capskip_fx.ops")),
+                          "capskip_fx.ops", "capskip_fx.vcas")),
+    # the core data path knows nothing of VCAS (it sees a stateful compiled backward)
+    ("capskip_fx.passes", ("capskip_fx.vcas",)),
+    ("capskip_fx.runtime", ("capskip_fx.vcas",)),
+    ("capskip_fx.vcas", ("capskip_fx.backend", "capskip_fx.api", "capskip_fx.train")),
 ])
 def test_layers_import_downward_only(low, forbidden):
     bad = [(src, dst) for src, dst, _, _ in _imports()
            if (src == low or src.startswith(low + ".")) and any(dst == f or dst.startswith(f + ".") for f in forbidden)]
     assert not bad, f"{low} imports upward: {bad}"
+
+
+def test_backend_reaches_vcas_through_its_entry_point_only():
+    """VCAS is one subpackage with one entry point: the backend imports ``capskip_fx.vcas`` itself, the
+    rest of the package at most its options (``vcas.controller.VCAS``)."""
+    into = [(src, dst) for src, dst, _, _ in _imports()
+            if dst.startswith("capskip_fx.vcas") and not src.startswith("capskip_fx.vcas")]
+    assert into, "no module imports capskip_fx.vcas: the test would pass vacuously"
+    bad = [(src, dst) for src, dst in into
+           if not ((src == "capskip_fx.backend" and dst == "capskip_fx.vcas") or dst == "capskip_fx.vcas.controller")]
+    assert not bad, f"reaching into VCAS past its entry point: {bad}"

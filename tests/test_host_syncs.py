@@ -7,11 +7,13 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 
 import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch._library.custom_ops import OPDEFS
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import capskip_fx
@@ -37,6 +39,9 @@ class _Reads(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if func.namespace == "capskip":  # our custom ops: count the reads inside their Python bodies too
+            with self:
+                return OPDEFS[func._schema.name]._init_fn(*args, **kwargs)
         if func in _SYNC_OPS:
             self.ops.append(str(func))
         elif func in (aten.index.Tensor, aten.index_put.default, aten.index_put_.default):
@@ -276,3 +281,46 @@ def test_fixed_count_uninformative_step_keeps_its_rows_exactly_and_says_so():
     ref.zero_grad(set_to_none=True)
     (F.mse_loss(ref(x), F.one_hot(y, C).double(), reduction="none").mean(1) * st.weight).sum().div(N).backward()
     assert max_rel_err(_grads(model), _grads(ref)) < 1e-10
+
+
+VCAS_CASES = [  # (rule options, sampler, reads per sampled step)
+    (dict(rule="vcas"), "systematic", 0),
+    (dict(rule="capskip", budget=0.5), "systematic", 1),
+    (dict(rule="forced", keep=0.5), "systematic", 0),
+]
+
+
+@pytest.mark.parametrize("opts,sampler,reads", VCAS_CASES, ids=[f"{o['rule']}-{s}" for o, s, _ in VCAS_CASES])
+def test_vcas_sampled_step_reads(opts, sampler, reads):
+    """VCAS adds no host read to a sampled step with the fixed-size sampler (its sizes are the budgets,
+    of the rule's kept count); the reference's Bernoulli draws read once per resampling cut and sampled
+    matmul (counted below as the contrast).  SampleA and SampleW really sample: fewer rows below the cuts."""
+    from conftest import make_deit
+
+    torch.manual_seed(0)
+    model = make_deit(1).double()
+    vc = capskip_fx.VCAS(freq=10 ** 9, sampler=sampler)
+    cm = capskip_fx.compile(model, backend="aot_eager", vcas=vc, **opts)
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randn(8, 3, 32, 32, generator=g, dtype=torch.float64), torch.randint(0, 10, (8,), generator=g)
+    runs = {}
+    for step in range(4):  # step 0: the probe (compiles); 1: verify (capskip); 2-3: steady state
+        loss = F.cross_entropy(cm(x), y)
+        if step == 1:
+            (runner,) = cm.backend.state.runners
+            runner.ctrl.rho = [1.0] + [0.5] * (len(runner.ctrl.rho) - 1)
+            runner.ctrl.nu = [0.5] * len(runner.ctrl.nu)
+        for smp in ([sampler, "bernoulli"] if step == 3 else [sampler]):
+            if step >= 1:
+                runner.cfg = dataclasses.replace(vc, sampler=smp)
+            model.zero_grad(set_to_none=True)
+            with count_reads() as ops:
+                loss.backward(retain_graph=True)
+            runs[(step, smp)] = (list(ops), capskip_fx.stats(cm).vcas)
+    for step in (2, 3):
+        ops, st = runs[(step, sampler)]
+        assert len(ops) == reads, (step, ops)
+        assert not st["probe"] and st["segment_rows"][-1] < st["segment_rows"][0], st
+        assert any(k < t for k, t in st["wgrad_rows"]), st
+    ops, _ = runs[(3, "bernoulli")]
+    assert len(ops) > reads + 1, ops  # one per resampling cut and per sampled matmul

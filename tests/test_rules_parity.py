@@ -26,7 +26,8 @@ import torch
 
 from capskip_fx.rules import (KABENA, CAPSkip, Dense, Forced, HeadView, RandomSkip, SelectiveBackprop, StaleSB,
                               UpperBoundIS)
-from capskip_fx.rules.vcas import VCAS, ProbeResult, VcasController, sample_probs
+from capskip_fx.vcas.controller import VCAS, ProbeResult, VcasController
+from capskip_fx.vcas.sampling import sample_probs
 
 torch.set_num_threads(1)
 

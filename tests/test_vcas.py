@@ -5,6 +5,7 @@ The math (soft top-k, closed-form variance, controller rules) is in test_vcas_ma
 from __future__ import annotations
 
 import copy
+import dataclasses
 import warnings
 
 import pytest
@@ -44,7 +45,7 @@ def _ref_grads(ref, x, y):
 
 
 def _runner(cm):
-    (r,) = cm.backend.state.vcas_runners
+    (r,) = cm.backend.state.runners
     return r
 
 
@@ -93,13 +94,16 @@ def test_segments_run_exact_when_nothing_is_sampled(deit2):
         r.ctrl.rho, r.ctrl.nu = rho, nu
 
 
-def test_sampled_backward_drops_rows_and_is_unbiased(deit2):
+@pytest.mark.parametrize("sampler", ["systematic", "bernoulli"])
+def test_sampled_backward_drops_rows_and_is_unbiased(deit2, sampler):
     """SampleA + SampleW on: fewer rows per segment and per weight-gradient matmul, and the Monte-Carlo
-    mean of the sampled gradients converges to the exact gradient (retain_graph: same forward)."""
+    mean of the sampled gradients converges to the exact gradient (retain_graph: same forward).
+    The systematic sampler's sizes are the budgets exactly: int(rho * 8) rows, int(nu * T) token rows."""
     ref, cm = deit2
     r = _runner(cm)
-    rho, nu = list(r.ctrl.rho), list(r.ctrl.nu)
+    rho, nu, cfg = list(r.ctrl.rho), list(r.ctrl.nu), r.cfg
     try:
+        r.cfg = dataclasses.replace(cfg, sampler=sampler)
         r.ctrl.rho = [0.75, 0.75, 0.5, 0.5]
         r.ctrl.nu = [0.5] * len(nu)
         x, y = _data(n=8, seed=4)
@@ -122,7 +126,12 @@ def test_sampled_backward_drops_rows_and_is_unbiased(deit2):
             w_rows.append(st["wgrad_rows"])
         assert any(rows[-1] < 8 for rows in seg_rows)  # rows really dropped below the cuts
         assert all(rows[0] == 8 for rows in seg_rows)
-        assert 8 * 65 in mm_rows and any(8 < r < 8 * 65 for r in mm_rows)
+        if sampler == "systematic":  # resampled where rho drops: cut 0 (0.75) and cut 2 (0.5)
+            assert all(rows == [8, 6, 6, 4, 4] for rows in seg_rows)
+            assert max(mm_rows) == 6 * 65 and 4 * 65 in mm_rows
+            assert all(k == int(0.5 * t) for rows in w_rows for k, t in rows)
+        else:  # Bernoulli: random counts (sometimes all 8 rows)
+            assert 8 * 65 in mm_rows and any(8 < r < 8 * 65 for r in mm_rows)
         assert sum(k for rows in w_rows for k, _ in rows) < 0.8 * sum(t for rows in w_rows for _, t in rows)
         for a, s, e, (name, _) in zip(acc, sq, exact, cm.model.named_parameters()):
             mean = a / draws
@@ -133,17 +142,18 @@ def test_sampled_backward_drops_rows_and_is_unbiased(deit2):
             assert z.abs().mean() < 1.5, name
             assert float((mean - e).norm()) <= 5 * float(se.norm()) + 1e-9 * float(e.norm()), name
     finally:
-        r.ctrl.rho, r.ctrl.nu = rho, nu
+        r.ctrl.rho, r.ctrl.nu, r.cfg = rho, nu, cfg
 
 
 def test_probe_updates_controller_and_state_dict_round_trips(deit2):
     ref, cm = deit2
     r = _runner(cm)
     sd = cm.state_dict()
-    assert sd["_capskip"]["vcas"][0]["s"] == r.ctrl.s
-    # a fresh model loads the controller before its backward is compiled (pending), then uses it
+    assert sd["_capskip"]["runners"][0]["s"] == r.ctrl.s
+    # a fresh model loads the controller before its backward is compiled (pending), then uses it;
+    # checkpoints written before the runners key kept it under "vcas"
     ref2, cm2 = _build()
-    saved = dict(sd["_capskip"]["vcas"][0], s=0.5, rho=[0.9, 0.8, 0.7, 0.6], nu=[0.3] * 8, step=7)
+    saved = dict(sd["_capskip"].pop("runners")[0], s=0.5, rho=[0.9, 0.8, 0.7, 0.6], nu=[0.3] * 8, step=7)
     sd["_capskip"]["vcas"] = [saved]
     cm2.load_state_dict(sd)
     x, y = _data()
@@ -206,19 +216,19 @@ def test_no_residual_block_falls_back_exact_with_reason():
 
 def test_refused_segmenting_leaves_the_exact_backward(monkeypatch):
     """A refusal after the SampleW rewrite must not leak it: the unrewritten graph compiles, exact."""
-    import capskip_fx.backend as backend
+    import capskip_fx.vcas.build as build
     from capskip_fx.passes.batch import Refused
 
     def refuse(*a, **k):
         raise Refused("test refusal")
 
-    monkeypatch.setattr(backend, "split_backward", refuse)
+    monkeypatch.setattr(build, "split_backward", refuse)
     ref, cm = _build(depth=1)
     x, y = _data()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         F.cross_entropy(cm(x), y).backward()
-    assert "test refusal" in capskip_fx.report(cm)[0]["vcas"] and not cm.backend.state.vcas_runners
+    assert "test refusal" in capskip_fx.report(cm)[0]["vcas"] and not cm.backend.state.runners
     assert _rel(_grads(cm.model), _ref_grads(ref, x, y)) < 1e-10
 
 

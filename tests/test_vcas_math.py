@@ -1,4 +1,4 @@
-"""Math and controller of VCAS (capskip_fx/rules/vcas.py; spec shared/research/algorithms.md §4).
+"""Math and controller of VCAS (capskip_fx/vcas/; spec shared/research/algorithms.md §4).
 
 Pure CPU, float64, fixed seeds.  Statistical checks use tolerances derived from the number of draws
 (standard errors), and every Hypothesis test is derandomized so the file is deterministic.
@@ -14,8 +14,8 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from capskip_fx.rules.vcas import (VCAS, ProbeResult, VcasController, bernoulli_keep, closed_form_var,
-                                   find_top_sum, ht_scale, soft_topk)
+from capskip_fx.vcas.controller import VCAS, ProbeResult, VcasController, find_top_sum
+from capskip_fx.vcas.sampling import bernoulli_keep, closed_form_var, ht_scale, soft_topk, systematic_keep
 
 FAST = settings(max_examples=200, deadline=None, derandomize=True,
                 suppress_health_check=[HealthCheck.too_slow])
@@ -200,6 +200,71 @@ def test_bernoulli_keep_and_ht_scale_edges():
     k1 = bernoulli_keep(p, generator=torch.Generator().manual_seed(5))
     k2 = bernoulli_keep(p, generator=torch.Generator().manual_seed(5))
     assert torch.equal(k1, k2)
+
+
+def _systematic_draws(p: torch.Tensor, k: int, n_draws: int, seed: int) -> torch.Tensor:
+    """(n_draws, n) HT weights of n_draws systematic samples of size k."""
+    gen = torch.Generator().manual_seed(seed)
+    w = torch.zeros(n_draws, p.shape[0], dtype=torch.float64)
+    for d in range(n_draws):
+        idx, hit = systematic_keep(p, k, gen)
+        assert idx.shape == (k,) and idx.unique().numel() == k  # k distinct slots
+        w[d, idx] = torch.where(hit, 1.0 / p[idx].clamp_min(1e-300), 0.0)
+    return w
+
+
+@FEW
+@given(T=st.integers(2, 24), frac=st.floats(min_value=0.05, max_value=0.95), zero_frac=st.floats(0.0, 0.6),
+       seed=st.integers(0, 2**31 - 1))
+def test_systematic_keep_inclusion_probabilities_and_size(T, frac, zero_frac, seed):
+    """Exactly k slots; P(row kept) = p_i (z-test over draws); kept count = sum p when sum p = k (every
+    draw), fewer (padding, weight 0) when fewer than k rows have p > 0; p = 0 never, p = 1 always."""
+    g, x = _problem(T, 3, 2, seed, zero_rows=int(zero_frac * T))
+    q = g.norm(dim=1) * x.norm(dim=1)
+    k = max(1, int(frac * T))
+    p = soft_topk(q, k)
+    w = _systematic_draws(p, k, 2000, seed + 1)
+    keep = w > 0
+    freq_se = (p * (1 - p) / 2000).sqrt()
+    assert ((keep.double().mean(0) - p).abs() <= 5 * freq_se + 1e-12).all()
+    assert not keep[:, p == 0].any() and keep[:, p == 1].all()
+    npos = int((q > 0).sum())
+    counts = keep.sum(1)
+    if npos >= k:
+        assert (counts == k).all()
+    else:
+        assert (counts == npos).all()
+
+
+def test_systematic_ht_unbiased_and_not_noisier_than_bernoulli():
+    """The fixed-size draw's HT estimate of g.T @ x is unbiased, and its variance (Monte Carlo) is at most
+    the independent Bernoulli draw's closed form (what the controller budgets with)."""
+    g, x = _problem(64, 6, 5, seed=1234, zero_rows=4)
+    q = g.norm(dim=1) * x.norm(dim=1)
+    exact = g.T @ x
+    for nu in (0.1, 0.3, 0.6):
+        k = int(nu * 64)
+        p = soft_topk(q, k)
+        w = _systematic_draws(p, k, 4000, seed=int(nu * 100))
+        est = torch.einsum("dt,to,ti->doi", w, g, x)
+        se = (_elementwise_var(g, x, p) / 4000).sqrt()
+        assert ((est.mean(0) - exact).abs() <= 5 * se + 1e-10 * exact.abs().max()).all()
+        mc_var = float(((est - exact) ** 2).sum((1, 2)).mean())
+        assert mc_var <= 1.05 * float(closed_form_var(q, p)), nu
+
+
+def test_systematic_keep_edges_and_seeding():
+    p = torch.tensor([0.0, 1.0, 0.5, 0.5, 0.0], dtype=torch.float64)
+    for seed in range(50):
+        idx, hit = systematic_keep(p, 2, torch.Generator().manual_seed(seed))
+        kept = set(idx[hit].tolist())
+        assert 1 in kept and len(kept) == 2 and kept <= {1, 2, 3}
+    # more slots than rows with p > 0: padded with distinct unkept rows
+    idx, hit = systematic_keep(p, 4, torch.Generator().manual_seed(0))
+    assert idx.unique().numel() == 4 and int(hit.sum()) == 2
+    a = systematic_keep(p, 2, torch.Generator().manual_seed(5))
+    b = systematic_keep(p, 2, torch.Generator().manual_seed(5))
+    assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -18,12 +18,13 @@ ran joint pre-passes twice); ``select`` reads ``h``, ``z`` and ``g`` so the part
 """
 from __future__ import annotations
 
-import hashlib
+import functools
+import pathlib
 from typing import Any, Optional
 
 import torch
 from torch import fx
-from torch._inductor.custom_graph_pass import CustomGraphPass
+from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
 
 from .. import ops  # noqa: F401  (registers capskip::select)
 from ..layout import analyze, backward_nodes
@@ -37,6 +38,13 @@ SHARED = torch.ops.capskip.shared.default
 SELECTION_OPS = (SELECT, SHARED)
 
 
+@functools.cache
+def source_files() -> tuple[str, ...]:
+    """capskip_fx's graph-side sources (everything but the training harness), sorted."""
+    root = pathlib.Path(__file__).resolve().parents[1]
+    return tuple(str(p) for p in sorted(root.rglob("*.py")) if "train" not in p.relative_to(root).parts)
+
+
 def _fake_mode(val):
     return getattr(val, "fake_mode", None)
 
@@ -48,8 +56,10 @@ class InsertSelectPass(CustomGraphPass):
         self.backend = backend
 
     def uuid(self) -> Optional[bytes]:
-        # distinct per compiled model: AOT/FX caches must never serve another config's graph
-        return hashlib.sha256(f"capskip:{self.backend.key}:{self.backend.config}".encode()).digest()
+        # what Inductor's FX graph cache keys our rewrite on: the source of the code that shapes the graphs
+        # and the config.  Not the model's registry key: the graph carries it (an argument of select), so
+        # a cached graph is only ever served to a graph that looks its key up the same way.
+        return get_hash_for_files(source_files(), extra=f"capskip:{self.backend.config}")
 
     def __call__(self, graph: fx.Graph) -> None:
         if any(n.target in SELECTION_OPS for n in graph.nodes):

@@ -11,4 +11,4 @@ class Dense(Rule):
         self.normalize = check_normalize(normalize, "dense")
 
     def select(self, view: HeadView) -> Selection:
-        return Selection(weight=view.delta.new_ones(view.n))
+        return Selection(weight=view.delta.new_ones(view.n), count=view.n)  # the host knows k: no read

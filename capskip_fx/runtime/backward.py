@@ -86,6 +86,8 @@ class SelectedRowBackward:
             full.clear()
         weight, k, stats = self._rows_of(args)
         n = weight.shape[0]
+        if hasattr(self.compiled, "live_rows"):  # a sampling backward (VCAS) sizes its budgets by it
+            self.compiled.live_rows = k
         kb = self.config.bucket(k, n)
         if kb > self.config.gather_below * n or self.dense_only:
             state.set_rows(stats, n)

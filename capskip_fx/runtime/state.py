@@ -149,8 +149,9 @@ class RuntimeState:
         self.fallback: Optional[str] = None  # sticky reason for the current graph, if it runs dense
         self._warned: set[str] = set()
         self.head_bias = True  # set by the graph pass from the head it found
-        self.vcas_runners: list = []  # VCAS backwards, one per compiled backward graph (runtime/vcas.py)
-        self.vcas_pending: list = []  # their controller states from a checkpoint loaded before they compiled
+        # backwards with state of their own (VCAS's controllers), in compile order, checkpointed with ours
+        self.runners: list = []
+        self._pending_runners: list = []  # their states from a checkpoint loaded before they compiled
 
     # -- forwards ----------------------------------------------------------------------
     def end_forward(self, fwd: ForwardContext, logits: Any) -> bool:
@@ -373,20 +374,31 @@ class RuntimeState:
         self.record_dense_step(n, reason)
         self._task = task
 
+    # -- stateful backwards --------------------------------------------------------------
+    def add_runner(self, runner) -> None:
+        """Register a backward with ``state_dict``/``load_state_dict``; a checkpoint loaded before it was
+        compiled restores it now (runners compile in the same order each run)."""
+        self.runners.append(runner)
+        if len(self.runners) <= len(self._pending_runners):
+            runner.load_state_dict(self._pending_runners[len(self.runners) - 1])
+
+    def remove_runner(self, runner) -> None:
+        self.runners.remove(runner)
+
     # -- checkpointing ---------------------------------------------------------------
     def state_dict(self) -> dict:
         return {"rule": self.rule.state_dict(), "step": self.step, "epoch": self.epoch,
                 "generator": None if self._generator is None else self._generator.get_state(),
                 "generator_device": None if self._generator is None else str(self._generator.device),
-                "vcas": [r.ctrl.state_dict() for r in self.vcas_runners] or list(self.vcas_pending)}
+                "runners": [r.state_dict() for r in self.runners] or list(self._pending_runners)}
 
     def load_state_dict(self, state: dict) -> None:
         self.rule.load_state_dict(state.get("rule", {}))
         self.step = state.get("step", 0)
         self.epoch = state.get("epoch", 0)
-        self.vcas_pending = list(state.get("vcas", []))
-        for r, st in zip(self.vcas_runners, self.vcas_pending):
-            r.ctrl.load_state_dict(st)
+        self._pending_runners = list(state.get("runners", state.get("vcas", [])))  # "vcas": older checkpoints
+        for r, st in zip(self.runners, self._pending_runners):
+            r.load_state_dict(st)
         if state.get("generator") is not None:
             self._generator = torch.Generator(device=state.get("generator_device") or "cpu")
             self._generator.set_state(state["generator"])

@@ -24,7 +24,7 @@ import sympy
 import torch
 from torch import fx
 
-from .batch import Refused, batch_dim_of, tangent_nodes
+from ..passes.batch import Refused, batch_dim_of, tangent_nodes
 from ..rows import Spec, spec_of
 
 

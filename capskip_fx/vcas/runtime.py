@@ -1,16 +1,19 @@
-"""Runs a VCAS backward: the segments of passes/segment_backward.py, SampleA between them.
+"""Runs a VCAS backward: the segments of segment_backward.py, SampleA between them.
 
-Per step (``VcasBackward.__call__``, what AOTAutograd calls as the compiled backward):
+Per step (``VcasBackward.__call__``, what the selected-row backward calls as its compiled graph):
   - segment 0 runs on all rows it was given (the example-level rule's kept rows);
   - at cut ``j`` the incoming gradient's per-row norms give soft-top-k probabilities with
-    ``sum p = rho_j * (rows with gradient)``; rows are kept with Bernoulli(p) and scaled by ``1/p``
-    (only where ``rho_j`` drops below the cut above it: VCAS resamples only there); the next
-    segments run on the kept rows only (their saved activations gathered), dropped rows stay dropped;
+    ``sum p = int(rho_j * live)`` (``live``: the rows that carry gradient, from the caller's
+    ``live_rows``); rows are kept with those probabilities and scaled by ``1/p`` (only where
+    ``rho_j`` drops below the cut above it: VCAS resamples only there); the next segments run on the
+    kept rows only (their saved activations gathered), dropped rows stay dropped;
   - each sampled weight-gradient matmul (``capskip::sampled_wgrad``) samples token rows (``nu``);
   - batch-shaped outputs (input gradients) are scattered back with zeros for dropped rows.
-Every ``freq`` steps the step is a probe instead (see rules/vcas.py): the returned gradient is the
+Every ``freq`` steps the step is a probe instead (see controller.py): the returned gradient is the
 exact one (two halves), and the controller updates ``s``, ``rho``, ``nu``.
-One host read per resampling cut (its kept count) and per sampled matmul.
+Host reads: none on a sampled step with ``sampler="systematic"`` (sizes are the budgets, known on the
+host); with ``"bernoulli"`` one per resampling cut and per sampled matmul.  A probe step reads once
+for its variances and once per boundary for the new schedule.
 """
 from __future__ import annotations
 
@@ -21,10 +24,10 @@ from torch import Tensor
 
 from .. import ops
 from ..passes.batch import evaluate
-from ..passes.segment_backward import SegmentPlan
 from ..rows import Spec, conform, gather_rows, scatter_rows
-from ..rules.vcas import (VCAS, ProbeResult, VcasController, bernoulli_keep, closed_form_var, ht_scale,
-                          sample_probs, soft_topk, vcas_k)
+from .controller import VCAS, ProbeResult, VcasController
+from .sampling import bernoulli_keep, closed_form_var, ht_scale, sample_probs, soft_topk, systematic_keep, vcas_k
+from .segment_backward import SegmentPlan
 
 def _row_norms(x: Tensor, spec: Spec, n: int) -> Tensor:
     y = x.unflatten(spec.dim, (n, spec.factor)).movedim(spec.dim, 0).reshape(n, -1)
@@ -61,10 +64,16 @@ class VcasBackward:
         self.seg_rows: list[int] = []  # rows each segment ran on in the last pass
         self._layouts: dict = {}
         self._sampled_out: list[int] = []  # static outputs produced below the first cut
-        state.vcas_runners.append(self)
-        pending = state.vcas_pending
-        if pending and len(state.vcas_runners) <= len(pending):
-            self.ctrl.load_state_dict(pending[len(state.vcas_runners) - 1])
+        self.live_rows: Optional[int] = None  # set by the caller per call: rows that carry gradient
+        self._live = 0  # rows carrying gradient in the segment running now (of self._n)
+        self._n = 0
+        state.add_runner(self)
+
+    def state_dict(self) -> dict:
+        return self.ctrl.state_dict()
+
+    def load_state_dict(self, state: dict) -> None:
+        self.ctrl.load_state_dict(state)
 
     def finish(self, plan: SegmentPlan, compiled: list, in_specs: list[Spec], slots: int) -> None:
         self.plan, self.compiled, self.in_specs, self.slots = plan, compiled, in_specs, slots
@@ -77,24 +86,40 @@ class VcasBackward:
     def wgrad(self, g: Tensor, x: Tensor, slot: int) -> Tensor:
         nu = self.ctrl.nu[slot] if self.cfg.sample_w else 1.0
         mode = self.wmode
+        t, oi = g.shape[0], g.shape[1] * x.shape[1]
         if mode == "exact" or (mode == "sample" and nu >= 1.0):
-            self.wrows.append((slot, g.shape[0], g.shape[0], g.shape[1] * x.shape[1]))
+            self.wrows.append((slot, t, t, oi))
             return torch.mm(g.t(), x)
-        q = _row_norms(g, Spec("batch"), g.shape[0]) * _row_norms(x, Spec("batch"), x.shape[0])
+        q = _row_norms(g, Spec("batch"), t) * _row_norms(x, Spec("batch"), x.shape[0])
         if mode == "probe":  # the variance at the integer budget; k = 0: huge (the reference's 1e-9 probs)
             p = soft_topk(q, vcas_k(nu, (q > 0).sum()))
             out = torch.mm(g.t(), x)
             self._stash.setdefault(slot, []).append((out.detach().clone(), closed_form_var(q, p)))
-            self.wrows.append((slot, g.shape[0], g.shape[0], g.shape[1] * x.shape[1]))
+            self.wrows.append((slot, t, t, oi))
             return out
+        gen = self.state.generator(g.device)
+        if self.cfg.sampler == "systematic":
+            k = vcas_k(nu, t * self._live // max(self._n, 1))  # token rows that carry gradient
+            if k <= 0 or k >= t:  # 0: exact, as the reference's leverage_k
+                self.wrows.append((slot, t, t, oi))
+                return torch.mm(g.t(), x)
+            p = soft_topk(q, k)
+            idx, hit = systematic_keep(p, k, gen)
+            if k > self.gather_below * t:  # gathering would cost more than the dropped rows save: mask
+                scale = torch.zeros_like(p).index_copy_(0, idx, torch.where(hit, 1.0 / p.index_select(0, idx), 0.0))
+                self.wrows.append((slot, t, t, oi))
+                return torch.mm((g * scale.to(g.dtype).unsqueeze(1)).t(), x)
+            scale = torch.where(hit, 1.0 / p.index_select(0, idx).clamp_min(1e-300), 0.0)
+            self.wrows.append((slot, k, t, oi))
+            return torch.mm(g.index_select(0, idx).mul_(scale.to(g.dtype).unsqueeze(1)).t(), x.index_select(0, idx))
         p = sample_probs(q, nu, (q > 0).sum())  # int(T nu) rows; 0: exact, as the reference's leverage_k
-        keep = bernoulli_keep(p, self.state.generator(g.device))
+        keep = bernoulli_keep(p, gen)
         idx = keep.nonzero().squeeze(1)  # the host read of this matmul
-        if idx.numel() > self.gather_below * g.shape[0]:
+        if idx.numel() > self.gather_below * t:
             # copying the kept rows would cost more than the dropped rows save: mask instead (same value)
-            self.wrows.append((slot, g.shape[0], g.shape[0], g.shape[1] * x.shape[1]))
+            self.wrows.append((slot, t, t, oi))
             return torch.mm((g * ht_scale(p, keep).to(g.dtype).unsqueeze(1)).t(), x)
-        self.wrows.append((slot, idx.numel(), g.shape[0], g.shape[1] * x.shape[1]))
+        self.wrows.append((slot, idx.numel(), t, oi))
         gs = g.index_select(0, idx).mul_((1.0 / p.index_select(0, idx)).to(g.dtype).unsqueeze(1))
         return torch.mm(gs.t(), x.index_select(0, idx))
 
@@ -103,11 +128,12 @@ class VcasBackward:
         a = list(args)
         args.clear()  # boxed call: drop the caller's references to the saved activations
         n0 = self._rows(a)
+        live = self.live_rows if self.live_rows is not None else n0
         probe = self.ctrl.is_probe() and (self.cfg.sample_act or self.cfg.sample_w) and n0 >= 4
         if probe:
-            outs = self._probe(a, n0)
+            outs = self._probe(a, n0, live)
         else:
-            outs = self._run(a, n0, rows=None, act=self.cfg.sample_act, wmode="sample")[0]
+            outs = self._run(a, n0, live, rows=None, act=self.cfg.sample_act, wmode="sample")[0]
         self.ctrl.step += 1
         last = self.state.last
         last.vcas = {"probe": probe, "segment_rows": list(self.seg_rows), "s": self.ctrl.s,
@@ -124,7 +150,8 @@ class VcasBackward:
         """The same segments on the same rows with no sampling (verification, tests)."""
         a = list(args)
         args.clear()
-        return self._run(a, self._rows(a), rows=None, act=False, wmode="exact")[0]
+        n0 = self._rows(a)
+        return self._run(a, n0, n0, rows=None, act=False, wmode="exact")[0]
 
     def _rows(self, a: list) -> int:
         for x, s in zip(a, self.in_specs):
@@ -160,8 +187,9 @@ class VcasBackward:
                 rel = self._rel[key] = inv[rows]
         return gather_rows(x, spec, rel, src_n, *self._layout(spec, n))
 
-    def _run(self, a: list, n0: int, rows: Optional[Tensor], act: bool, wmode: str):
-        """One pass over the segments.  Returns (outputs at n0 rows, exact boundary norms per cut)."""
+    def _run(self, a: list, n0: int, live: int, rows: Optional[Tensor], act: bool, wmode: str):
+        """One pass over the segments (``live`` of the ``n0`` rows carry gradient).  Returns (outputs at
+        n0 rows, exact boundary norms per cut)."""
         plan = self.plan
         self.wmode = wmode
         self.wrows = []
@@ -170,6 +198,9 @@ class VcasBackward:
         self._rel: dict = {}
         gen = None
         n = n0 if rows is None else rows.numel()
+        live = live if rows is None else n  # a probe's half: its rows, as many as carry gradient
+        top = live  # SampleA's budgets are fractions of the rows carrying gradient at the top
+        systematic = self.cfg.sampler == "systematic"
         vals: dict[str, tuple] = {}
         norms: list[Tensor] = []
         n_ref = None
@@ -185,7 +216,28 @@ class VcasBackward:
                 if n_ref is None:  # rows that carry gradient (the rule's kept rows)
                     n_ref = (nrm > 0).sum()
                 rho = rho_all[j]
-                if resample[j]:
+                k = vcas_k(rho, top)  # int(rho * top) rows; 0: no sampling (the reference)
+                if resample[j] and systematic and 0 < k < b_n:
+                    gen = gen or self.state.generator(b.device)
+                    p = soft_topk(nrm, k)
+                    rel, hit = systematic_keep(p, k, gen)
+                    p = p.index_select(0, rel)
+                    scale = torch.where(hit, 1.0 / p.clamp_min(1e-300), 0.0)
+                    if k > self.gather_below * b_n:  # gathers would cost more than they save: mask
+                        full = torch.zeros_like(nrm, dtype=torch.float64).index_copy_(0, rel, scale)
+                        vals[seg.boundary] = (_scale_rows(b, spec, full, b_n), b_rows, b_n)
+                    else:
+                        cb = min(b_n, max(k, self.min_rows))
+                        if cb > k:  # pad rows: further unkept rows, scale 0
+                            rest = torch.ones(b_n, dtype=torch.bool, device=rel.device).index_fill_(0, rel, False)
+                            rel = torch.cat([rel, torch.argsort((~rest).to(torch.int8), stable=True)[:cb - k]])
+                            scale = torch.cat([scale, scale.new_zeros(cb - k)])
+                        b = b.unflatten(spec.dim, (b_n, spec.factor)).index_select(spec.dim, rel)
+                        b = _scale_rows(b.flatten(spec.dim, spec.dim + 1), spec, scale, cb)
+                        rows = rel if b_rows is None else b_rows.index_select(0, rel)
+                        n, live = cb, k
+                        vals[seg.boundary] = (b, rows, n)
+                elif resample[j] and not systematic:
                     gen = gen or self.state.generator(b.device)
                     p = sample_probs(nrm, rho, n_ref)  # int(n rho) rows; 0: no sampling (the reference)
                     keep = bernoulli_keep(p, gen)
@@ -199,7 +251,7 @@ class VcasBackward:
                         b = _scale_rows(b.flatten(spec.dim, spec.dim + 1), spec,
                                         ht_scale(p, keep).index_select(0, rel), cb)
                         rows = rel if b_rows is None else b_rows.index_select(0, rel)
-                        n = cb
+                        n, live = cb, min(kept, cb)
                         vals[seg.boundary] = (b, rows, n)
             inputs = []
             for kind, ref in seg.inputs:
@@ -209,6 +261,7 @@ class VcasBackward:
                     x, x_rows, x_n = vals[ref]
                     inputs.append(self._take(x, plan.specs[ref], x_rows, x_n, rows, n, n0))
             self.seg_rows.append(n)
+            self._live, self._n = live, n
             outs = self.compiled[i](inputs)
             for name, o in zip(seg.outputs, outs):
                 vals[name] = (o, rows, n)
@@ -227,14 +280,14 @@ class VcasBackward:
         return final, norms
 
     # -- the controller's probe ----------------------------------------------------------
-    def _probe(self, a: list, n0: int) -> list:
+    def _probe(self, a: list, n0: int, live: int) -> list:
         gen = self.state.generator(a[next(i for i, s in enumerate(self.in_specs) if s.kind == "batch")].device)
         perm = torch.randperm(n0, generator=gen, device=gen.device)
         halves = [perm[: n0 // 2].sort().values, perm[n0 // 2:].sort().values]
         self._stash = {}
         parts, norm_parts = [], []
         for h in halves:
-            outs, nrm = self._run(a, n0, rows=h, act=False, wmode="probe")
+            outs, nrm = self._run(a, n0, live, rows=h, act=False, wmode="probe")
             parts.append(outs)
             norm_parts.append(nrm)
         exact = [x + y if isinstance(x, Tensor) and isinstance(y, Tensor) else x for x, y in zip(*parts)]
@@ -254,7 +307,7 @@ class VcasBackward:
         act_var = zero
         if self.cfg.sample_act and any(r < 1.0 for r in self.ctrl.rho):  # rho = 1: no draw, no variance
             for _ in range(self.cfg.probes):  # distinct draws (the reference reseeded each pass identically)
-                outs, _ = self._run(a, n0, rows=None, act=True, wmode="exact")
+                outs, _ = self._run(a, n0, live, rows=None, act=True, wmode="exact")
                 act_var = act_var + sum((sq(outs[j] - exact[j]) for j in sel if isinstance(outs[j], Tensor)),
                                         zero) / self.cfg.probes
         sgd, act_var, *w = torch.stack([sgd, act_var, *w_var, *w_sgd]).tolist()

@@ -1,13 +1,12 @@
 """VCAS (Xiao et al., ICLR 2024; spec: shared/research/algorithms.md §4): variance-controlled sampling
 inside the backward.  Not an example-selection rule: it runs on whatever rows the rule kept.
 
-This file holds the math and the controller; the graph side is passes/segment_backward.py
-(SampleA: the backward cut at residual-stream forks), passes/sample_wgrad.py (SampleW: the
-weight-gradient matmuls) and runtime/vcas.py (runs the segments, samples between them, probes).
+This file holds the options and the controller; sampling.py the sampling math; the graph side is
+segment_backward.py (SampleA: the backward cut at residual-stream forks), sample_wgrad.py (SampleW:
+the weight-gradient matmuls) and runtime.py (runs the segments, samples between them, probes).
 
-- ``soft_topk(a, k)``: ``p_i = min(1, c a_i)`` with ``sum p = k`` (water-filling; variance-minimising).
-- SampleA / SampleW keep row ``i`` with an independent Bernoulli(``p_i``) and scale it by ``1/p_i``
-  (unbiased; the closed-form added variance is ``sum (1/p - 1) ||y_i||^2``).
+- SampleA / SampleW keep row ``i`` with probability ``p_i = soft_topk`` and scale it by ``1/p_i``
+  (unbiased; with independent draws the added variance is ``sum (1/p - 1) ||y_i||^2``).
 - The controller (every ``freq`` steps, on the current batch): exact backward of two random halves
   (their difference estimates the SGD variance, their sum is the step's gradient), ``probes``
   activation-sampled backwards (Monte-Carlo activation variance), the closed-form weight variance;
@@ -38,7 +37,12 @@ Kept deliberately (quirk fixes and constraints of running inside one backward):
   * SampleW's variance is the closed form on the exact gradients (as the reference's
     ``cal_leverage_var``) and its SGD variance is per matmul from the same two halves;
   * rho and nu count the rows that carry gradient (after the example-level rule), not all N;
-  * the first probe is at step 0 (the reference's at step F; both start from rho = nu = 1).
+  * the first probe is at step 0 (the reference's at step F; both start from rho = nu = 1);
+  * ``sampler="systematic"`` (the default) draws exactly the budget ``k`` rows with the reference's
+    inclusion probabilities (sampling.systematic_keep), where the reference draws independent
+    Bernoullis (``sampler="bernoulli"``) whose random count a gathered backward must read on the host
+    once per resampling cut and per sampled matmul.  The fixed size is what keeps VCAS within one host
+    read per step (none of its own on a sampled step); the estimate stays unbiased.
 """
 from __future__ import annotations
 
@@ -48,65 +52,6 @@ from typing import Optional
 
 import torch
 from torch import Tensor
-
-
-def soft_topk(a: Tensor, k) -> Tensor:
-    """Inclusion probabilities ``min(1, c*a)`` with ``sum = min(k, #(a > 0))``; no host sync.
-
-    ``a`` (n,) >= 0; ``k`` a number or 0-d tensor.  Computed in float64.
-    """
-    a = a.detach().double()
-    n = a.shape[0]
-    if n == 0:
-        return a
-    k = torch.as_tensor(k, dtype=torch.float64, device=a.device)
-    srt, _ = torch.sort(a, descending=True)
-    tail = srt.flip(0).cumsum(0).flip(0)  # tail[j] = sum_{i >= j} srt[i]
-    j = torch.arange(n, device=a.device, dtype=torch.float64)
-    # j largest clipped to 1: c_j = (k - j) / tail[j], valid when c_j * srt[j] <= 1 (and k > j)
-    ok = ((k - j) * srt <= tail) & (k - j > 0) & (srt > 0)
-    first = torch.where(ok.any(), ok.to(torch.int8).argmax(), torch.tensor(n - 1, device=a.device))
-    c = (k - first.double()) / tail[first].clamp_min(1e-300)
-    p = torch.clamp(c * a, max=1.0)
-    p = torch.where(k >= (a > 0).sum(), (a > 0).double(), p).clamp_min(0.0)  # k <= 0: all zero
-    return torch.where(a > 0, p, torch.zeros_like(p))
-
-
-def vcas_k(frac, n):
-    """The reference's integer budget ``int(n * frac)`` (floor; ``n``, ``frac`` >= 0); a number or a
-    0-d tensor (no host sync), as ``n`` is."""
-    if isinstance(n, Tensor) or isinstance(frac, Tensor):
-        return torch.floor(torch.as_tensor(frac, dtype=torch.float64) * torch.as_tensor(n, dtype=torch.float64))
-    return math.floor(frac * n)
-
-
-def sample_probs(a: Tensor, frac, n) -> Tensor:
-    """Inclusion probabilities for sampling with budget ``int(n * frac)``, the reference's way:
-    ``soft_topk``, except that a budget of 0 samples nothing away (every row with ``a > 0`` kept)."""
-    k = vcas_k(frac, n)
-    cnt = (a > 0).sum()
-    k = torch.where(torch.as_tensor(k, device=a.device) <= 0, cnt.to(torch.float64),
-                    torch.as_tensor(k, dtype=torch.float64, device=a.device))
-    return soft_topk(a, k)
-
-
-def bernoulli_keep(p: Tensor, generator: Optional[torch.Generator] = None) -> Tensor:
-    """Independent keep-masks with P(keep_i) = p_i (p = 1 always kept, p = 0 never)."""
-    u = torch.rand(p.shape, generator=generator, device=p.device, dtype=torch.float64)
-    return u < p
-
-
-def ht_scale(p: Tensor, keep: Tensor) -> Tensor:
-    """Horvitz-Thompson weights: 1/p on kept rows, 0 elsewhere."""
-    return torch.where(keep, 1.0 / p.clamp_min(1e-300), torch.zeros_like(p))
-
-
-def closed_form_var(q: Tensor, p: Tensor) -> Tensor:
-    """Variance Bernoulli(p) + 1/p reweighting adds to a sum of rows with norms ``q``:
-    ``sum (1/p - 1) q^2`` over rows with q > 0 (rows with q = 0 add nothing)."""
-    q = q.double()
-    pos = q > 0
-    return torch.where(pos, (1.0 / p.clamp_min(1e-300) - 1.0) * q * q, torch.zeros_like(q)).sum()
 
 
 def find_top_sum(norms: Tensor, share: float) -> float:
@@ -133,6 +78,8 @@ class VCAS:
     nu_min, nu_max: floor and cap of the weight ratios; the reference has neither (0, inf: the
     defaults); ``nu_max=1`` is our earlier cap (no hysteresis).  every: cut at every k-th residual
     fork (1 = each fork, i.e. attention and MLP sub-blocks of a pre-norm transformer).
+    sampler: ``"systematic"`` (exactly the budget's rows, no host read) or ``"bernoulli"`` (the
+    reference's independent draws; one host read per resampling cut and per sampled matmul).
     """
 
     tau_act: float = 0.025
@@ -147,6 +94,7 @@ class VCAS:
     nu_min: float = 0.0
     nu_max: float = math.inf
     every: int = 1
+    sampler: str = "systematic"
 
     def __post_init__(self):
         for name in ("tau_act", "tau_w"):
@@ -167,6 +115,8 @@ class VCAS:
             raise ValueError(f"VCAS rho_decay must be in [0, 1], got {self.rho_decay!r}")
         if not 0 <= self.nu_min <= 1:
             raise ValueError(f"VCAS nu_min must be in [0, 1], got {self.nu_min!r}")
+        if self.sampler not in ("systematic", "bernoulli"):
+            raise ValueError(f"VCAS sampler must be 'systematic' or 'bernoulli', got {self.sampler!r}")
         if not (isinstance(self.nu_max, (int, float)) and self.nu_max >= 1):  # also rejects NaN
             raise ValueError(f"VCAS nu_max must be >= 1 (inf: no cap, the reference), got {self.nu_max!r}")
 

@@ -4,7 +4,7 @@ A Linear's weight gradient in the decomposed backward is ``mm(permute(G, [1, 0])
 (R, out) the output gradient (a gradient node), ``X`` (R, in) the saved input (not a gradient),
 ``R`` a batch row count (``a*s``).  Each such matmul below the first cut (inside the blocks; the
 head and embeddings stay exact, as in VCAS) becomes ``capskip::sampled_wgrad(G, X, key, slot)``:
-rows kept with Bernoulli(soft-top-k of ``||g_t|| ||x_t||``) and scaled by ``1/p`` (unbiased).
+rows kept with probability soft-top-k of ``||g_t|| ||x_t||`` and scaled by ``1/p`` (unbiased).
 The bias gradient (a sum over rows) and the input gradient ``mm(G, W)`` are untouched (exact).
 
 Invariants: only matmuls contracting over the batch rows are rewritten (attention's bmm contract
@@ -14,12 +14,24 @@ from __future__ import annotations
 
 import sympy
 import torch
-from torch import fx
+from torch import Tensor, fx
 
-from .batch import batch_dim_of
+from .. import ops
+from ..passes.batch import batch_dim_of
 from .segment_backward import Flow
 
 aten = torch.ops.aten
+
+
+@torch.library.custom_op("capskip::sampled_wgrad", mutates_args=())
+def sampled_wgrad(g: Tensor, x: Tensor, key: int, slot: int) -> Tensor:
+    """VCAS SampleW: ``g.T @ x`` over sampled rows reweighted by 1/p (VcasBackward.wgrad, the runner ``key`` names)."""
+    return ops.lookup(key).wgrad(g, x, slot)
+
+
+@sampled_wgrad.register_fake
+def _sampled_wgrad_fake(g: Tensor, x: Tensor, key: int, slot: int) -> Tensor:
+    return g.new_empty(g.shape[1], x.shape[1])
 
 
 def _rows_are_batch(v, sym) -> bool:
@@ -51,8 +63,6 @@ def find_wgrad_matmuls(graph: fx.Graph, sym: sympy.Symbol, below: fx.Node) -> li
 
 def sample_wgrad(gm: fx.GraphModule, sym: sympy.Symbol, key: int, below: fx.Node) -> int:
     """Rewrite the weight-gradient matmuls below the cut ``below`` in place; returns how many (= slots)."""
-    from .. import ops  # noqa: F401  (registers capskip::sampled_wgrad)
-
     op = torch.ops.capskip.sampled_wgrad.default
     found = find_wgrad_matmuls(gm.graph, sym, below)
     for slot, (mm, g, x) in enumerate(found):

@@ -1,0 +1,49 @@
+"""VCAS's one entry point from the backend: rewrite and compile a selected-row backward graph as VCAS."""
+from __future__ import annotations
+
+from typing import Callable, Optional
+
+from torch import fx
+
+from ..passes.batch import Refused
+from ..passes.selected_rows import check_not_specialised
+from ..records import GraphRecord
+from ..rows import spec_of
+from .runtime import VcasBackward
+from .sample_wgrad import sample_wgrad
+from .segment_backward import find_cuts, split_backward
+
+
+def build_backward(config, state, rec: GraphRecord, gm: fx.GraphModule, example_inputs: list, sym,
+                   compile_graph: Callable, kwargs: dict) -> Optional[VcasBackward]:
+    """SampleW rewrite, then the backward cut into segments, each compiled with ``compile_graph``.
+
+    None (reason recorded on ``rec`` and warned once, ``gm`` untouched) when there is no residual cut or
+    segmenting is refused: the caller then compiles ``gm`` whole (exact backward)."""
+    cfg = config.vcas
+    graph = fx.Graph()
+    graph.output(graph.graph_copy(gm.graph, {}))  # rewritten below; gm stays the exact fallback
+    vgm = fx.GraphModule(gm, graph)
+    cuts = find_cuts(vgm.graph, sym, cfg.every)
+    if not cuts:
+        return _none(state, rec, "VCAS: no residual fork in this backward (no block structure): exact backward")
+    runner = VcasBackward(cfg, state, rec, config.min_rows, config.gather_below)
+    try:
+        slots = sample_wgrad(vgm, sym, runner.key, cuts[0]) if cfg.sample_w else 0
+        plan = split_backward(vgm, example_inputs, sym, cuts)
+        kw = dict(kwargs, static_input_idxs=())
+        compiled = [compile_graph(s.gm, s.examples, **kw) for s in plan.segments]
+        check_not_specialised(example_inputs, sym)  # the segments share one shape env
+    except Refused as e:
+        state.remove_runner(runner)
+        return _none(state, rec, f"VCAS: {e}: exact backward")
+    runner.finish(plan, compiled, [spec_of(v, sym) for v in example_inputs], slots)
+    rec.vcas = f"{len(plan.segments)} segments, {slots} sampled weight-gradient matmuls"
+    rec.segmented = True
+    return runner
+
+
+def _none(state, rec: GraphRecord, reason: str) -> None:
+    rec.vcas = reason
+    state.warn_once(reason)
+    return None
