@@ -17,6 +17,7 @@ ideal = (F + f*B) / (F + B) with the dense F and B.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import platform
@@ -49,8 +50,9 @@ def parse():
     p.add_argument("--fractions", type=float, nargs="+", default=[1.0, 0.5, 0.25])
     p.add_argument("--rules", nargs="*", default=["capskip", "random", "sb", "stale_sb", "kabena", "ub"])
     p.add_argument("--vcas", nargs="*", default=[],
-                   help="VCAS settings 'rho,nu' (fixed ratios: every cut rho, every sampled matmul nu), e.g. "
-                        "1,1 0.5,1 1,0.5 0.5,0.5; run them in their own process (--rules --fractions 1 0.5): "
+                   help="VCAS settings 'rho,nu[,sampler]' (fixed ratios: every cut rho, every sampled matmul nu; "
+                        "sampler systematic (default) or bernoulli), e.g. "
+                        "1,1 0.5,1 1,0.5 0.5,0.5 0.5,0.5,bernoulli; run them in their own process (--rules --fractions 1 0.5): "
                         "a second compiled model with different allocation sizes slows the others' gathers")
     p.add_argument("--flop-draws", type=int, default=3, help="aot_eager backwards counted per VCAS setting")
     p.add_argument("--budget", type=float, default=0.1)
@@ -170,17 +172,17 @@ def main():
                 return step(cm, lambda f: F.cross_entropy(f(xs, capskip_index=ids), ys))
         variants[label] = run_rule
 
-    vcas_settings = [tuple(float(t) for t in v.split(",")) for v in a.vcas]
+    vcas_settings = [vcas_setting(v) for v in a.vcas]
     if vcas_settings:
         # VCAS has its own graphs (segments); fixed ratios (its controller adapts over hundreds of steps)
         cm_v = capskip_fx.compile(model, rule="vcas", vcas=capskip_fx.VCAS(freq=10 ** 9))
-        for rho, nu in vcas_settings:
-            def run_vcas(rho=rho, nu=nu):
-                set_ratios(cm_v, rho, nu)
+        for setting in vcas_settings:
+            def run_vcas(setting=setting):
+                set_ratios(cm_v, *setting)
                 out = step(cm_v, mean_ce)
-                vcas_rows.setdefault((rho, nu), []).append(capskip_fx.stats(cm_v).vcas)
+                vcas_rows.setdefault(setting, []).append(capskip_fx.stats(cm_v).vcas)
                 return out
-            variants[f"vcas rho={rho:g} nu={nu:g}"] = run_vcas
+            variants[vcas_label(setting)] = run_vcas
     vcas_rows: dict = {}
 
     times = {v: [] for v in variants}
@@ -246,10 +248,21 @@ def main():
     stem.with_suffix(".md").write_text(f"{json.dumps(meta)}\n\n{table}\n")
 
 
-def set_ratios(cm, rho: float, nu: float) -> None:
+def vcas_setting(spec: str) -> tuple:
+    rho, nu, *sampler = spec.split(",")
+    return float(rho), float(nu), (sampler[0] if sampler else "systematic")
+
+
+def vcas_label(setting: tuple) -> str:
+    rho, nu, sampler = setting
+    return f"vcas rho={rho:g} nu={nu:g}" + ("" if sampler == "systematic" else f" {sampler}")
+
+
+def set_ratios(cm, rho: float, nu: float, sampler: str = "systematic") -> None:
     for r in cm.backend.state.runners:
         r.ctrl.rho = [rho] * len(r.ctrl.rho)
         r.ctrl.nu = [nu] * len(r.ctrl.nu)
+        r.cfg = dataclasses.replace(r.cfg, sampler=sampler)
 
 
 def vcas_flops(model, x, y, settings, a, amp) -> list[dict]:
@@ -278,11 +291,11 @@ def vcas_flops(model, x, y, settings, a, amp) -> list[dict]:
     set_ratios(cm, 1.0, 1.0)
     bw0 = count(1)
     out = []
-    for rho, nu in settings:
-        set_ratios(cm, rho, nu)
+    for setting in settings:
+        set_ratios(cm, *setting)
         bw = count(a.flop_draws)
         runner = cm.backend.state.runners[0]
-        out.append({"variant": f"vcas rho={rho:g} nu={nu:g}", "setting": (rho, nu), "bwd_gflop": bw / 1e9,
+        out.append({"variant": vcas_label(setting), "setting": setting, "bwd_gflop": bw / 1e9,
                     "bwd_flop_ratio": bw / bw0, "total_flop_ratio": (fw0 + bw) / (fw0 + bw0),
                     "vcas_accounting": runner.ctrl.flops_fraction(), "dense_bwd_gflop": bw0 / 1e9,
                     "fwd_gflop": fw0 / 1e9})

@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
-# The one prepared GPU check (<= 10 min on one H200): run it where a GPU is lent.
+# The one prepared GPU check (<= 10 min on one H200; its timeouts add up to 560 s): run it where a GPU is lent.
 #  1. step-time table: DeiT-S img 224, bf16, N=256, compiled; dense vs capskip forced f in {1, 0.5, 0.35},
 #     the naive alternatives, selection overhead and every rule  -> benchmarks/results/cuda_*.{md,json}
-#     then VCAS at fixed (rho, nu): wall-clock and backward FLOPs  -> $OUT/vcas_check_bench.{md,json}
+#     then VCAS at fixed (rho, nu), both samplers: wall-clock and backward FLOPs  -> $OUT/vcas_check_bench.{md,json}
+#     then host reads and CUDA syncs per step per rule (sync debug mode)  -> $OUT/cuda_host_syncs.{md,json}
+#     then DDP over NCCL with one process: gradients exact, every bucket split on the kept rows
 #  2. the fine-tuning recipe of experiments/run_finetune.sh with DeiT-S 224 bf16: stage 1 dense on
 #     Fashion-MNIST (100 steps of 256; skipped when CKPT= names a stage-1 checkpoint.pt), stage 2 on
 #     MNIST from it with a new head, dense vs capskip b=0.3 (4 epochs of 8k digits)  -> $OUT/finetune-*
@@ -23,6 +25,7 @@ PY=${PYTHON:-python}
 export MALLOC_MMAP_THRESHOLD_=${MALLOC_MMAP_THRESHOLD_:-2147483647}
 
 if [[ -n "${TINY:-}" ]]; then
+  DEV=cpu AMP=none
   BENCH=(--device cpu --depth 1 --img-size 32 --patch-size 8 --batch-size 16 --fractions 1 0.5 0.35 --reps 2 --warmup 1
          --out "$OUT/tiny_gpu_check_bench")
   TRAIN=(--device cpu --depth 1 --embed-dim 64 --num-heads 2 --img-size 28 --patch-size 7 --batch-size 64)
@@ -30,6 +33,7 @@ if [[ -n "${TINY:-}" ]]; then
   FT=(--train-subset 512 --eval-subset 256 --epochs 1)
 else
   "$PY" -c "import torch; assert torch.cuda.is_available(), 'no GPU'; print(torch.__version__, torch.cuda.get_device_name())"
+  DEV=cuda AMP=bf16
   BENCH=(--device cuda --model deit_small_patch16_224 --img-size 224 --patch-size 16 --batch-size 256 --amp bf16
          --fractions 1 0.5 0.35 --reps 5 --warmup 2)
   TRAIN=(--device cuda --model deit_small_patch16_224 --depth 12 --embed-dim 384 --num-heads 6 --img-size 224
@@ -39,24 +43,32 @@ else
 fi
 
 echo "== step-time table"
-timeout 220 "$PY" benchmarks/step_time.py "${BENCH[@]}" || echo "step-time benchmark failed or timed out: $?"
+timeout 180 "$PY" benchmarks/step_time.py "${BENCH[@]}" || echo "step-time benchmark failed or timed out: $?"
 
 # VCAS separately (its own segment compiles; a timeout here must not cost the table above)
 echo "== VCAS step time and backward FLOPs"
-timeout 120 "$PY" benchmarks/step_time.py "${BENCH[@]}" --fractions 1 0.5 --rules --vcas 1,1 0.5,1 1,0.5 0.5,0.5 \
+timeout 90 "$PY" benchmarks/step_time.py "${BENCH[@]}" --fractions 1 0.5 --rules \
+  --vcas 1,1 0.5,1 1,0.5 0.5,0.5 0.5,0.5,bernoulli \
   --out "$OUT/${TINY:+tiny_}vcas_check_bench" || echo "VCAS benchmark failed or timed out: $?"
+
+echo "== host reads and device syncs per step"
+timeout 50 "$PY" benchmarks/host_syncs.py --device "$DEV" --amp "$AMP" --backend aot_eager \
+  --out "$OUT/${TINY:+tiny_}${DEV}_host_syncs" || echo "host-sync count failed or timed out: $?"
+
+echo "== DDP, one process ($( [[ $DEV == cuda ]] && echo NCCL || echo gloo ))"
+timeout 30 "$PY" benchmarks/ddp_check.py --device "$DEV" || echo "DDP check failed or timed out: $?"
 
 T=${TINY:+-tiny}
 CKPT=${CKPT:-$OUT/finetune-pretrain$T/checkpoint.pt}
 if [[ ! -f "$CKPT" ]]; then
   echo "== fine-tune stage 1: dense on Fashion-MNIST"
-  timeout 90 "$PY" -m capskip_fx.train --config configs/fashion_mnist_tiny.yaml --data-dir "$DATA_DIR" \
+  timeout 80 "$PY" -m capskip_fx.train --config configs/fashion_mnist_tiny.yaml --data-dir "$DATA_DIR" \
     --rule dense --check-every 0 "${TRAIN[@]}" "${PRE[@]}" --out "$OUT/finetune-pretrain$T" \
     || echo "stage 1 failed or timed out: $?"
 fi
 for rule in dense capskip; do
   echo "== fine-tune stage 2 (MNIST, new head): $rule"
-  timeout 75 "$PY" -m capskip_fx.train --config configs/fashion_mnist_tiny.yaml --dataset mnist \
+  timeout 65 "$PY" -m capskip_fx.train --config configs/fashion_mnist_tiny.yaml --dataset mnist \
     --initial-checkpoint "$CKPT" --reset-head --warmup-epochs 0.5 --rule "$rule" --budget 0.3 --check-every 20 \
     "${TRAIN[@]}" "${FT[@]}" --out "$OUT/finetune-$rule$T" || echo "stage 2 $rule failed or timed out: $?"
 done

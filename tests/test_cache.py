@@ -9,9 +9,6 @@ import subprocess
 import sys
 import textwrap
 
-import pytest
-
-import capskip_fx
 from capskip_fx.config import CapskipConfig
 from capskip_fx.passes import insert_select
 from capskip_fx.passes.insert_select import InsertSelectPass

@@ -2,10 +2,9 @@
 queue.  CAPSkip reads once (its k, with the fallback checks folded in); rules whose kept count the host
 already knows (random/forced/sb with a fixed count) read nothing.  Counted on CPU with a dispatch mode
 (``_local_scalar_dense`` is what item()/int()/bool()/float() reach; nonzero-like ops sync on a GPU)
-plus ``Tensor.tolist``, which does not dispatch."""
+plus ``Tensor.tolist``, which does not dispatch: capskip_fx.debug.count_host_reads."""
 from __future__ import annotations
 
-import contextlib
 import copy
 import dataclasses
 
@@ -13,59 +12,19 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from torch._library.custom_ops import OPDEFS
-from torch.utils._python_dispatch import TorchDispatchMode
 
 import capskip_fx
+from capskip_fx.debug import count_host_reads
 
 from conftest import max_rel_err
 
 N, C, D = 16, 5, 6
-aten = torch.ops.aten
-_SYNC_OPS = {aten._local_scalar_dense.default, aten.nonzero.default, aten.masked_select.default,
-             aten.repeat_interleave.Tensor}
 
 
 @pytest.fixture(autouse=True)
 def _many_compiles():
     with torch._dynamo.config.patch(recompile_limit=64):
         yield
-
-
-class _Reads(TorchDispatchMode):
-    def __init__(self):
-        super().__init__()
-        self.ops: list = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if func.namespace == "capskip":  # our custom ops: count the reads inside their Python bodies too
-            with self:
-                return OPDEFS[func._schema.name]._init_fn(*args, **kwargs)
-        if func in _SYNC_OPS:
-            self.ops.append(str(func))
-        elif func in (aten.index.Tensor, aten.index_put.default, aten.index_put_.default):
-            if any(isinstance(i, torch.Tensor) and i.dtype in (torch.bool, torch.uint8) for i in args[1] if i is not None):
-                self.ops.append(f"{func} (mask index)")  # a boolean index is a nonzero
-        return func(*args, **kwargs)
-
-
-@contextlib.contextmanager
-def count_reads():
-    """Yields the list of host reads made inside (tolist is patched: it does not dispatch)."""
-    mode = _Reads()
-    orig = torch.Tensor.tolist
-
-    def tolist(t):
-        mode.ops.append("tolist")
-        return orig(t)
-
-    torch.Tensor.tolist = tolist
-    try:
-        with mode:
-            yield mode.ops
-    finally:
-        torch.Tensor.tolist = orig
 
 
 class Net(nn.Module):
@@ -98,7 +57,7 @@ def _batch(seed):
 def test_counter_sees_reads():
     """The counter is what the other tests rely on: it must catch each kind of read."""
     t = torch.ones(3)
-    with count_reads() as ops:
+    with count_host_reads() as ops:
         t.sum().item()
         int(t[0])
         bool(t[0] > 0)
@@ -106,7 +65,7 @@ def test_counter_sees_reads():
         t.nonzero()
         t[t > 0]
     assert len(ops) == 6, ops
-    with count_reads() as ops:
+    with count_host_reads() as ops:
         (t * 2).sum()
         torch.argsort(t, stable=True)
     assert ops == []
@@ -129,7 +88,7 @@ def test_reads_per_step_and_exact(opts, reads):
         x, y = _batch(step)
         model.zero_grad(set_to_none=True)
         loss = F.cross_entropy(cm(x), y)  # outside the mode: Dynamo does not trace under one
-        with count_reads() as ops:
+        with count_host_reads() as ops:
             loss.backward()
         if step >= 2:
             assert len(ops) == reads, (step, ops)
@@ -153,7 +112,7 @@ def test_counter_sees_a_read_in_the_backward():
     for step in range(3):
         x, y = _batch(step)
         loss = F.cross_entropy(cm(x), y)
-        with count_reads() as ops:
+        with count_host_reads() as ops:
             loss.backward()
     assert ops == ["aten._local_scalar_dense.default"]
 
@@ -204,7 +163,7 @@ def test_fallback_step_reads_once_runs_dense_and_leaves_the_rule_state(opts, bad
     x, y = _batch(9)
     model.zero_grad(set_to_none=True)
     loss = loss_fn(cm(x), y)
-    with pytest.warns(UserWarning, match="dense backward"), count_reads() as ops:
+    with pytest.warns(UserWarning, match="dense backward"), count_host_reads() as ops:
         loss.backward()
     assert len(ops) == 1, ops
     st = capskip_fx.stats(cm)
@@ -249,13 +208,13 @@ def test_fixed_count_nan_step_reads_nothing_and_its_gradient_is_non_finite():
     x[3] = float("nan")  # one row: a random half usually skips it
     model.zero_grad(set_to_none=True)
     loss = F.cross_entropy(cm(x), y)
-    with count_reads() as ops:
+    with count_host_reads() as ops:
         loss.backward()
     assert ops == []
     assert all(not torch.isfinite(g).all() for g in _grads(model).values())
     st = capskip_fx.stats(cm)
     assert st.kept == N // 2 and st.rows < N
-    with pytest.warns(UserWarning, match="non-finite"), count_reads() as ops:
+    with pytest.warns(UserWarning, match="non-finite"), count_host_reads() as ops:
         assert "non-finite" in st.fallback
     assert ops == ["tolist"]
     F.cross_entropy(cm(_batch(10)[0]), _batch(10)[1]).backward()  # the next finite step is clean
@@ -272,7 +231,7 @@ def test_fixed_count_uninformative_step_keeps_its_rows_exactly_and_says_so():
         x, y = _batch(step)
         model.zero_grad(set_to_none=True)
         loss = F.mse_loss(cm(x), F.one_hot(y, C).double())
-        with count_reads() as ops:
+        with count_host_reads() as ops:
             loss.backward()
     assert ops == []
     st = capskip_fx.stats(cm)
@@ -314,7 +273,7 @@ def test_vcas_sampled_step_reads(opts, sampler, reads):
             if step >= 1:
                 runner.cfg = dataclasses.replace(vc, sampler=smp)
             model.zero_grad(set_to_none=True)
-            with count_reads() as ops:
+            with count_host_reads() as ops:
                 loss.backward(retain_graph=True)
             runs[(step, smp)] = (list(ops), capskip_fx.stats(cm).vcas)
     for step in (2, 3):

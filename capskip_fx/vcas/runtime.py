@@ -99,11 +99,13 @@ class VcasBackward:
             return out
         gen = self.state.generator(g.device)
         if self.cfg.sampler == "systematic":
-            k = vcas_k(nu, t * self._live // max(self._n, 1))  # token rows that carry gradient
+            # slots: the budget over the token rows that can carry gradient (host-known); the draw's
+            # probabilities are the reference's, int(nu * rows with q > 0) on the device, within the slots
+            k = vcas_k(nu, t * self._live // max(self._n, 1))
             if k <= 0 or k >= t:  # 0: exact, as the reference's leverage_k
                 self.wrows.append((slot, t, t, oi))
                 return torch.mm(g.t(), x)
-            p = soft_topk(q, k)
+            p = sample_probs(q, nu, (q > 0).sum(), cap=k)
             idx, hit = systematic_keep(p, k, gen)
             if k > self.gather_below * t:  # gathering would cost more than the dropped rows save: mask
                 scale = torch.zeros_like(p).index_copy_(0, idx, torch.where(hit, 1.0 / p.index_select(0, idx), 0.0))
@@ -216,16 +218,17 @@ class VcasBackward:
                 if n_ref is None:  # rows that carry gradient (the rule's kept rows)
                     n_ref = (nrm > 0).sum()
                 rho = rho_all[j]
-                k = vcas_k(rho, top)  # int(rho * top) rows; 0: no sampling (the reference)
+                k = vcas_k(rho, top)  # slots: int(rho * top) rows; 0: no sampling (the reference)
                 if resample[j] and systematic and 0 < k < b_n:
                     gen = gen or self.state.generator(b.device)
-                    p = soft_topk(nrm, k)
+                    p = sample_probs(nrm, rho, n_ref, cap=k)  # the reference's int(rho * n_ref), within k
                     rel, hit = systematic_keep(p, k, gen)
                     p = p.index_select(0, rel)
                     scale = torch.where(hit, 1.0 / p.clamp_min(1e-300), 0.0)
                     if k > self.gather_below * b_n:  # gathers would cost more than they save: mask
                         full = torch.zeros_like(nrm, dtype=torch.float64).index_copy_(0, rel, scale)
                         vals[seg.boundary] = (_scale_rows(b, spec, full, b_n), b_rows, b_n)
+                        live = k  # of b_n rows: SampleW's budgets below count these
                     else:
                         cb = min(b_n, max(k, self.min_rows))
                         if cb > k:  # pad rows: further unkept rows, scale 0
@@ -244,6 +247,7 @@ class VcasBackward:
                     kept = int(keep.sum())  # the host read of this cut
                     if kept > self.gather_below * b_n:  # gathers would cost more than they save: mask
                         vals[seg.boundary] = (_scale_rows(b, spec, ht_scale(p, keep), b_n), b_rows, b_n)
+                        live = kept
                     else:
                         cb = min(b_n, max(kept, self.min_rows))  # pad rows: dropped ones, scale 0
                         rel = torch.argsort((~keep).to(torch.int8), stable=True)[:cb]

@@ -4,7 +4,7 @@ the closed-form variance they add.  Torch only; no host sync anywhere here.
 - ``soft_topk(a, k)``: ``p_i = min(1, c a_i)`` with ``sum p = k`` (water-filling; variance-minimising).
 - ``bernoulli_keep(p)``: independent Bernoulli(``p_i``) keeps, the reference's draw.  Its kept count is
   random, so a gathered backward must read it on the host.
-- ``systematic_keep(p, k)``: exactly ``k`` slots with the same inclusion probabilities ``p_i``
+- ``systematic_keep(p, k)``: ``k`` slots holding every kept row, with the same inclusion probabilities ``p_i``
   (randomised systematic sampling: the rows in a random order, one uniform offset, points ``u + j``
   on the cumulated ``p``).  Each row's probability is exactly ``p_i`` (its interval has length
   ``p_i <= 1`` and the points are 1 apart), so the ``1/p`` reweighting stays unbiased; the draws are
@@ -53,13 +53,17 @@ def vcas_k(frac, n):
     return math.floor(frac * n)
 
 
-def sample_probs(a: Tensor, frac, n) -> Tensor:
+def sample_probs(a: Tensor, frac, n, cap: Optional[int] = None) -> Tensor:
     """Inclusion probabilities for sampling with budget ``int(n * frac)``, the reference's way:
-    ``soft_topk``, except that a budget of 0 samples nothing away (every row with ``a > 0`` kept)."""
+    ``soft_topk``, except that a budget of 0 samples nothing away (every row with ``a > 0`` kept).
+    ``cap``: the budget never exceeds it (a fixed-size draw's slot count; it binds only where ``n``
+    exceeds the host's bound on it, or a budget of 0 would keep more rows than ``cap``)."""
     k = vcas_k(frac, n)
     cnt = (a > 0).sum()
     k = torch.where(torch.as_tensor(k, device=a.device) <= 0, cnt.to(torch.float64),
                     torch.as_tensor(k, dtype=torch.float64, device=a.device))
+    if cap is not None:
+        k = k.clamp(max=cap)
     return soft_topk(a, k)
 
 
