@@ -19,22 +19,18 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import os
 import platform
 import statistics
 import sys
 import time
 from pathlib import Path
 
-if "MALLOC_MMAP_THRESHOLD_" not in os.environ and "--no-malloc-env" not in sys.argv:
-    # glibc page-faults every fresh large buffer (the gathers) without this; GPU allocators cache
-    os.environ["MALLOC_MMAP_THRESHOLD_"] = "2147483647"
-    os.execv(sys.executable, [sys.executable] + sys.argv)
 
 import torch
 import torch.nn.functional as F
 
 import capskip_fx
+from capskip_fx.cpu import retain_freed_memory
 from capskip_fx.data.stale import StaleBatchFilter
 from capskip_fx.rules import CAPSkip, Forced, RandomSkip, StaleSB, make_rule
 
@@ -63,7 +59,8 @@ def parse():
     p.add_argument("--amp", choices=["none", "bf16"], default="none")
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--out", default=None, help="results file stem (default benchmarks/results/<device>_<model>)")
-    p.add_argument("--no-malloc-env", action="store_true")
+    p.add_argument("--no-malloc-tuning", action="store_true",
+                   help="leave glibc malloc's defaults (else capskip_fx.cpu.retain_freed_memory on CPU)")
     return p.parse_args()
 
 
@@ -74,6 +71,7 @@ def sync(device):
 
 def main():
     a = parse()
+    malloc_tuned = not a.no_malloc_tuning and not a.device.startswith("cuda") and retain_freed_memory()
     import timm
 
     if a.threads:
@@ -225,7 +223,7 @@ def main():
                      f"{fmt(r['selection_ms'])} | "
                      f"{r['step_ratio']:.2f} | {r['ideal']:.2f} | {r['vs_ideal']:.2f} |" for r in rows]
     device = torch.cuda.get_device_name() if dev.startswith("cuda") else f"{platform.processor() or platform.machine()} CPU, {torch.get_num_threads()} threads"
-    meta = {"device": device, "torch": torch.__version__, "model": a.model, "img_size": a.img_size,
+    meta = {"device": device, "malloc_tuned": malloc_tuned, "torch": torch.__version__, "model": a.model, "img_size": a.img_size,
             "patch_size": a.patch_size, "batch_size": n, "amp": a.amp, "reps": a.reps, "warmup": a.warmup,
             "budget": a.budget, "correct_frac": a.correct_frac, "warmup_s": t_compile,
             "command": "python " + " ".join(sys.argv)}

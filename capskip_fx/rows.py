@@ -7,6 +7,7 @@ the forward (layout.py), not by this size match.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -63,6 +64,55 @@ def gather_rows(x: torch.Tensor, spec: Spec, idx: torch.Tensor, n: int, sizes, s
     else:
         y = x.unflatten(spec.dim, (n, spec.factor)).index_select(spec.dim, idx).flatten(spec.dim, spec.dim + 1)
     return conform(y, sizes, strides)  # Inductor asserts input strides
+
+
+def _row_block(x: torch.Tensor, spec: Spec, n: int) -> Optional[tuple[int, int, int, int]]:
+    """(storage key, start, R, elements per row) when row ``b`` of ``x`` lies in its storage's elements
+    ``[start + b*R, start + (b+1)*R)`` (batch in dim 0, non-negative strides): then gathering those
+    blocks and viewing them with ``x``'s own strides is the row gather.  None otherwise."""
+    if spec.dim != 0 or x.numel() == 0 or x.shape[0] != n * spec.factor or any(st < 0 for st in x.stride()):
+        return None
+    r = x.stride(0) * spec.factor
+    if r <= 0:
+        return None
+    off = x.storage_offset()
+    start = off - off % r
+    extent = off % r + (spec.factor - 1) * x.stride(0) + sum((sz - 1) * st for sz, st in zip(x.shape[1:], x.stride()[1:]))
+    if extent >= r or start + n * r > x.untyped_storage().nbytes() // x.element_size():
+        return None
+    per_row = spec.factor * math.prod(x.shape[1:])
+    return x.untyped_storage().data_ptr(), start, r, per_row
+
+
+def gather_all(args: list, specs: list, idx: torch.Tensor, n: int, layouts: list) -> list:
+    """The row gather of every batch-shaped argument (``layouts[i]``: its (sizes, strides) at ``len(idx)``
+    rows).  Arguments that are views of one batch-major buffer (q, k and v of one qkv matmul) are
+    gathered once, as whole row blocks of the buffer, and viewed with their own strides: no strided
+    copy when those strides are the compiled graph's.  Others: ``gather_rows``."""
+    kb = idx.numel()
+    blocks: dict = {}
+    plan = []
+    for i, (a, s) in enumerate(zip(args, specs)):
+        rb = _row_block(a, s, n) if s.kind == "batch" and tuple(layouts[i][1]) == a.stride() and \
+            tuple(layouts[i][0]) == (kb * s.factor,) + tuple(a.shape[1:]) else None
+        plan.append(rb)
+        if rb is not None:
+            key = rb[:3]
+            blocks[key] = blocks.get(key, 0) + rb[3]
+    # a block pays when its views cover at least half of it (else gather just the view)
+    use = {k for k, covered in blocks.items() if 2 * covered >= k[2]}
+    gathered: dict = {}
+    out = []
+    for a, s, lay, rb in zip(args, specs, layouts, plan):
+        if rb is not None and rb[:3] in use:
+            key = rb[:3]
+            _, start, r = key
+            if key not in gathered:
+                gathered[key] = a.as_strided((n, r), (r, 1), start).index_select(0, idx)
+            out.append(gathered[key].as_strided(tuple(lay[0]), a.stride(), a.storage_offset() % r))
+        else:
+            out.append(gather_rows(a, s, idx, n, *lay))
+    return out
 
 
 def scatter_rows(y: torch.Tensor, spec: Spec, idx: torch.Tensor, n: int) -> torch.Tensor:

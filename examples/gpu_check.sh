@@ -22,7 +22,6 @@ export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 OUT=${OUT:-benchmarks/results}
 DATA_DIR=${DATA_DIR:-$( [[ -d data/fashion-mnist ]] && echo data/fashion-mnist || echo /usr/share/datasets/fashion-mnist )}
 PY=${PYTHON:-python}
-export MALLOC_MMAP_THRESHOLD_=${MALLOC_MMAP_THRESHOLD_:-2147483647}
 
 if [[ -n "${TINY:-}" ]]; then
   DEV=cpu AMP=none

@@ -24,7 +24,7 @@ from typing import Callable, Optional
 import torch
 
 from ..records import BackwardMode
-from ..rows import gather_rows, scatter_rows
+from ..rows import gather_all, scatter_rows
 from ..passes.batch import evaluate
 
 VERIFY = "verify: the gathered backward differs from the dense-masked one; running dense-masked"
@@ -99,14 +99,12 @@ class SelectedRowBackward:
         w_kb = weight.index_select(0, idx)
         check = self._should_verify(k, n)
         full_args = list(args) if check else None
-        new_args = []
-        for a, s, lay in zip(args, p.specs, self._layout(kb)):
-            if s.kind == "batch":
-                new_args.append(gather_rows(a, s, idx, n, *lay))
-            elif s.kind == "symint":
-                new_args.append(lay)
-            else:
-                new_args.append(a)
+        lays = self._layout(kb)
+        gathered = iter(gather_all([a for a, s in zip(args, p.specs) if s.kind == "batch"],
+                                   [s for s in p.specs if s.kind == "batch"], idx, n,
+                                   [lay for lay, s in zip(lays, p.specs) if s.kind == "batch"]))
+        new_args = [next(gathered) if s.kind == "batch" else lay if s.kind == "symint" else a
+                    for a, s, lay in zip(args, p.specs, lays)]
         args.clear()
         new_args.append(w_kb)
         state.set_rows(stats, kb)

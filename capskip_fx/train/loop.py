@@ -20,6 +20,7 @@ from torch import nn
 
 import capskip_fx
 from capskip_fx.rules import build_rule
+from capskip_fx.cpu import retain_freed_memory
 
 from . import checkpoint, plots
 from .checks import CompileClock, distortion_check
@@ -113,6 +114,8 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
     random.seed(cfg.seed)
     torch.manual_seed(cfg.seed)
     device = resolve_device(cfg.device)
+    if device.type == "cpu":
+        retain_freed_memory()  # the gathers' fresh buffers would page-fault in every step (capskip_fx/cpu.py)
 
     data, cfg = load_data(cfg, device)
     model, cfg = build_model(cfg, data.num_classes, pretrained=pretrained)

@@ -1,0 +1,18 @@
+"""capskip_fx.cpu: the glibc malloc setting the CLI applies to CPU runs."""
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from capskip_fx.cpu import retain_freed_memory
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc only")
+def test_retain_freed_memory_applies_and_opts_out(monkeypatch):
+    code = "from capskip_fx.cpu import retain_freed_memory as r; print(r())"
+    # a fresh process: mallopt changes this one's allocator for good
+    assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True).stdout.strip() == "True"
+    monkeypatch.setenv("CAPSKIP_MALLOC_TUNING", "0")
+    assert retain_freed_memory() is False
