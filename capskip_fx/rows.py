@@ -66,8 +66,8 @@ def gather_rows(x: torch.Tensor, spec: Spec, idx: torch.Tensor, n: int, sizes, s
     return conform(y, sizes, strides)  # Inductor asserts input strides
 
 
-def _row_block(x: torch.Tensor, spec: Spec, n: int) -> Optional[tuple[int, int, int, int]]:
-    """(storage key, start, R, elements per row) when row ``b`` of ``x`` lies in its storage's elements
+def _row_block(x: torch.Tensor, spec: Spec, n: int) -> Optional[tuple]:
+    """((storage, dtype), start, R, elements per row) when row ``b`` of ``x`` lies in its storage's elements
     ``[start + b*R, start + (b+1)*R)`` (batch in dim 0, non-negative strides): then gathering those
     blocks and viewing them with ``x``'s own strides is the row gather.  None otherwise."""
     if spec.dim != 0 or x.numel() == 0 or x.shape[0] != n * spec.factor or any(st < 0 for st in x.stride()):
@@ -81,7 +81,7 @@ def _row_block(x: torch.Tensor, spec: Spec, n: int) -> Optional[tuple[int, int, 
     if extent >= r or start + n * r > x.untyped_storage().nbytes() // x.element_size():
         return None
     per_row = spec.factor * math.prod(x.shape[1:])
-    return x.untyped_storage().data_ptr(), start, r, per_row
+    return (x.untyped_storage().data_ptr(), x.dtype), start, r, per_row
 
 
 def gather_all(args: list, specs: list, idx: torch.Tensor, n: int, layouts: list) -> list:
