@@ -29,6 +29,7 @@ from .controller import VCAS, ProbeResult, VcasController
 from .sampling import bernoulli_keep, closed_form_var, ht_scale, sample_probs, soft_topk, systematic_keep, vcas_k
 from .segment_backward import SegmentPlan
 
+
 def _row_norms(x: Tensor, spec: Spec, n: int) -> Tensor:
     y = x.unflatten(spec.dim, (n, spec.factor)).movedim(spec.dim, 0).reshape(n, -1)
     return torch.linalg.vector_norm(y.float() if y.dtype != torch.float64 else y, dim=1)
