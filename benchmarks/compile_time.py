@@ -22,6 +22,8 @@ import sys
 import tempfile
 import time
 
+from results_io import write_results
+
 HERE = pathlib.Path(__file__).resolve().parent
 
 
@@ -105,10 +107,7 @@ def main() -> None:
     c = rows["capskip"]
     md += ["", f"capskip / plain: cold {c['cold_s'] / p['cold_s']:.2f}, restart {c['restart_s'] / p['restart_s']:.2f}, "
                f"warm {c['warm_s'] / p['warm_s']:.2f}"]
-    out = pathlib.Path(a.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.with_suffix(".json").write_text(json.dumps(rows, indent=1))
-    out.with_suffix(".md").write_text("\n".join(md) + "\n")
+    write_results(pathlib.Path(a.out), rows, "\n".join(md))
     print("\n".join(md))
 
 

@@ -10,7 +10,6 @@ over 3 steps.  -> benchmarks/results/<device>_host_syncs.{md,json}
 from __future__ import annotations
 
 import argparse
-import json
 import pathlib
 import statistics
 import warnings
@@ -21,6 +20,7 @@ import torch.nn.functional as F
 
 import capskip_fx
 from capskip_fx.debug import count_host_reads
+from results_io import write_results
 
 CASES = [  # (label, compile options, VCAS ratios to force after the probe or None)
     ("dense (torch.compile)", None, None),
@@ -81,9 +81,7 @@ def main() -> None:
     fmt = lambda v: "" if v is None else f"{v:g}"
     md += [f"| {r['case']} | {r['reads']:g} | {fmt(r['cuda_syncs'])} |" for r in rows]
     stem = pathlib.Path(a.out) if a.out else pathlib.Path(__file__).parent / "results" / f"{dev.type}_host_syncs"
-    stem.parent.mkdir(parents=True, exist_ok=True)
-    stem.with_suffix(".json").write_text(json.dumps(rows, indent=1))
-    stem.with_suffix(".md").write_text("\n".join(md) + "\n")
+    write_results(stem, rows, "\n".join(md))
     print("\n".join(md))
 
 

@@ -31,6 +31,7 @@ import torch.nn.functional as F
 
 import capskip_fx
 from capskip_fx.cpu import retain_freed_memory
+from results_io import write_results
 from capskip_fx.data.stale import StaleBatchFilter
 from capskip_fx.rules import CAPSkip, Forced, RandomSkip, StaleSB, make_rule
 
@@ -239,11 +240,9 @@ def main():
           f"median of {a.reps} interleaved rounds, warm-up excluded ({t_compile:.0f} s)\n")
     print(table)
     stem = Path(a.out) if a.out else Path(__file__).parent / "results" / f"{dev.split(':')[0]}_{a.model}_img{a.img_size}_n{n}"
-    stem.parent.mkdir(parents=True, exist_ok=True)
     for r in vcas_table:
         r["setting"] = list(r["setting"])
-    stem.with_suffix(".json").write_text(json.dumps({"meta": meta, "rows": rows, "vcas": vcas_table}, indent=1))
-    stem.with_suffix(".md").write_text(f"{json.dumps(meta)}\n\n{table}\n")
+    write_results(stem, {"meta": meta, "rows": rows, "vcas": vcas_table}, f"{json.dumps(meta)}\n\n{table}")
 
 
 def vcas_setting(spec: str) -> tuple:
