@@ -57,8 +57,10 @@ class InsertSelectPass(CustomGraphPass):
 
     def uuid(self) -> Optional[bytes]:
         # what Inductor's FX graph cache keys our rewrite on: the source of the code that shapes the graphs
-        # and the config.  Not the model's registry key: the graph carries it (an argument of select), so
-        # a cached graph is only ever served to a graph that looks its key up the same way.
+        # and the config.  Not the model's registry key: a compiled graph that calls back into a run-time
+        # object (select in a refused backward, VCAS's sampled_wgrad) carries the key as an argument, so
+        # the graph's own hash tells models apart; graphs that don't call back hold no per-model state
+        # (the selected-row runtime is rebuilt around them at every compile).
         return get_hash_for_files(source_files(), extra=f"capskip:{self.backend.config}")
 
     def __call__(self, graph: fx.Graph) -> None:
