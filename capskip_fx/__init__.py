@@ -4,7 +4,7 @@
     loss = F.cross_entropy(model(x), y); loss.backward()   # backward on the selected rows only
     capskip_fx.stats(model)                                 # n, kept, bound, fallback, variants
 """
-from . import compat
+from . import compat, cpu, debug  # noqa: F401  (capskip_fx.cpu / capskip_fx.debug: host-side helpers)
 
 compat.check()  # a moved torch internal fails here, loudly, never as a silently dense step
 
