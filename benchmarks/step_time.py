@@ -51,6 +51,12 @@ def parse():
                         "sampler systematic (default) or bernoulli), e.g. "
                         "1,1 0.5,1 1,0.5 0.5,0.5 0.5,0.5,bernoulli; run them in their own process (--rules --fractions 1 0.5): "
                         "a second compiled model with different allocation sizes slows the others' gathers")
+    p.add_argument("--gather", choices=["graph", "eager"], default="graph",
+                   help="the capskip model's row gather (graph: ops of the compiled backward, the default)")
+    p.add_argument("--mode", default=None,
+                   help="torch.compile mode for dense and capskip alike (reduce-overhead: CUDA graphs, capskip buckets=8)")
+    p.add_argument("--compare-gather", action="store_true",
+                   help="also time the forced rows with the other gather, on a second compiled model")
     p.add_argument("--flop-draws", type=int, default=3, help="aot_eager backwards counted per VCAS setting")
     p.add_argument("--budget", type=float, default=0.1)
     p.add_argument("--correct-frac", type=float, default=0.7)
@@ -92,8 +98,11 @@ def main():
     y[right.to(dev)] = pred[right.to(dev)]
     amp = torch.autocast(device_type=dev.split(":")[0], dtype=torch.bfloat16) if a.amp == "bf16" else None
 
-    dense = torch.compile(model, dynamic=True)
-    cm = capskip_fx.compile(model, rule="dense")
+    dense = torch.compile(model, dynamic=True, mode=a.mode)
+    cm = capskip_fx.compile(model, rule="dense", gather=a.gather, mode=a.mode)
+    other = {"graph": "eager", "eager": "graph"}[a.gather]
+    cm_g = capskip_fx.compile(model, rule="dense", gather=other, mode=a.mode) if a.compare_gather else None
+    owner = {}  # variant -> the compiled model whose stats it reports (default cm)
 
     forwarded = {}  # variant -> fraction of the batch forwarded (Stale-SB drops rows before it)
 
@@ -136,6 +145,12 @@ def main():
             return fw + sel, bw
 
         variants[f"capskip forced f={f:g}"] = run_forced
+        if cm_g is not None:
+            def run_other(keep=keep):
+                cm_g.rule = Forced(keep=lambda _: keep)
+                return step(cm_g, mean_ce)
+            variants[f"capskip forced f={f:g} {other} gather"] = run_other
+            owner[f"capskip forced f={f:g} {other} gather"] = cm_g
         if f < 1:
             variants[f"loss masking f={f:g}"] = run_masked
             variants[f"2nd forward f={f:g}"] = run_second
@@ -195,7 +210,7 @@ def main():
     for _ in range(a.reps):
         for v, fn in variants.items():
             times[v].append(fn())
-            st = capskip_fx.stats(cm)
+            st = capskip_fx.stats(owner.get(v, cm))
             kept[v].append(st.kept / st.n if v.startswith(("capskip", "rule")) else None)
             sel_ms[v].append(st.selection_ms if v.startswith(("capskip", "rule")) else None)
 
@@ -205,7 +220,7 @@ def main():
     rows = []
     for v in variants:
         fw, bw = med([t[0] for t in times[v]]), med([t[1] for t in times[v]])
-        kf = med(kept[v]) if kept[v][0] is not None else (float(v.split("f=")[1]) if "f=" in v else 1.0)
+        kf = med(kept[v]) if kept[v][0] is not None else (float(v.split("f=")[1].split()[0]) if "f=" in v else 1.0)
         fr = med(forwarded[v]) if v in forwarded else 1.0
         kf = kf * fr  # rows back-propagated, as a fraction of the full batch
         rows.append({"variant": v, "kept": kf, "forwarded": fr, "fwd_ms": fw * 1e3, "bwd_ms": bw * 1e3, "bwd_ratio": bw / B0,
@@ -226,7 +241,7 @@ def main():
     device = torch.cuda.get_device_name() if dev.startswith("cuda") else f"{platform.processor() or platform.machine()} CPU, {torch.get_num_threads()} threads"
     meta = {"device": device, "malloc_tuned": malloc_tuned, "torch": torch.__version__, "model": a.model, "img_size": a.img_size,
             "patch_size": a.patch_size, "batch_size": n, "amp": a.amp, "reps": a.reps, "warmup": a.warmup,
-            "budget": a.budget, "correct_frac": a.correct_frac, "warmup_s": t_compile,
+            "budget": a.budget, "gather": a.gather, "mode": a.mode, "correct_frac": a.correct_frac, "warmup_s": t_compile,
             "command": "python " + " ".join(sys.argv)}
     if vcas_table:
         lines += ["", "VCAS: backward FLOPs counted from the executed graph (aot_eager twin, FlopCounterMode, "

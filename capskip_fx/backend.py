@@ -18,6 +18,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 from . import ops
 from .config import ENV_BUDGET, ENV_OPTIONS, ENV_RULE, CapskipConfig, options_from_env, split_options
 from .passes.batch import Refused
+from .passes.gather_in_graph import check_full_rows_free, gather_in_graph
 from .passes.insert_select import SELECTION_OPS, InsertSelectPass
 from .passes.selected_rows import check_not_specialised, plan_backward
 from .records import BackwardMode, GraphRecord, counters
@@ -110,6 +111,12 @@ def _batch_arg(example_inputs) -> Optional[int]:
     return sym[0] if sym else (tensors[0][0] if tensors else None)
 
 
+def _size_hint(v: torch.Tensor) -> int:
+    """The example's row count (dim 0) as an int."""
+    d = v.shape[0]
+    return int(d.node.hint) if isinstance(d, torch.SymInt) else int(d)
+
+
 def _trace(name: str, payload) -> None:
     """A structured-trace artifact (tlparse shows it beside Inductor's graphs)."""
     torch._logging.trace_structured("artifact", metadata_fn=lambda: {"name": name, "encoding": "string"},
@@ -187,7 +194,7 @@ class CapskipBackend:
         self.records.append(rec)
         counters()["graphs"] += 1
         self._current = rec
-        patches = {"joint_custom_pre_pass": InsertSelectPass(self)}
+        patches = {**self.config.inductor_options(), "joint_custom_pre_pass": InsertSelectPass(self)}
         # AOTAutogradCache keys on graph + Inductor config, not on inner_compile: it once served
         # a dense backward from another config.  Our joint pass and backward must always run.
         with torch._functorch.config.patch(enable_autograd_cache=False):
@@ -228,6 +235,10 @@ class CapskipBackend:
         if self.config.vcas is not None:  # VCAS's backward, or None: the exact one below
             compiled = vcas_backward(self.config, self.state, rec, gm, list(example_inputs) + [w_val], plan.sym,
                                      base, kwargs)
+        in_graph = False
+        if compiled is None and self.config.gather == "graph":
+            compiled = self._gather_in_graph(rec, gm, plan, list(example_inputs) + [w_val], base, kwargs)
+            in_graph = compiled is not None
         if compiled is None:
             compiled = base(gm, list(example_inputs) + [w_val], **kwargs)
         try:
@@ -243,7 +254,30 @@ class CapskipBackend:
         _trace(f"capskip_backward_graph_{rec.index}", lambda: f"# {rec.backward}: {plan.gathered_inputs} gathered "
                f"inputs, reason: {rec.reason}\n" + gm.print_readable(print_output=False))
         return SelectedRowBackward(compiled, plan, self.state, self.config, rec,
-                                   dense_only=rec.backward != BackwardMode.SELECTED, prefix=prefix)
+                                   dense_only=rec.backward != BackwardMode.SELECTED, prefix=prefix, in_graph=in_graph)
+
+    @staticmethod
+    def _gather_in_graph(rec: GraphRecord, gm: fx.GraphModule, plan, example_inputs: list, base, kwargs):
+        """The backward with the row gather / scatter as graph ops (passes/gather_in_graph.py), or None
+        (recorded why) where that rewrite is refused: the caller then compiles the eager-gather graph."""
+        graph = fx.Graph()
+        graph.output(graph.graph_copy(gm.graph, {}))  # a copy: a refusal leaves gm as it was
+        copy = fx.GraphModule(gm, graph)
+        fake = next(v.fake_mode for v in example_inputs if getattr(v, "fake_mode", None) is not None)
+        guards = len(fake.shape_env.guards)
+        try:
+            examples, n_sym = gather_in_graph(copy, plan, example_inputs, _size_hint(example_inputs[-1]) + 1)
+            try:
+                compiled = base(copy, examples, **kwargs)
+            except Exception as e:  # noqa: BLE001  (our rewrite made a graph Inductor rejects: eager gather)
+                raise Refused(f"in-graph gather: compiling failed ({type(e).__name__}: {str(e)[:200]})") from None
+            check_full_rows_free(examples, n_sym, guards)
+        except Refused as e:
+            rec.gather_refused = str(e)
+            return None
+        counters()["gather_in_graph"] += 1
+        rec.gather = "graph"
+        return compiled
 
 
 # -- the string backend: torch.compile(model, backend="capskip"[, options={...}]) ----------------------

@@ -48,6 +48,8 @@ class GraphRecord:
     layouts: dict = field(default_factory=dict, repr=False)  # forward value name -> layout.Layout (joint pass)
     row_counts: set = field(default_factory=set)  # distinct gathered row counts seen
     matmul_shapes: list = field(default_factory=list)  # aot_eager: (op, operand shapes) of the last backward's matmuls
+    gather: str = "eager"  # where the row gather runs: "graph" (ops of the compiled backward) or "eager"
+    gather_refused: Optional[str] = None  # gather="graph" asked, eager used: why
     vcas: Optional[str] = None  # VCAS: segments and sampled matmuls, or why it did not apply
     segmented: bool = False  # the backward runs as VCAS segments (aot_eager: matmul shapes accumulate per pass)
     verified: bool = False  # an informative gathered step matched the dense-masked backward
@@ -61,7 +63,8 @@ class GraphRecord:
         return {"graph": self.index, "nodes": self.nodes, "role": "head" if self.selected else "body" if self.body else "-",
                 "backward": str(self.backward),
                 "reason": self.reason, "gathered_inputs": self.plan.gathered_inputs if self.plan else 0,
-                "row_counts": sorted(self.row_counts), "verified": self.verified, "vcas": self.vcas}
+                "row_counts": sorted(self.row_counts), "verified": self.verified, "vcas": self.vcas,
+                "gather": self.gather if self.gather_refused is None else f"eager ({self.gather_refused})"}
 
 
 def refuse(record: Optional[GraphRecord], reason: str, mode: Optional[BackwardMode] = None) -> None:

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# The one prepared GPU check (<= 10 min on one H200; its timeouts add up to 560 s): run it where a GPU is lent.
-#  1. step-time table: DeiT-S img 224, bf16, N=256, compiled; dense vs capskip forced f in {1, 0.5, 0.35},
-#     the naive alternatives, selection overhead and every rule  -> benchmarks/results/cuda_*.{md,json}
+# The one prepared GPU check (<= 10 min on one H200; its timeouts add up to 590 s): run it where a GPU is lent.
+#  1. step-time table: DeiT-S img 224, bf16, N=256, compiled; dense vs capskip forced f in {1, 0.5, 0.35}
+#     (both gathers), the naive alternatives, selection overhead and every rule  -> benchmarks/results/cuda_*.{md,json}
+#     then the same with CUDA graphs (mode="reduce-overhead", 8 row buckets)  -> $OUT/cudagraphs_check_bench.{md,json}
 #     then VCAS at fixed (rho, nu), both samplers: wall-clock and backward FLOPs  -> $OUT/vcas_check_bench.{md,json}
 #     then host reads and CUDA syncs per step per rule (sync debug mode)  -> $OUT/cuda_host_syncs.{md,json}
 #     then DDP over NCCL with one process: gradients exact, every bucket split on the kept rows
@@ -25,7 +26,7 @@ PY=${PYTHON:-python}
 
 if [[ -n "${TINY:-}" ]]; then
   DEV=cpu AMP=none
-  BENCH=(--device cpu --depth 1 --img-size 32 --patch-size 8 --batch-size 16 --fractions 1 0.5 0.35 --reps 2 --warmup 1
+  BENCH=(--device cpu --depth 1 --img-size 32 --patch-size 8 --batch-size 16 --fractions 1 0.5 0.35 --reps 2 --warmup 1 --compare-gather
          --out "$OUT/tiny_gpu_check_bench")
   TRAIN=(--device cpu --depth 1 --embed-dim 64 --num-heads 2 --img-size 28 --patch-size 7 --batch-size 64)
   PRE=(--train-subset 512 --eval-subset 256 --epochs 1)
@@ -34,7 +35,7 @@ else
   "$PY" -c "import torch; assert torch.cuda.is_available(), 'no GPU'; print(torch.__version__, torch.cuda.get_device_name())"
   DEV=cuda AMP=bf16
   BENCH=(--device cuda --model deit_small_patch16_224 --img-size 224 --patch-size 16 --batch-size 256 --amp bf16
-         --fractions 1 0.5 0.35 --reps 5 --warmup 2)
+         --fractions 1 0.5 0.35 --reps 5 --warmup 2 --compare-gather)
   TRAIN=(--device cuda --model deit_small_patch16_224 --depth 12 --embed-dim 384 --num-heads 6 --img-size 224
          --patch-size 16 --amp bf16 --batch-size 256 --workers 4)
   PRE=(--train-subset 25600 --eval-subset 2000 --epochs 1)   # 100 steps
@@ -44,9 +45,14 @@ fi
 echo "== step-time table"
 timeout 180 "$PY" benchmarks/step_time.py "${BENCH[@]}" || echo "step-time benchmark failed or timed out: $?"
 
+# CUDA graphs (mode="reduce-overhead": capskip's kept-row counts in 8 static buckets, one graph each)
+echo "== CUDA graphs (reduce-overhead)"
+timeout 60 "$PY" benchmarks/step_time.py "${BENCH[@]}" --fractions 1 0.5 --rules capskip --mode reduce-overhead \
+  --out "$OUT/${TINY:+tiny_}cudagraphs_check_bench" || echo "CUDA-graphs benchmark failed or timed out: $?"
+
 # VCAS separately (its own segment compiles; a timeout here must not cost the table above)
 echo "== VCAS step time and backward FLOPs"
-timeout 90 "$PY" benchmarks/step_time.py "${BENCH[@]}" --fractions 1 0.5 --rules \
+timeout 80 "$PY" benchmarks/step_time.py "${BENCH[@]}" --fractions 1 0.5 --rules \
   --vcas 1,1 0.5,1 1,0.5 0.5,0.5 0.5,0.5,bernoulli \
   --out "$OUT/${TINY:+tiny_}vcas_check_bench" || echo "VCAS benchmark failed or timed out: $?"
 
@@ -67,7 +73,7 @@ if [[ ! -f "$CKPT" ]]; then
 fi
 for rule in dense capskip; do
   echo "== fine-tune stage 2 (MNIST, new head): $rule"
-  timeout 65 "$PY" -m capskip_fx.train --config configs/fashion_mnist_tiny.yaml --dataset mnist \
+  timeout 55 "$PY" -m capskip_fx.train --config configs/fashion_mnist_tiny.yaml --dataset mnist \
     --initial-checkpoint "$CKPT" --reset-head --warmup-epochs 0.5 --rule "$rule" --budget 0.3 --check-every 20 \
     "${TRAIN[@]}" "${FT[@]}" --out "$OUT/finetune-$rule$T" || echo "stage 2 $rule failed or timed out: $?"
 done

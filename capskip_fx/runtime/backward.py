@@ -34,9 +34,10 @@ class SelectedRowBackward:
     """The boxed callable AOTAutograd calls as the backward."""
 
     def __init__(self, compiled: Callable, plan, state, config, record, dense_only: bool = False,
-                 prefix: Optional[Callable] = None):
+                 prefix: Optional[Callable] = None, in_graph: bool = False):
         self._boxed_call = True  # instance attr: survives the wrappers AOT puts around us
         self.compiled = compiled
+        self.in_graph = in_graph  # the graph gathers / scatters itself: inputs at n rows, then idx, n
         self.prefix = prefix  # an in-graph loss's backward (dL/dz), run first on all rows
         self.dense_only = dense_only
         self.gathered_steps = 0  # informative gathered steps so far (verify schedule)
@@ -91,7 +92,7 @@ class SelectedRowBackward:
         kb = self.config.bucket(k, n)
         if kb > self.config.gather_below * n or self.dense_only:
             state.set_rows(stats, n)
-            out = self.compiled(list(args) + [weight])
+            out = self._dense(list(args), weight)
             args.clear()
             return out
         # kept rows first; the pad rows are skipped rows and carry weight 0
@@ -100,6 +101,13 @@ class SelectedRowBackward:
         check = self._should_verify(k, n)
         full_args = list(args) if check else None
         lays = self._layout(kb)
+        if self.in_graph:  # the graph gathers and scatters: batch inputs as they are
+            new_args = [lay if s.kind == "symint" else a for a, s, lay in zip(args, p.specs, lays)]
+            args.clear()
+            state.set_rows(stats, kb)
+            rec.row_counts.add(kb)
+            outs = self.compiled(new_args + [w_kb, idx, n])
+            return self._verify(full_args, weight, outs, stats) if check else outs
         gathered = iter(gather_all([a for a, s in zip(args, p.specs) if s.kind == "batch"],
                                    [s for s in p.specs if s.kind == "batch"], idx, n,
                                    [lay for lay, s in zip(lays, p.specs) if s.kind == "batch"]))
@@ -120,6 +128,13 @@ class SelectedRowBackward:
             outs = self._verify(full_args, weight, outs, stats)
         return outs
 
+    def _dense(self, args: list, weight: torch.Tensor, exact: bool = False) -> list:
+        """The graph on all n rows with the rule's weights (dense-masked; ``exact``: VCAS's exact pass)."""
+        if self.in_graph:  # the identity gather (a copy; cheaper than a second compiled graph)
+            n = weight.shape[0]
+            return self.compiled(args + [weight, torch.arange(n, device=weight.device), n])
+        return (getattr(self.compiled, "exact", self.compiled) if exact else self.compiled)(args + [weight])
+
     def _should_verify(self, k: int, n: int) -> bool:
         """Verify on informative steps only (some rows kept, some dropped): the first one, then every
         ``verify_every`` gathered steps if set."""
@@ -137,8 +152,7 @@ class SelectedRowBackward:
     def _verify(self, full_args: list, weight: torch.Tensor, outs: list, stats) -> list:
         """Compare with the same graph on all N rows (dense-masked).  A step whose reference gradients
         are all zero tells nothing: it does not count as verified."""
-        run = getattr(self.compiled, "exact", self.compiled)
-        ref = run(full_args + [weight])
+        ref = self._dense(full_args, weight, exact=True)
         informative = False
         for o, r in zip(outs, ref):
             if isinstance(o, torch.Tensor) and isinstance(r, torch.Tensor) and r.numel():

@@ -1,0 +1,149 @@
+"""Backward-graph pass (``gather="graph"``): the row gather and scatter as ops of the compiled backward.
+
+Input: the graph selected_rows.py produced (every batch-shaped input at ``s`` rows, the kept rows).
+Output: the same graph taking those inputs at ``n`` rows (a new symbol), plus ``idx`` (``s`` kept-row
+indices, int64) and ``n`` itself as new last inputs.  Each batch input is indexed (``aten.index``) on its
+batch dim (split ``(n, factor)`` when flattened batch-major) before its first use, and every batch-shaped
+output is ``index_put`` into zeros of ``n`` rows, so Inductor fuses the gathers into their consumers
+and no eager copy conforms strides.
+
+Invariants: the gathered values equal what the eager gather (rows.gather_all) passes; the body is
+unchanged except that it reads them; every value's meta is re-propagated from the new inputs (the
+gathered rows are contiguous, the saved buffers were not); a graph that reads an input's strides
+(``as_strided``) or that compiling specialised or guarded on ``n`` is refused (the eager gather stays).
+"""
+from __future__ import annotations
+
+import operator
+
+import sympy
+import torch
+from torch import fx
+
+from .batch import Refused
+
+aten = torch.ops.aten
+N_NAME = "capskip_n"
+
+
+def _fake_mode(example_inputs):
+    return next((v.fake_mode for v in example_inputs if getattr(v, "fake_mode", None) is not None), None)
+
+
+def _stride_readers(gm: fx.GraphModule, batch_nodes: list) -> list:
+    """Nodes that read an input's exact strides through views of it (as_strided)."""
+    views = (aten.view.default, aten.permute.default, aten.expand.default, aten.slice.Tensor, aten.select.int,
+             aten.t.default, aten.transpose.int, aten.unsqueeze.default, aten.squeeze.dim, aten.alias.default)
+    seen, stack, out = set(), list(batch_nodes), []
+    while stack:
+        n = stack.pop()
+        for u in n.users:
+            if u.target in (aten.as_strided.default, aten.as_strided_.default):
+                out.append(u)
+            elif u.target in views and u not in seen:
+                seen.add(u)
+                stack.append(u)
+    return out
+
+
+def gather_in_graph(gm: fx.GraphModule, plan, example_inputs: list, n_hint: int):
+    """Rewrite ``gm`` (inputs ``example_inputs + [w]``) in place; returns the new example inputs
+    (``[... full-size batch inputs ..., w, idx, n]``) and the new symbol.  Raises Refused."""
+    fake_mode = _fake_mode(example_inputs)
+    env = getattr(fake_mode, "shape_env", None)
+    if env is None:
+        raise Refused("in-graph gather: no shape environment to add the full batch symbol to")
+    from torch._dynamo.source import ConstantSource
+    from torch.fx.experimental.symbolic_shapes import DimDynamic
+    from torch.fx.passes.fake_tensor_prop import FakeTensorProp
+
+    placeholders = list(gm.graph.find_nodes(op="placeholder"))
+    batch = [(p, s) for p, s in zip(placeholders, plan.specs) if s.kind == "batch"]
+    if readers := _stride_readers(gm, [p for p, _ in batch]):
+        raise Refused(f"in-graph gather: {readers[0].name} reads a saved input's strides (as_strided)")
+    sym = plan.sym
+    # a distinct hint: nothing may conflate the full and the kept row counts while compiling
+    n_sym = env.create_symbol(n_hint, source=ConstantSource(f"capskip_full_rows_{sym}"),
+                              dynamic_dim=DimDynamic.DYNAMIC)
+    n_int = env.create_symintnode(n_sym, hint=n_hint)
+
+    def at_n(e: sympy.Expr):
+        e = sympy.sympify(e).xreplace({sym: n_sym})
+        return int(e) if not e.free_symbols else env.create_symintnode(e, hint=int(e.xreplace({n_sym: n_hint})))
+
+    examples = list(example_inputs)
+    with fake_mode:
+        for i, (p, s) in enumerate(zip(placeholders, plan.specs)):
+            if s.kind == "batch":
+                v = example_inputs[i]
+                examples[i] = torch.empty_strided([at_n(e) for e in s.sizes], [at_n(e) for e in s.strides],
+                                                  dtype=v.dtype, device=v.device, requires_grad=False)
+        kept = example_inputs[-1].shape[0]  # w: the kept rows (s)
+        idx_val = torch.empty(kept, dtype=torch.int64, device=example_inputs[-1].device)
+    g = gm.graph
+    last = placeholders[-1]
+    with g.inserting_after(last):
+        n_node = g.placeholder(N_NAME)
+    with g.inserting_after(last):
+        idx = g.placeholder("capskip_idx")
+    n_node.meta["val"], idx.meta["val"] = n_int, idx_val
+    with g.inserting_after(n_node):
+        k_node = g.call_function(aten.sym_size.int, (idx, 0))
+    k_node.meta["val"] = kept
+    with g.inserting_before(k_node.next):  # in order, before the body
+        for p, s in batch:
+            users = list(p.users)
+            if s.factor == 1:
+                got = g.call_function(aten.index.Tensor, (p, [None] * s.dim + [idx]))
+            else:
+                split = g.call_function(aten.view.default, (p, _with_rows(p, s.dim, [n_node, s.factor])))
+                sel = g.call_function(aten.index.Tensor, (split, [None] * s.dim + [idx]))
+                flat = g.call_function(operator.mul, (k_node, s.factor))
+                got = g.call_function(aten.view.default, (sel, _with_rows(p, s.dim, [flat])))
+            for u in users:
+                u.replace_input_with(p, got)
+    # the body's views were valid on the saved buffers' strides; the gathered rows are contiguous, so
+    # a view may need a copy there (Inductor lowers view and reshape alike; eager graphs copy if needed)
+    body_views = [n for n in g.nodes if n.target in (aten.view.default, aten._unsafe_view.default)]
+    for v in body_views:
+        v.target = aten.reshape.default
+    out = g.output_node()
+    outs = list(out.args[0])
+    for j, (o, s) in enumerate(zip(outs, plan.out_specs)):
+        if s is None or s.kind != "batch" or not isinstance(o, fx.Node):
+            continue
+        with g.inserting_before(out):
+            v = o.meta["val"]
+            zeros = g.call_function(aten.full.default, (_with_rows(o, s.dim, [n_node, s.factor]), 0),
+                                    {"dtype": v.dtype, "device": v.device, "layout": torch.strided,
+                                     "pin_memory": False})
+            y = g.call_function(aten.reshape.default, (o, _with_rows(o, s.dim, [k_node, s.factor])))
+            full = g.call_function(aten.index_put.default, (zeros, [None] * s.dim + [idx], y))
+            flat = g.call_function(operator.mul, (n_node, s.factor))
+            outs[j] = g.call_function(aten.reshape.default, (full, _with_rows(o, s.dim, [flat])))
+    out.args = (type(out.args[0])(outs),)
+    g.lint()
+    gm.recompile()
+    examples += [idx_val, n_int]
+    try:
+        FakeTensorProp(gm, mode=fake_mode).propagate_dont_convert_inputs(*examples)
+    except Exception as e:  # noqa: BLE001  (any op that cannot take the gathered layout)
+        raise Refused(f"in-graph gather: re-propagating shapes failed ({type(e).__name__}: {e})") from None
+    return examples, n_sym
+
+
+def _with_rows(node: fx.Node, dim: int, rows: list) -> list:
+    """``node``'s sizes (static but for the batch dim) with its batch dim replaced by ``rows``."""
+    shape = list(node.meta["val"].shape)
+    return shape[:dim] + rows + shape[dim + 1:]
+
+
+def check_full_rows_free(example_inputs, n_sym: sympy.Symbol, guards_before: int) -> None:
+    """Refuse if compiling fixed the full row count or guarded on it (the graph would be wrong at others)."""
+    fake_mode = _fake_mode(example_inputs)
+    env = fake_mode.shape_env
+    if n_sym in env.replacements:
+        raise Refused(f"in-graph gather: compiling replaced the full row count by {env.replacements[n_sym]}")
+    new = [g.expr for g in env.guards[guards_before:] if n_sym in g.expr.free_symbols]
+    if new:
+        raise Refused(f"in-graph gather: compiling guarded on the full row count ({new[0]})")
