@@ -51,8 +51,8 @@ def parse():
                         "sampler systematic (default) or bernoulli), e.g. "
                         "1,1 0.5,1 1,0.5 0.5,0.5 0.5,0.5,bernoulli; run them in their own process (--rules --fractions 1 0.5): "
                         "a second compiled model with different allocation sizes slows the others' gathers")
-    p.add_argument("--gather", choices=["graph", "eager"], default="graph",
-                   help="the capskip model's row gather (graph: ops of the compiled backward, the default)")
+    p.add_argument("--gather", choices=["eager", "graph"], default="eager",
+                   help="the capskip model's row gather (eager, the default; graph: ops of the compiled backward)")
     p.add_argument("--mode", default=None,
                    help="torch.compile mode for dense and capskip alike (reduce-overhead: CUDA graphs, capskip buckets=8)")
     p.add_argument("--compare-gather", action="store_true",

@@ -33,11 +33,13 @@ class CapskipConfig:
     gather_below: run the gathered backward only when it runs on at most this fraction of the
                 rows; above it the gathers cost more than the skipped rows save, so the backward
                 runs on all N rows with the skipped rows' weight 0 (same result).
-    gather:     where the kept rows are gathered: "graph" (default: the kept-row index is an input of the
-                compiled backward and the gathers / scatters are its ops, which Inductor fuses; falls
-                back to "eager" per graph where that rewrite is refused; 2-5 % faster backward on CPU,
-                benchmarks/results) or "eager" (index_select before the compiled backward, row blocks
-                of shared buffers copied once; always with VCAS).
+    gather:     where the kept rows are gathered: "eager" (default: index_select before the compiled
+                backward, row blocks of shared buffers copied once) or "graph" (the kept-row index and N
+                are inputs of the compiled backward, whose own ops gather and scatter, fused by Inductor;
+                falls back to "eager" per graph where that rewrite is refused; not with VCAS).  On CPU
+                neither is faster at f <= 0.5 (within 3 %), and "graph" copies every saved activation
+                on steps that keep > gather_below of the rows (benchmarks/results): the GPU check
+                compares them where kernel launches count.
     verify:     on each graph's first informative gathered step (0 < kept < N, nonzero gradient) also run
                 the dense-masked backward and compare; on mismatch, run dense-masked from then on.  A spot
                 check: the batch layout itself is proven from the graph before the first step.
@@ -57,7 +59,7 @@ class CapskipConfig:
     mode: Optional[str] = None
     min_rows: int = 2
     gather_below: float = 0.9
-    gather: str = "graph"
+    gather: str = "eager"
     verify: bool = True
     verify_every: Optional[int] = None
     on_coupling: str = "dense"

@@ -380,7 +380,7 @@ def specs(draw, ops=ROWWISE, extra=(), pos=False, mask_kw=False, breaks=False, m
 KINDS = ("none", "all", "some", "some", "one", "prefix")
 plans = st.lists(st.tuples(st.sampled_from(KINDS), st.booleans(), st.integers(0, 2**16)), min_size=1, max_size=4)
 OPTIONS = st.sampled_from([{}, {}, {"granule": 2}, {"gather_below": 1.0}, {"granule": 4, "gather_below": 1.0},
-                           {"min_rows": 1}, {"gather": "eager"}, {"gather": "eager", "granule": 2}])
+                           {"min_rows": 1}, {"gather": "graph"}, {"gather": "graph", "granule": 2}])
 
 
 # ----------------------------------------------------------------------------------------------
@@ -721,8 +721,8 @@ def test_fuzz_graph_breaks(spec, plan, steps):
 @given(spec=specs(breaks=None, max_depth=2), plan=plans, steps=single_steps(), granule=st.sampled_from([1, 2]),
        gather=st.sampled_from(["graph", "eager"]))
 def test_fuzz_gather_modes(spec, plan, steps, granule, gather):
-    """Both gathers: "graph" (the default: the kept-row gather and the input-gradient scatter as ops
-    of the compiled backward, views in the body turned into reshapes) and "eager", on random row-wise
+    """Both gathers: "graph" (the kept-row gather and the input-gradient scatter as ops of the
+    compiled backward, views in the body turned into reshapes) and "eager" (the default), on random row-wise
     models, graph breaks included: exact or dense with a reason; a refused in-graph rewrite keeps the
     eager gather."""
     run_single_forward_steps(spec, plan, steps, {"gather": gather, "granule": granule})
