@@ -159,7 +159,7 @@ class Built:
 
     kind: str  # "forward", "dense" (plain or _DenseBackward) or "rows" (SelectedRowBackward)
     record: dict = field(default_factory=dict)  # _RECORD_FIELDS of the GraphRecord
-    head_bias: bool = True
+    head_bias: Optional[bool] = None  # the head graph's (the state's is set by the graph that found the head)
     out_idx: list = field(default_factory=list)
     training: bool = True
     batch_arg: Optional[int] = None
@@ -229,11 +229,11 @@ class CapskipBackend:
         if self._aot_cache():  # a hit rebuilds our wrappers around the served graphs
             patches["cudagraph_policy"] = aot_cache.RebuildPolicy(functools.partial(self._rebuild, rec),
                                                                   lambda: self._inner_depth > 0)
-            off = contextlib.nullcontext()
+            cache = contextlib.nullcontext()
         else:  # a hit would skip our inner compile: no wrappers, a dense backward
-            off = torch._functorch.config.patch(enable_autograd_cache=False)
+            cache = torch._functorch.config.patch(enable_autograd_cache=False)
         hits = torch_counters["aot_autograd"]["autograd_cache_hit"]
-        with off:
+        with cache:
             out = compile_fx(gm, example_inputs, inner_compile=functools.partial(self._inner, rec),
                              config_patches=patches)
         if torch_counters["aot_autograd"]["autograd_cache_hit"] > hits and not rec.cached:
@@ -269,7 +269,7 @@ class CapskipBackend:
         if built is None:  # nothing a description can rebuild: AOTAutograd must not store it
             return compiled if isinstance(compiled, _RaiseOnCall) else _Keyless(compiled)
         built.record = {f: getattr(rec, f) for f in _RECORD_FIELDS}
-        built.head_bias = self.state.head_bias
+        built.head_bias = self.state.head_bias if rec.selected else None
         key = getattr(compiled, "_fx_graph_cache_key", None)
         if key is not None and aot_cache.installed():  # AOTAutogradCache is on for this compile
             aot_cache.save(key, built)
@@ -285,7 +285,8 @@ class CapskipBackend:
         if reason and rec.reason is None:  # once per graph, as on a compile
             rec.refuse(reason)
             self.on_refused(reason)
-        self.state.head_bias = built.head_bias
+        if built.head_bias is not None:
+            self.state.head_bias = built.head_bias
         rec.cached = True
         if built.kind == "rows":
             rec.plan = built.plan
