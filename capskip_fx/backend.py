@@ -6,21 +6,23 @@ rewrote and why it refused (``records``), like Thunder's backend.
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import sys
 import weakref
+from dataclasses import dataclass, field
 from typing import Any, Optional
 
 import torch
 from torch import fx
 from torch.utils.weak import WeakIdKeyDictionary
 
-from . import ops
+from . import aot_cache, ops
 from .config import ENV_BUDGET, ENV_OPTIONS, ENV_RULE, CapskipConfig, options_from_env, split_options
 from .passes.batch import Refused
 from .passes.gather_in_graph import check_full_rows_free, gather_in_graph
 from .passes.insert_select import SELECTION_OPS, InsertSelectPass
-from .passes.selected_rows import check_not_specialised, plan_backward
+from .passes.selected_rows import BackwardPlan, check_not_specialised, plan_backward
 from .records import BackwardMode, GraphRecord, counters
 from .rules import build_rule
 from .runtime.backward import SelectedRowBackward
@@ -136,6 +138,43 @@ class _RaiseOnCall:
         raise ValueError(self.message)
 
 
+class _Keyless:
+    """A compiled graph AOTAutogradCache must not store (its key hidden: graph_compile.py _should_save_cache)."""
+
+    _fx_graph_cache_key = None
+
+    def __init__(self, compiled):
+        self._boxed_call = True
+        self.compiled = compiled
+
+    def __call__(self, args):
+        return self.compiled(args)
+
+    def __getattr__(self, name):
+        return getattr(self.compiled, name)
+
+
+#: the GraphRecord fields the passes set at compile time (the rest is filled in at run time)
+_RECORD_FIELDS = ("selected", "body", "no_head", "coupled", "masked_tangents", "in_graph_loss", "backward", "reason",
+                  "gather", "gather_refused")
+
+
+@dataclass
+class Built:
+    """What ``_inner`` built around one compiled graph: enough to build it again around the same graph
+    served by AOTAutogradCache (stored beside Inductor's cache, aot_cache.py).  Nothing per model: the
+    wrappers are rebuilt for the compiling backend's state."""
+
+    kind: str  # "forward", "dense" (plain or _DenseBackward) or "rows" (SelectedRowBackward)
+    record: dict = field(default_factory=dict)  # _RECORD_FIELDS of the GraphRecord
+    head_bias: Optional[bool] = None  # the head graph's (the state's is set by the graph that found the head)
+    out_idx: list = field(default_factory=list)
+    training: bool = True
+    batch_arg: Optional[int] = None
+    plan: Optional[BackwardPlan] = None
+    in_graph: bool = False  # the backward gathers / scatters itself (gather="graph")
+
+
 def _batch_outputs(gm: fx.GraphModule) -> list[int]:
     """User-visible forward outputs with the batch symbol as dim 0 (not saved activations: one of
     those may be the user's input tensor, and tagging it would fail Dynamo's guard next step)."""
@@ -188,6 +227,7 @@ class CapskipBackend:
         return any(r.selected for r in self.records)
 
     def __call__(self, gm: fx.GraphModule, example_inputs, **kwargs):
+        from torch._dynamo.utils import counters as torch_counters
         from torch._inductor.compile_fx import compile_fx
 
         rec = GraphRecord(index=len(self.records), nodes=len(gm.graph.nodes))
@@ -195,11 +235,33 @@ class CapskipBackend:
         counters()["graphs"] += 1
         self._current = rec
         patches = {**self.config.inductor_options(), "joint_custom_pre_pass": InsertSelectPass(self)}
-        # AOTAutogradCache keys on graph + Inductor config, not on inner_compile: it once served
-        # a dense backward from another config.  Our joint pass and backward must always run.
-        with torch._functorch.config.patch(enable_autograd_cache=False):
-            return compile_fx(gm, example_inputs, inner_compile=functools.partial(self._inner, rec),
-                              config_patches=patches)
+        if self._aot_cache():  # a hit rebuilds our wrappers around the served graphs
+            patches["cudagraph_policy"] = aot_cache.RebuildPolicy(functools.partial(self._rebuild, rec),
+                                                                  lambda: self._inner_depth > 0)
+            cache = contextlib.nullcontext()
+        else:  # a hit would skip our inner compile: no wrappers, a dense backward
+            cache = torch._functorch.config.patch(enable_autograd_cache=False)
+        hits = torch_counters["aot_autograd"]["autograd_cache_hit"]
+        with cache:
+            out = compile_fx(gm, example_inputs, inner_compile=functools.partial(self._inner, rec),
+                             config_patches=patches)
+        if torch_counters["aot_autograd"]["autograd_cache_hit"] > hits and not rec.cached:
+            raise RuntimeError("capskip_fx: AOTAutogradCache served a graph without calling the cache policy "
+                               f"that rebuilds capskip's backward (torch {torch.__version__}); set "
+                               "TORCHINDUCTOR_AUTOGRAD_CACHE=0 and report this torch version")
+        return out
+
+    _inner_depth = 0  # > 0 while _inner runs
+
+    def _aot_cache(self) -> bool:
+        """Whether AOTAutogradCache may serve this backend's graphs: Inductor graphs whose wrappers we can
+        describe (not VCAS: its backward is several graphs and calls back into a per-model runner), and
+        no CUDA graphs / user cudagraph policy (ours would replace it)."""
+        from torch._inductor import config as inductor_config
+
+        return (aot_cache.available() and self.config.backend == "inductor" and self.config.vcas is None
+                and inductor_config.cudagraph_policy is None and not inductor_config.triton.cudagraphs
+                and not self.config.inductor_options().get("triton.cudagraphs", False))
 
     def _base(self, rec: GraphRecord):
         if self.config.backend == "inductor":
@@ -208,25 +270,71 @@ class CapskipBackend:
         return functools.partial(_eager_inner, record=rec)
 
     def _inner(self, rec: GraphRecord, gm: fx.GraphModule, example_inputs, **kwargs):
+        """Inductor's inner compile: our passes, compile, wrap; describe the wrappers for AOTAutogradCache."""
+        self._inner_depth += 1
+        try:
+            compiled, built = self._compile(rec, gm, example_inputs, kwargs)
+        finally:
+            self._inner_depth -= 1
+        if built is None:  # nothing a description can rebuild: AOTAutograd must not store it
+            return compiled if isinstance(compiled, _RaiseOnCall) else _Keyless(compiled)
+        built.record = {f: getattr(rec, f) for f in _RECORD_FIELDS}
+        built.head_bias = self.state.head_bias if rec.selected else None
+        key = getattr(compiled, "_fx_graph_cache_key", None)
+        if key is not None and aot_cache.installed():  # AOTAutogradCache is on for this compile
+            aot_cache.save(key, built)
+        return self._wrap(rec, built, compiled)
+
+    def _rebuild(self, rec: GraphRecord, built: Built, compiled):
+        """A graph served by AOTAutogradCache: the record and wrappers ``_inner`` made for it, for this
+        backend's state."""
+        reason = built.record.get("reason")
+        for f, v in built.record.items():
+            if f != "reason":
+                setattr(rec, f, v)
+        if reason and rec.reason is None:  # once per graph, as on a compile
+            rec.refuse(reason)
+            self.on_refused(reason)
+        if built.head_bias is not None:
+            self.state.head_bias = built.head_bias
+        rec.cached = True
+        if built.kind == "rows":
+            rec.plan = built.plan
+            if rec.backward == BackwardMode.SELECTED:
+                counters()["rewritten"] += 1
+            self.state.variants += 1
+            counters()["variants"] += 1
+        return self._wrap(rec, built, compiled)
+
+    def _wrap(self, rec: GraphRecord, built: Built, compiled):
+        if built.kind == "forward":
+            wrapper = _Forward(compiled, built.out_idx, built.training)
+        elif built.kind == "dense":
+            wrapper = _DenseBackward(compiled, self.state, rec.reason, built.batch_arg) if rec.reason else compiled
+        else:
+            wrapper = SelectedRowBackward(compiled, built.plan, self.state, self.config, rec,
+                                          dense_only=rec.backward != BackwardMode.SELECTED, in_graph=built.in_graph)
+        return aot_cache.carry_cache_attrs(wrapper, compiled)
+
+    def _compile(self, rec: GraphRecord, gm: fx.GraphModule, example_inputs, kwargs) -> tuple[Any, Optional[Built]]:
+        """(the compiled graph, or our wrapper where it cannot be described; its description or None)."""
         base = self._base(rec)
         if not kwargs.get("is_backward", False):
             if rec.error is not None:
-                return _RaiseOnCall(rec.error)
+                return _RaiseOnCall(rec.error), None
             out_idx = _batch_outputs(gm)
             compiled = base(gm, example_inputs, **kwargs)
-            return _Forward(compiled, out_idx, training=rec.backward != BackwardMode.INFERENCE)
+            return compiled, Built("forward", out_idx=out_idx, training=rec.backward != BackwardMode.INFERENCE)
         _no_donated_buffers()
         if not any(n.target in SELECTION_OPS for n in gm.graph.nodes):
             rec.backward = BackwardMode.DENSE
-            compiled = base(gm, example_inputs, **kwargs)
-            return _DenseBackward(compiled, self.state, rec.reason, _batch_arg(example_inputs)) if rec.reason \
-                else compiled
+            return base(gm, example_inputs, **kwargs), Built("dense", batch_arg=_batch_arg(example_inputs))
         try:
             gm, plan, w_val, example_inputs = plan_backward(gm, example_inputs, rec.layouts)
         except Refused as e:
             rec.refuse(str(e), BackwardMode.DENSE_MASKED)
             self.on_refused(str(e))
-            return base(gm, example_inputs, **kwargs)
+            return base(gm, example_inputs, **kwargs), None  # its graph calls select(..., key): this model's
         rec.plan = plan
         prefix = None
         if plan.prefix is not None:  # an in-graph loss: its backward runs first, on all rows
@@ -235,6 +343,7 @@ class CapskipBackend:
         if self.config.vcas is not None:  # VCAS's backward, or None: the exact one below
             compiled = vcas_backward(self.config, self.state, rec, gm, list(example_inputs) + [w_val], plan.sym,
                                      base, kwargs)
+        vcas = compiled is not None
         in_graph = False
         if compiled is None and self.config.gather == "graph":
             compiled = self._gather_in_graph(rec, gm, plan, list(example_inputs) + [w_val], base, kwargs)
@@ -253,8 +362,11 @@ class CapskipBackend:
         counters()["variants"] += 1
         _trace(f"capskip_backward_graph_{rec.index}", lambda: f"# {rec.backward}: {plan.gathered_inputs} gathered "
                f"inputs, reason: {rec.reason}\n" + gm.print_readable(print_output=False))
-        return SelectedRowBackward(compiled, plan, self.state, self.config, rec,
-                                   dense_only=rec.backward != BackwardMode.SELECTED, prefix=prefix, in_graph=in_graph)
+        if prefix is None and not vcas:
+            return compiled, Built("rows", plan=plan, in_graph=in_graph)
+        return SelectedRowBackward(compiled, plan, self.state, self.config, rec,  # several graphs: not described
+                                   dense_only=rec.backward != BackwardMode.SELECTED, prefix=prefix,
+                                   in_graph=in_graph), None
 
     @staticmethod
     def _gather_in_graph(rec: GraphRecord, gm: fx.GraphModule, plan, example_inputs: list, base, kwargs):

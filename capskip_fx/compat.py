@@ -63,3 +63,19 @@ def check() -> None:
             f"capskip_fx cannot run on torch {torch.__version__}: internals it relies on have moved or are "
             f"missing:\n  - " + "\n  - ".join(gone) + f"\nTested with torch {', '.join(TESTED)}; install one "
             "of those (pip install 'torch>=2.11,<2.16') or report this torch version.")
+
+
+def aot_cache_hook():
+    """``(CUDAGraphPolicy, cache_dir)`` if this torch has them, else None.  Inductor calls the policy's
+    ``wrap_output`` on every OutputCode it post-compiles, also when AOTAutogradCache serves a graph
+    (aot_autograd_result.py, ``FxGraphCacheLoadable.post_compile``): where the backend rebuilds its wrappers
+    on a hit (aot_cache.py).  None: the backend keeps AOTAutogradCache off for its graphs (slower, not wrong)."""
+    try:
+        from torch._inductor import config
+        from torch._inductor.cudagraph_utils import CUDAGraphPolicy
+        from torch._inductor.runtime.runtime_utils import cache_dir
+    except ImportError:
+        return None
+    if not (hasattr(config, "cudagraph_policy") and hasattr(CUDAGraphPolicy, "wrap_output")):
+        return None
+    return CUDAGraphPolicy, cache_dir

@@ -55,6 +55,7 @@ class GraphRecord:
     verified: bool = False  # an informative gathered step matched the dense-masked backward
     checks: int = 0  # verify comparisons run
     error: Optional[str] = None  # on_coupling="error": raised at this graph's first forward
+    cached: bool = False  # served by AOTAutogradCache: the wrappers were rebuilt from their stored description
 
     def refuse(self, reason: str, mode: Optional[BackwardMode] = None) -> None:
         refuse(self, reason, mode)

@@ -1,6 +1,8 @@
 """Caching (issue 14.4): the pass uuid is the graph-side source plus the config, so Inductor's FX graph
-cache serves our graphs across processes; a served graph still runs the selection (the selected-row
-runtime is rebuilt around it at every compile), and its gradients stay exact."""
+cache and AOTAutogradCache serve our graphs across processes and models; a served graph still runs the
+selection (the backend rebuilds its wrappers around it from their stored description, for the compiling
+model's state), and its gradients stay exact.  Graphs that call back into one model (registry key) and
+VCAS configs are never stored in AOTAutogradCache."""
 from __future__ import annotations
 
 import json
@@ -9,14 +11,16 @@ import subprocess
 import sys
 import textwrap
 
+import pytest
+
 from capskip_fx.config import CapskipConfig
 from capskip_fx.passes import insert_select
 from capskip_fx.passes.insert_select import InsertSelectPass
 
 
 class _Backend:  # what the pass reads of the backend
-    def __init__(self, key, config):
-        self.key, self.config = key, config
+    def __init__(self, key, config, logits_index=None):
+        self.key, self.config, self.logits_index = key, config, logits_index
 
 
 def test_uuid_is_source_and_config_not_the_registry_key(tmp_path, monkeypatch):
@@ -24,6 +28,7 @@ def test_uuid_is_source_and_config_not_the_registry_key(tmp_path, monkeypatch):
     assert a == InsertSelectPass(_Backend(2, CapskipConfig())).uuid()  # another process numbers keys anew
     assert a != InsertSelectPass(_Backend(1, CapskipConfig(gather_below=0.5))).uuid()
     assert a != InsertSelectPass(_Backend(1, CapskipConfig(vcas=True))).uuid()
+    assert a != InsertSelectPass(_Backend(1, CapskipConfig(), logits_index=1)).uuid()  # another head
     files = insert_select.source_files()
     assert any(f.endswith(os.path.join("passes", "insert_select.py")) for f in files)
     assert not any("train" in f.split(os.sep) for f in files)
@@ -38,36 +43,124 @@ def test_uuid_is_source_and_config_not_the_registry_key(tmp_path, monkeypatch):
 
 
 _CHILD = textwrap.dedent("""
-    import json, sys, torch, torch.nn as nn, torch.nn.functional as F
+    import json, os, sys, torch, torch.nn as nn, torch.nn.functional as F
     import capskip_fx
     from torch._dynamo.utils import counters
     sys.path.insert(0, "tests")
     from conftest import max_rel_err
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(6, 16), nn.GELU(), nn.Linear(16, 5))
-    cm = capskip_fx.compile(model, rule="forced", keep=0.5, backend="inductor")
+    cm = capskip_fx.compile(model, rule="forced", keep=0.5, backend="inductor", gather=os.environ["GATHER"])
     x, y = torch.randn(12, 6), torch.randint(0, 5, (12,))
-    F.cross_entropy(cm(x), y).backward()
+    loss = F.cross_entropy(cm(x), y)
+    loss.backward(retain_graph=True)  # a served graph keeps our no-donated-buffers metadata
     st = capskip_fx.stats(cm)
     got = {k: p.grad.clone() for k, p in model.named_parameters()}
+    loss.backward()
     model.zero_grad()
     (F.cross_entropy(model(x), y, reduction="none") * st.weight).mean().backward()
     ref = {k: p.grad.clone() for k, p in model.named_parameters()}
+    with torch.no_grad():  # an inference graph
+        same = torch.allclose(cm(x), model(x), atol=1e-6)
+    aot = counters["aot_autograd"]
     print(json.dumps({"hit": counters["inductor"]["fxgraph_cache_hit"], "miss": counters["inductor"]["fxgraph_cache_miss"],
+                      "aot_hit": aot["autograd_cache_hit"], "aot_saved": aot["autograd_cache_saved"],
+                      "cached": [r.cached for r in cm.backend.records], "same": same,
+                      "gather": [r.gather for r in cm.backend.records if r.plan is not None],
                       "rows": st.rows, "kept": st.kept, "err": max_rel_err(got, ref)}))
 """)
 
 
-def test_restart_serves_cached_graphs_and_still_selects(tmp_path):
-    env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=str(tmp_path / "cache"), OMP_NUM_THREADS="1")
+def _run(code: str, tmp_path, gather: str = "eager") -> dict:
+    env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=str(tmp_path / "cache"), OMP_NUM_THREADS="1", GATHER=gather)
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    runs = []
-    for _ in range(2):
-        r = subprocess.run([sys.executable, "-c", _CHILD], env=env, cwd=root, capture_output=True, text=True,
-                           timeout=600)
-        assert r.returncode == 0, r.stderr[-3000:]
-        runs.append(json.loads(r.stdout.strip().splitlines()[-1]))
-    cold, warm = runs
-    assert cold["miss"] >= 2 and warm["miss"] == 0 and warm["hit"] >= 2, runs  # forward and backward served
+    r = subprocess.run([sys.executable, "-c", code], env=env, cwd=root, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("gather", ["eager", "graph"])
+def test_restart_serves_cached_graphs_and_still_selects(tmp_path, gather):
+    cold, warm = runs = [_run(_CHILD, tmp_path, gather) for _ in range(2)]
+    assert cold["miss"] >= 3 and cold["aot_saved"] == 2 and cold["cached"] == [False, False], runs
+    # AOTAutograd serves both graphs (training, inference) with our wrappers rebuilt; no Inductor compile
+    assert warm["aot_hit"] == 2 and warm["cached"] == [True, True] and warm["miss"] == 0 and warm["hit"] >= 3, runs
     for r in runs:  # the served backward still runs on the kept rows only, exactly
-        assert r["kept"] == 6 and r["rows"] == 6 and r["err"] < 1e-5, runs
+        assert r["kept"] == 6 and r["rows"] == 6 and r["err"] < 1e-5 and r["same"], runs
+        assert r["gather"] == [gather], runs  # a served in-graph gather is rebuilt as one
+
+
+_WARM = textwrap.dedent("""
+    import json, sys, torch, torch.nn as nn, torch.nn.functional as F
+    import capskip_fx
+    import capskip_fx.backend as backend
+    from capskip_fx.passes.batch import Refused
+    from torch._dynamo.utils import counters
+    sys.path.insert(0, "tests")
+    from conftest import max_rel_err
+    x, y = torch.randn(12, 6), torch.randint(0, 5, (12,))
+    KEYS = ("autograd_cache_hit", "autograd_cache_miss", "autograd_cache_saved")
+
+    def step(model, cm):
+        model.zero_grad()
+        F.cross_entropy(cm(x), y).backward()
+        st = capskip_fx.stats(cm)
+        got = {k: p.grad.clone() for k, p in model.named_parameters()}
+        model.zero_grad()
+        (F.cross_entropy(model(x), y, reduction="none") * st.weight).mean().backward()
+        ref = {k: p.grad.clone() for k, p in model.named_parameters()}
+        return {"rows": st.rows, "kept": st.kept, "err": max_rel_err(got, ref)}
+
+    def run(keep, bn=False, **opts):
+        torch.manual_seed(0)
+        layers = [nn.Linear(6, 16)] + ([nn.BatchNorm1d(16)] if bn else []) + [nn.GELU(), nn.Linear(16, 5)]
+        model = nn.Sequential(*layers)
+        cm = capskip_fx.compile(model, rule="forced", keep=keep, backend="inductor", **opts)
+        before = {k: counters["aot_autograd"][k] for k in KEYS}
+        out = step(model, cm) if not bn else {}
+        if bn:
+            F.cross_entropy(cm(x), y).backward()
+        out.update({k: counters["aot_autograd"][k] - before[k] for k in KEYS})
+        out["cached"] = [r.cached for r in cm.backend.records]
+        out["report"] = [(str(r.backward), r.reason) for r in cm.backend.records]
+        out["fallback"] = capskip_fx.stats(cm).fallback
+        return out, (model, cm)
+
+    out = {}
+    out["a"], a = run(0.5)
+    out["b"], _ = run(0.25)                      # same config, another model and rule state: served
+    out["a_again"] = step(*a)                    # the first model keeps its own state
+    out["c"], _ = run(0.5, gather_below=0.95)    # another config: not served
+    out["bn1"], _ = run(0.5, bn=True)            # refused by the joint pass: dense, with its reason
+    out["bn2"], _ = run(0.5, bn=True)
+    out["v1"], _ = run(0.5, vcas=True)           # VCAS: AOTAutogradCache off
+    out["v2"], _ = run(0.25, vcas=True)
+    backend.plan_backward = lambda *a, **k: (_ for _ in ()).throw(Refused("test: refused plan"))
+    out["d"], _ = run(0.5, gather_below=0.8)     # its backward calls select(..., key): never stored
+    out["e"], _ = run(0.25, gather_below=0.8)
+    backend.aot_cache.RebuildPolicy.wrap_output = lambda self, graph: graph  # a torch whose hit skips the hook
+    try:
+        run(0.5)
+    except Exception as e:
+        out["skipped_hook"] = str(e)
+    print(json.dumps(out))
+""")
+
+
+def test_warm_process_serves_other_models_their_own_state(tmp_path):
+    r = _run(_WARM, tmp_path)
+    hit, miss, saved = "autograd_cache_hit", "autograd_cache_miss", "autograd_cache_saved"
+    assert r["a"][saved] == 1 and r["a"]["cached"] == [False] and (r["a"]["rows"], r["a"]["kept"]) == (6, 6), r
+    assert r["b"][hit] == 1 and r["b"]["cached"] == [True] and (r["b"]["rows"], r["b"]["kept"]) == (3, 3), r
+    assert (r["a_again"]["rows"], r["a_again"]["kept"]) == (6, 6), r
+    assert r["c"][hit] == 0 and r["c"][miss] == 1, r
+    assert r["bn1"][saved] == 1 and r["bn2"][hit] == 1 and r["bn2"]["cached"] == [True], r
+    assert r["bn2"]["report"] == r["bn1"]["report"] and r["bn1"]["report"][0][0] == "dense", r
+    assert r["bn2"]["fallback"] == r["bn1"]["fallback"] and "cross-example" in r["bn2"]["fallback"], r
+    for k in ("v1", "v2"):
+        assert r[k][hit] == r[k][miss] == r[k][saved] == 0, r
+    assert r["d"][saved] == 0 and r["e"][hit] == 0, r  # the second model runs its own select
+    assert (r["d"]["rows"], r["d"]["kept"]) == (12, 6) and (r["e"]["rows"], r["e"]["kept"]) == (12, 3), r
+    assert "AOTAutogradCache served a graph without" in r["skipped_hook"], r  # loud, never silently dense
+    for k in ("a", "b", "a_again", "c", "v1", "v2", "d", "e"):
+        assert r[k]["err"] < 1e-5, (k, r)

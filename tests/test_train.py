@@ -47,7 +47,8 @@ def test_smoke_run_writes_everything(tmp_path, capsys):
     assert len(summary) == 1
     row = summary[0]
     assert int(row["backward_rows"]) == sum(s["kept"] for s in steps)
-    assert float(row["wall_clock_s"]) > 0 and float(row["compile_s"]) > 0
+    # compile_s may be 0: with the graphs in Inductor's and AOTAutograd's caches a compile step costs no more
+    assert float(row["wall_clock_s"]) > 0 and float(row["compile_s"]) >= 0
     assert 0 <= float(row["eval_top1"]) <= 100
     # exact distortion check: capskip's head guarantee holds, and matches the rule's own bound
     assert len(checks) == 3

@@ -56,12 +56,13 @@ class InsertSelectPass(CustomGraphPass):
         self.backend = backend
 
     def uuid(self) -> Optional[bytes]:
-        # what Inductor's FX graph cache keys our rewrite on: the source of the code that shapes the graphs
-        # and the config.  Not the model's registry key: a compiled graph that calls back into a run-time
-        # object (select in a refused backward, VCAS's sampled_wgrad) carries the key as an argument, so
-        # the graph's own hash tells models apart; graphs that don't call back hold no per-model state
-        # (the selected-row runtime is rebuilt around them at every compile).
-        return get_hash_for_files(source_files(), extra=f"capskip:{self.backend.config}")
+        # what Inductor's FX graph cache and AOTAutogradCache key our rewrite on: the source of the code that
+        # shapes the graphs, the config and the logits choice.  Not the model's registry key: a compiled graph
+        # that calls back into a run-time object (select in a refused backward, VCAS's sampled_wgrad) carries
+        # the key as an argument, so the FX graph's own hash tells models apart, and the backend keeps such
+        # graphs out of AOTAutogradCache (whose key is Dynamo's graph, before this pass).
+        return get_hash_for_files(source_files(),
+                                  extra=f"capskip:{self.backend.config}:{getattr(self.backend, 'logits_index', None)}")
 
     def __call__(self, graph: fx.Graph) -> None:
         if any(n.target in SELECTION_OPS for n in graph.nodes):
