@@ -12,7 +12,9 @@ import sys
 import textwrap
 
 import pytest
+import torch
 
+from capskip_fx import aot_cache
 from capskip_fx.config import CapskipConfig
 from capskip_fx.passes import insert_select
 from capskip_fx.passes.insert_select import InsertSelectPass
@@ -82,9 +84,13 @@ def _run(code: str, tmp_path, gather: str = "eager") -> dict:
 @pytest.mark.parametrize("gather", ["eager", "graph"])
 def test_restart_serves_cached_graphs_and_still_selects(tmp_path, gather):
     cold, warm = runs = [_run(_CHILD, tmp_path, gather) for _ in range(2)]
-    assert cold["miss"] >= 3 and cold["aot_saved"] == 2 and cold["cached"] == [False, False], runs
-    # AOTAutograd serves both graphs (training, inference) with our wrappers rebuilt; no Inductor compile
-    assert warm["aot_hit"] == 2 and warm["cached"] == [True, True] and warm["miss"] == 0 and warm["hit"] >= 3, runs
+    if aot_cache.available():
+        assert cold["miss"] >= 3 and cold["aot_saved"] == 2 and cold["cached"] == [False, False], runs
+        # AOTAutograd serves both graphs (training, inference) with our wrappers rebuilt; no Inductor compile
+        assert warm["aot_hit"] == 2 and warm["cached"] == [True, True] and warm["miss"] == 0 and warm["hit"] >= 3, runs
+    else:  # a torch without the rebuild hook: AOTAutogradCache stays off for our graphs, Inductor's serves them
+        assert cold["aot_saved"] == warm["aot_hit"] == 0 and warm["cached"] == [False, False], runs
+        assert cold["miss"] >= 3 and warm["miss"] == 0 and warm["hit"] >= 3, runs
     for r in runs:  # the served backward still runs on the kept rows only, exactly
         assert r["kept"] == 6 and r["rows"] == 6 and r["err"] < 1e-5 and r["same"], runs
         assert r["gather"] == [gather], runs  # a served in-graph gather is rebuilt as one
@@ -98,6 +104,7 @@ _WARM = textwrap.dedent("""
     from torch._dynamo.utils import counters
     sys.path.insert(0, "tests")
     from conftest import max_rel_err
+    torch._dynamo.config.recompile_limit = 64  # ten models of one class, each with its own cache entry
     x, y = torch.randn(12, 6), torch.randint(0, 5, (12,))
     KEYS = ("autograd_cache_hit", "autograd_cache_miss", "autograd_cache_saved")
 
@@ -147,6 +154,8 @@ _WARM = textwrap.dedent("""
 """)
 
 
+@pytest.mark.skipif(not aot_cache.available(), reason=f"torch {torch.__version__} has no CUDAGraphPolicy.wrap_output: "
+                    "AOTAutogradCache stays off for capskip graphs")
 def test_warm_process_serves_other_models_their_own_state(tmp_path):
     r = _run(_WARM, tmp_path)
     hit, miss, saved = "autograd_cache_hit", "autograd_cache_miss", "autograd_cache_saved"
