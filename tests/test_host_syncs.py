@@ -79,11 +79,12 @@ RULES = [  # (rule options, reads per steady-state step)
 ]
 
 
+@pytest.mark.parametrize("gather", ["eager", "graph"])
 @pytest.mark.parametrize("opts,reads", RULES, ids=[o["rule"] for o, _ in RULES])
-def test_reads_per_step_and_exact(opts, reads):
+def test_reads_per_step_and_exact(opts, reads, gather):
     torch.manual_seed(0)
     model = Net().double()
-    cm = capskip_fx.compile(model, backend="aot_eager", **opts)
+    cm = capskip_fx.compile(model, backend="aot_eager", gather=gather, **opts)
     for step in range(4):  # steps 0-1: compile, verify
         x, y = _batch(step)
         model.zero_grad(set_to_none=True)
@@ -95,6 +96,7 @@ def test_reads_per_step_and_exact(opts, reads):
             st = capskip_fx.stats(cm)
             assert st.fallback is None and 0 < st.kept < N and st.rows < N, st
             assert max_rel_err(_grads(model), _ref(model, x, y, st.weight)) < 1e-10
+    assert [r.gather for r in cm.backend.records if r.plan is not None] == [gather]
 
 
 class ReadingForced(capskip_fx.rules.Forced):

@@ -6,6 +6,7 @@ joint graph (AOTAutograd, before partitioning):
   insert_select.py -- insert ``capskip::select`` and mask every batch-shaped tangent (exact semantics)
 backward graph (Inductor ``inner_compile``):
   selected_rows.py -- cut at the selection node and run the backward on the kept rows only
+  gather_in_graph.py -- (gather="graph") take the saved activations at N rows and gather / scatter in the graph
 """
 from .batch import Refused
 
