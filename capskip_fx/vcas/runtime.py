@@ -108,23 +108,18 @@ class VcasBackward:
                 return torch.mm(g.t(), x)
             p = sample_probs(q, nu, (q > 0).sum(), cap=k)
             idx, hit = systematic_keep(p, k, gen)
-            if k > self.gather_below * t:  # gathering would cost more than the dropped rows save: mask
-                scale = torch.zeros_like(p).index_copy_(0, idx, torch.where(hit, 1.0 / p.index_select(0, idx), 0.0))
-                self.wrows.append((slot, t, t, oi))
-                return torch.mm((g * scale.to(g.dtype).unsqueeze(1)).t(), x)
             scale = torch.where(hit, 1.0 / p.index_select(0, idx).clamp_min(1e-300), 0.0)
-            self.wrows.append((slot, k, t, oi))
-            return torch.mm(g.index_select(0, idx).mul_(scale.to(g.dtype).unsqueeze(1)).t(), x.index_select(0, idx))
-        p = sample_probs(q, nu, (q > 0).sum())  # int(T nu) rows; 0: exact, as the reference's leverage_k
-        keep = bernoulli_keep(p, gen)
-        idx = keep.nonzero().squeeze(1)  # the host read of this matmul
-        if idx.numel() > self.gather_below * t:
-            # copying the kept rows would cost more than the dropped rows save: mask instead (same value)
+        else:
+            p = sample_probs(q, nu, (q > 0).sum())  # int(T nu) rows; 0: exact, as the reference's leverage_k
+            idx = bernoulli_keep(p, gen).nonzero().squeeze(1)  # the host read of this matmul
+            scale = 1.0 / p.index_select(0, idx)
+            k = idx.numel()
+        if k > self.gather_below * t:  # copying the kept rows would cost more than the dropped rows save: mask
+            full = torch.zeros_like(p).index_copy_(0, idx, scale)
             self.wrows.append((slot, t, t, oi))
-            return torch.mm((g * ht_scale(p, keep).to(g.dtype).unsqueeze(1)).t(), x)
-        self.wrows.append((slot, idx.numel(), t, oi))
-        gs = g.index_select(0, idx).mul_((1.0 / p.index_select(0, idx)).to(g.dtype).unsqueeze(1))
-        return torch.mm(gs.t(), x.index_select(0, idx))
+            return torch.mm((g * full.to(g.dtype).unsqueeze(1)).t(), x)
+        self.wrows.append((slot, k, t, oi))
+        return torch.mm(g.index_select(0, idx).mul_(scale.to(g.dtype).unsqueeze(1)).t(), x.index_select(0, idx))
 
     # -- one backward --------------------------------------------------------------------
     def __call__(self, args: list) -> list:
@@ -220,43 +215,31 @@ class VcasBackward:
                     n_ref = (nrm > 0).sum()
                 rho = rho_all[j]
                 k = vcas_k(rho, top)  # slots: int(rho * top) rows; 0: no sampling (the reference)
+                draw = None  # (slot rows, their 1/p scales (0: not kept), rows kept; host-known)
                 if resample[j] and systematic and 0 < k < b_n:
                     gen = gen or self.state.generator(b.device)
                     p = sample_probs(nrm, rho, n_ref, cap=k)  # the reference's int(rho * n_ref), within k
                     rel, hit = systematic_keep(p, k, gen)
-                    p = p.index_select(0, rel)
-                    scale = torch.where(hit, 1.0 / p.clamp_min(1e-300), 0.0)
-                    if k > self.gather_below * b_n:  # gathers would cost more than they save: mask
-                        full = torch.zeros_like(nrm, dtype=torch.float64).index_copy_(0, rel, scale)
-                        vals[seg.boundary] = (_scale_rows(b, spec, full, b_n), b_rows, b_n)
-                        live = k  # of b_n rows: SampleW's budgets below count these
-                    else:
-                        cb = min(b_n, max(k, self.min_rows))
-                        if cb > k:  # pad rows: further unkept rows, scale 0
-                            rest = torch.ones(b_n, dtype=torch.bool, device=rel.device).index_fill_(0, rel, False)
-                            rel = torch.cat([rel, torch.argsort((~rest).to(torch.int8), stable=True)[:cb - k]])
-                            scale = torch.cat([scale, scale.new_zeros(cb - k)])
-                        b = b.unflatten(spec.dim, (b_n, spec.factor)).index_select(spec.dim, rel)
-                        b = _scale_rows(b.flatten(spec.dim, spec.dim + 1), spec, scale, cb)
-                        rows = rel if b_rows is None else b_rows.index_select(0, rel)
-                        n, live = cb, k
-                        vals[seg.boundary] = (b, rows, n)
+                    draw = rel, torch.where(hit, 1.0 / p.index_select(0, rel).clamp_min(1e-300), 0.0), k
                 elif resample[j] and not systematic:
                     gen = gen or self.state.generator(b.device)
                     p = sample_probs(nrm, rho, n_ref)  # int(n rho) rows; 0: no sampling (the reference)
                     keep = bernoulli_keep(p, gen)
-                    kept = int(keep.sum())  # the host read of this cut
+                    rel = torch.argsort((~keep).to(torch.int8), stable=True)  # kept rows first
+                    draw = rel, ht_scale(p, keep).index_select(0, rel), int(keep.sum())  # the host read of this cut
+                if draw is not None:
+                    rel, scale, kept = draw
                     if kept > self.gather_below * b_n:  # gathers would cost more than they save: mask
-                        vals[seg.boundary] = (_scale_rows(b, spec, ht_scale(p, keep), b_n), b_rows, b_n)
-                        live = kept
+                        full = torch.zeros_like(nrm, dtype=scale.dtype).index_copy_(0, rel, scale)
+                        vals[seg.boundary] = (_scale_rows(b, spec, full, b_n), b_rows, b_n)
+                        live = kept  # of b_n rows: SampleW's budgets below count these
                     else:
-                        cb = min(b_n, max(kept, self.min_rows))  # pad rows: dropped ones, scale 0
-                        rel = torch.argsort((~keep).to(torch.int8), stable=True)[:cb]
+                        cb = min(b_n, max(kept, self.min_rows))
+                        rel, scale = _pad(rel, scale, cb, b_n)  # pad rows: further unkept rows, scale 0
                         b = b.unflatten(spec.dim, (b_n, spec.factor)).index_select(spec.dim, rel)
-                        b = _scale_rows(b.flatten(spec.dim, spec.dim + 1), spec,
-                                        ht_scale(p, keep).index_select(0, rel), cb)
+                        b = _scale_rows(b.flatten(spec.dim, spec.dim + 1), spec, scale, cb)
                         rows = rel if b_rows is None else b_rows.index_select(0, rel)
-                        n, live = cb, min(kept, cb)
+                        n, live = cb, kept
                         vals[seg.boundary] = (b, rows, n)
             inputs = []
             for kind, ref in seg.inputs:
@@ -326,6 +309,15 @@ class VcasBackward:
             self.ctrl.rho = [1.0] * len(self.ctrl.rho)
         self.wmode = "sample"
         return exact
+
+
+def _pad(rel: Tensor, scale: Tensor, cb: int, n: int) -> tuple[Tensor, Tensor]:
+    """The first ``cb`` slots of (rows, scales); fewer than ``cb``: more distinct rows of the ``n``, scale 0."""
+    if rel.numel() >= cb:
+        return rel[:cb], scale[:cb]
+    rest = torch.ones(n, dtype=torch.bool, device=rel.device).index_fill_(0, rel, False)
+    more = torch.argsort((~rest).to(torch.int8), stable=True)[:cb - rel.numel()]
+    return torch.cat([rel, more]), torch.cat([scale, scale.new_zeros(cb - rel.numel())])
 
 
 def _unpack(x) -> Tensor:
