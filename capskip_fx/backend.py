@@ -403,11 +403,14 @@ _BY_PARAM: "WeakIdKeyDictionary" = WeakIdKeyDictionary()  # Parameter -> {settin
 _LAST: list = [None]  # weakref of the backend that compiled the last graph
 
 
-def capskip_backend(gm: fx.GraphModule, example_inputs, options: Optional[dict] = None, **_):
+def capskip_backend(gm: fx.GraphModule, example_inputs, options: Optional[dict] = None, mode: Optional[str] = None):
     """``torch.compile(model, backend="capskip", options={...})``; with no options, the ``CAPSKIP_*``
-    environment settings (config.options_from_env)."""
+    environment settings (config.options_from_env).  ``torch.compile(..., mode="reduce-overhead")`` (timm's
+    ``--torchcompile-mode``) reaches us as ``mode``: Inductor's mode for our graphs (CapskipConfig.mode)."""
     from_env = not options
     opts = options_from_env() if from_env else dict(options)
+    if mode is not None:
+        opts["mode"] = mode
     key = repr(sorted(opts.items(), key=lambda kv: kv[0]))
     owner = _compiling_module()
     params = [t for t in example_inputs if isinstance(t, torch.nn.Parameter)]

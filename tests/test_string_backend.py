@@ -112,3 +112,21 @@ def test_graph_breaks_share_one_backend_and_skip_rows(monkeypatch):
     ref.zero_grad()
     (F.cross_entropy(ref(x), y, reduction="none") * capskip_fx.stats(opt).weight).mean().backward()
     assert max_rel_err(grads, {k: p.grad for k, p in ref.named_parameters()}) < 1e-10
+
+
+def test_torch_compile_mode_reaches_the_backend(monkeypatch):
+    """``torch.compile(model, backend="capskip", mode=...)`` (timm's ``--torchcompile-mode``): torch passes the
+    mode to the backend, which applies it to its graphs (reduce-overhead: CUDA graphs and 8 row buckets)."""
+    monkeypatch.setenv("CAPSKIP_RULE", "forced")
+    monkeypatch.setenv("CAPSKIP_OPTIONS", "keep=0.1875,backend=aot_eager")
+    torch.manual_seed(0)
+    model = Broken().double()
+    opt = torch.compile(model, backend="capskip", mode="reduce-overhead")
+    x = torch.randn(16, 6, dtype=torch.float64)
+    torch._dynamo.mark_dynamic(x, 0)
+    F.cross_entropy(opt(x), torch.randint(0, 3, (16,))).backward()
+    from capskip_fx.backend import backend_of
+
+    cfg = backend_of(opt).config
+    assert cfg.mode == "reduce-overhead" and cfg.buckets == 8
+    assert all(r["row_counts"] == [4] for r in capskip_fx.report(opt))  # 3 kept rows, padded to a multiple of 16 / 8
