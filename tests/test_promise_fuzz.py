@@ -682,6 +682,7 @@ def run_single_forward_steps(spec, plan, steps, opts, dtype=torch.float64, backe
     for i, (n, seed) in enumerate(steps):
         fwd = make_forward(spec, n, seed, dtype)
         run_step(cm, model, [fwd], ("sum",), TOL[dtype], what=f"step {i} (N={n})")
+    return cm
 
 
 # ----------------------------------------------------------------------------------------------
@@ -725,7 +726,8 @@ def test_fuzz_gather_modes(spec, plan, steps, granule, gather):
     compiled backward, views in the body turned into reshapes) and "eager" (the default), on random row-wise
     models, graph breaks included: exact or dense with a reason; a refused in-graph rewrite keeps the
     eager gather."""
-    run_single_forward_steps(spec, plan, steps, {"gather": gather, "granule": granule})
+    cm = run_single_forward_steps(spec, plan, steps, {"gather": gather, "granule": granule})
+    event(f"gather {gather}: " + ",".join(r.as_dict()["gather"].split(" ")[0] for r in cm.backend.records if r.plan))
 
 
 @fast(10)
@@ -882,6 +884,17 @@ def test_slow_fuzz_multi_forward_mixing(spec, plan, steps):
 def test_slow_fuzz_inductor_float32(spec, plan, steps):
     """Inductor, float32 (reference float64 on a double copy), tolerance 1e-4."""
     run_single_forward_steps(spec, plan, steps, {}, dtype=torch.float32, backend="inductor")
+
+
+@pytest.mark.slow
+@slow(20)
+@given(spec=specs(ops=ROWWISE, extra=LAYOUT, breaks=None, max_depth=2), plan=plans, steps=single_steps(2, 3),
+       granule=st.sampled_from([1, 2]))
+def test_slow_fuzz_inductor_graph_gather(spec, plan, steps, granule):
+    """Inductor, float32, gather="graph": the gathers, scatters and reshapes it adds lowered by Inductor."""
+    cm = run_single_forward_steps(spec, plan, steps, {"gather": "graph", "granule": granule}, dtype=torch.float32,
+                                  backend="inductor")
+    event("gather: " + ",".join(r.as_dict()["gather"].split(" ")[0] for r in cm.backend.records if r.plan))
 
 
 @pytest.mark.slow
