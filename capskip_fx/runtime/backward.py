@@ -12,7 +12,8 @@ Per call (one backward of one forward):
   - an in-graph loss (the loss computed inside the model): its backward (up to dL/dz) runs first on
     all rows, as its own compiled graph; the rows are selected on dL/dz;
   - the kept rows first, ``kb = bucket(k)`` rows gathered (pad rows are skipped rows, weight 0),
-    the compiled graph run on them, input gradients scattered back to N rows.
+    the compiled graph run on them, input gradients scattered back to N rows (``gather="graph"``: the
+    compiled graph takes the kept-row index and does both itself, passes/gather_in_graph.py).
 Anything that cannot be shown exact runs the same graph on all N rows (dense-masked), with the
 reason recorded on the graph and the step.
 Invariant: the returned gradients equal the dense-masked backward's on every call.
@@ -130,7 +131,7 @@ class SelectedRowBackward:
 
     def _dense(self, args: list, weight: torch.Tensor, exact: bool = False) -> list:
         """The graph on all n rows with the rule's weights (dense-masked; ``exact``: VCAS's exact pass)."""
-        if self.in_graph:  # the identity gather (a copy; cheaper than a second compiled graph)
+        if self.in_graph:  # the identity gather: copies every saved activation (a plain graph would double the compile)
             n = weight.shape[0]
             return self.compiled(args + [weight, torch.arange(n, device=weight.device), n])
         return (getattr(self.compiled, "exact", self.compiled) if exact else self.compiled)(args + [weight])
