@@ -16,7 +16,7 @@ from typing import Any, Callable, Optional
 from . import compat
 
 _HOOK = compat.aot_cache_hook()
-_MEMORY: dict[tuple[str, str], Any] = {}
+_MEMORY: dict[str, Any] = {}  # by file path (the cache dir may change between compiles)
 
 
 #: what AOTAutograd reads of a compiled graph to store it (graph_compile.py _should_save_cache, autograd_cache.py
@@ -53,7 +53,7 @@ def _path(key: str) -> str:
 
 def save(key: str, description: Any) -> None:
     path = _path(key)
-    _MEMORY[(path, key)] = description
+    _MEMORY[path] = description
     os.makedirs(os.path.dirname(path), exist_ok=True)
     tmp = f"{path}.{os.getpid()}.tmp"
     with open(tmp, "wb") as f:
@@ -63,13 +63,13 @@ def save(key: str, description: Any) -> None:
 
 def load(key: str) -> Optional[Any]:
     path = _path(key)
-    if (path, key) not in _MEMORY:
+    if path not in _MEMORY:
         try:
             with open(path, "rb") as f:
-                _MEMORY[(path, key)] = pickle.load(f)
+                _MEMORY[path] = pickle.load(f)
         except (OSError, EOFError, pickle.UnpicklingError, AttributeError, ImportError):
             return None
-    return _MEMORY[(path, key)]
+    return _MEMORY[path]
 
 
 if _HOOK is not None:

@@ -19,7 +19,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from . import aot_cache, ops
 from .config import ENV_BUDGET, ENV_OPTIONS, ENV_RULE, CapskipConfig, options_from_env, split_options
-from .passes.batch import Refused
+from .passes.batch import Refused, fake_mode_of
 from .passes.gather_in_graph import check_full_rows_free, gather_in_graph
 from .passes.insert_select import SELECTION_OPS, InsertSelectPass
 from .passes.selected_rows import BackwardPlan, check_not_specialised, plan_backward
@@ -111,12 +111,6 @@ def _batch_arg(example_inputs) -> Optional[int]:
     tensors = [(i, t) for i, t in enumerate(example_inputs) if isinstance(t, torch.Tensor) and t.dim() > 0]
     sym = [i for i, t in tensors if isinstance(t.shape[0], torch.SymInt) and t.shape[0].node.expr.is_Symbol]
     return sym[0] if sym else (tensors[0][0] if tensors else None)
-
-
-def _size_hint(v: torch.Tensor) -> int:
-    """The example's row count (dim 0) as an int."""
-    d = v.shape[0]
-    return int(d.node.hint) if isinstance(d, torch.SymInt) else int(d)
 
 
 def _trace(name: str, payload) -> None:
@@ -375,10 +369,9 @@ class CapskipBackend:
         graph = fx.Graph()
         graph.output(graph.graph_copy(gm.graph, {}))  # a copy: a refusal leaves gm as it was
         copy = fx.GraphModule(gm, graph)
-        fake = next(v.fake_mode for v in example_inputs if getattr(v, "fake_mode", None) is not None)
-        guards = len(fake.shape_env.guards)
+        guards = len(fake_mode_of(example_inputs).shape_env.guards)
         try:
-            examples, n_sym = gather_in_graph(copy, plan, example_inputs, _size_hint(example_inputs[-1]) + 1)
+            examples, n_sym = gather_in_graph(copy, plan, example_inputs)
             try:
                 compiled = base(copy, examples, **kwargs)
             except Exception as e:  # noqa: BLE001  (our rewrite made a graph Inductor rejects: eager gather)

@@ -76,6 +76,11 @@ def batch_symbol_of(val: Any) -> sympy.Symbol:
     return e
 
 
+def fake_mode_of(values) -> Any:
+    """The fake mode (with its shape env) of the first fake tensor among a graph's example inputs, or None."""
+    return next((v.fake_mode for v in values if getattr(v, "fake_mode", None) is not None), None)
+
+
 def tangent_nodes(graph) -> list:
     """The joint graph's tangent placeholders (incoming gradients of the forward's outputs)."""
     return [n for n in graph.nodes if n.op == "placeholder" and n.name.startswith("tangents")]

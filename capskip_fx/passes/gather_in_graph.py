@@ -20,14 +20,10 @@ import sympy
 import torch
 from torch import fx
 
-from .batch import Refused
+from .batch import Refused, fake_mode_of
 
 aten = torch.ops.aten
 N_NAME = "capskip_n"
-
-
-def _fake_mode(example_inputs):
-    return next((v.fake_mode for v in example_inputs if getattr(v, "fake_mode", None) is not None), None)
 
 
 def _stride_readers(gm: fx.GraphModule, batch_nodes: list) -> list:
@@ -46,10 +42,10 @@ def _stride_readers(gm: fx.GraphModule, batch_nodes: list) -> list:
     return out
 
 
-def gather_in_graph(gm: fx.GraphModule, plan, example_inputs: list, n_hint: int):
+def gather_in_graph(gm: fx.GraphModule, plan, example_inputs: list):
     """Rewrite ``gm`` (inputs ``example_inputs + [w]``) in place; returns the new example inputs
     (``[... full-size batch inputs ..., w, idx, n]``) and the new symbol.  Raises Refused."""
-    fake_mode = _fake_mode(example_inputs)
+    fake_mode = fake_mode_of(example_inputs)
     env = getattr(fake_mode, "shape_env", None)
     if env is None:
         raise Refused("in-graph gather: no shape environment to add the full batch symbol to")
@@ -62,7 +58,9 @@ def gather_in_graph(gm: fx.GraphModule, plan, example_inputs: list, n_hint: int)
     if readers := _stride_readers(gm, [p for p, _ in batch]):
         raise Refused(f"in-graph gather: {readers[0].name} reads a saved input's strides (as_strided)")
     sym = plan.sym
+    kept = example_inputs[-1].shape[0]  # w: the kept rows (s)
     # a distinct hint: nothing may conflate the full and the kept row counts while compiling
+    n_hint = (int(kept.node.hint) if isinstance(kept, torch.SymInt) else int(kept)) + 1
     n_sym = env.create_symbol(n_hint, source=ConstantSource(f"capskip_full_rows_{sym}"),
                               dynamic_dim=DimDynamic.DYNAMIC)
     n_int = env.create_symintnode(n_sym, hint=n_hint)
@@ -78,7 +76,6 @@ def gather_in_graph(gm: fx.GraphModule, plan, example_inputs: list, n_hint: int)
                 v = example_inputs[i]
                 examples[i] = torch.empty_strided([at_n(e) for e in s.sizes], [at_n(e) for e in s.strides],
                                                   dtype=v.dtype, device=v.device, requires_grad=False)
-        kept = example_inputs[-1].shape[0]  # w: the kept rows (s)
         idx_val = torch.empty(kept, dtype=torch.int64, device=example_inputs[-1].device)
     g = gm.graph
     last = placeholders[-1]
@@ -140,8 +137,7 @@ def _with_rows(node: fx.Node, dim: int, rows: list) -> list:
 
 def check_full_rows_free(example_inputs, n_sym: sympy.Symbol, guards_before: int) -> None:
     """Refuse if compiling fixed the full row count or guarded on it (the graph would be wrong at others)."""
-    fake_mode = _fake_mode(example_inputs)
-    env = fake_mode.shape_env
+    env = fake_mode_of(example_inputs).shape_env
     if n_sym in env.replacements:
         raise Refused(f"in-graph gather: compiling replaced the full row count by {env.replacements[n_sym]}")
     new = [g.expr for g in env.guards[guards_before:] if n_sym in g.expr.free_symbols]

@@ -26,7 +26,7 @@ import torch
 from torch import fx
 
 from ..rows import Spec, spec_of
-from .batch import Refused, batch_symbol_of
+from .batch import Refused, batch_symbol_of, fake_mode_of
 from .insert_select import SELECTION_OPS
 
 
@@ -169,8 +169,7 @@ def _check_proven(name: str, spec: Spec, layout) -> None:
 
 def check_not_specialised(example_inputs, sym: sympy.Symbol) -> None:
     """Refuse if compiling fixed the batch symbol (the graph would be wrong at other sizes)."""
-    fm = next((getattr(v, "fake_mode", None) for v in example_inputs if getattr(v, "fake_mode", None)), None)
-    env = getattr(fm, "shape_env", None)
+    env = getattr(fake_mode_of(example_inputs), "shape_env", None)
     if env is None:
         return
     rep = env.replacements.get(sym)

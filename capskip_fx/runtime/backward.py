@@ -102,28 +102,23 @@ class SelectedRowBackward:
         check = self._should_verify(k, n)
         full_args = list(args) if check else None
         lays = self._layout(kb)
-        if self.in_graph:  # the graph gathers and scatters: batch inputs as they are
-            new_args = [lay if s.kind == "symint" else a for a, s, lay in zip(args, p.specs, lays)]
-            args.clear()
-            state.set_rows(stats, kb)
-            rec.row_counts.add(kb)
-            outs = self.compiled(new_args + [w_kb, idx, n])
-            return self._verify(full_args, weight, outs, stats) if check else outs
-        gathered = iter(gather_all([a for a, s in zip(args, p.specs) if s.kind == "batch"],
-                                   [s for s in p.specs if s.kind == "batch"], idx, n,
-                                   [lay for lay, s in zip(lays, p.specs) if s.kind == "batch"]))
-        new_args = [next(gathered) if s.kind == "batch" else lay if s.kind == "symint" else a
-                    for a, s, lay in zip(args, p.specs, lays)]
+        if self.in_graph:  # the graph gathers and scatters: batch inputs as they are, then the index and n
+            new_args = [lay if s.kind == "symint" else a for a, s, lay in zip(args, p.specs, lays)] + [w_kb, idx, n]
+        else:
+            gathered = iter(gather_all([a for a, s in zip(args, p.specs) if s.kind == "batch"],
+                                       [s for s in p.specs if s.kind == "batch"], idx, n,
+                                       [lay for lay, s in zip(lays, p.specs) if s.kind == "batch"]))
+            new_args = [next(gathered) if s.kind == "batch" else lay if s.kind == "symint" else a
+                        for a, s, lay in zip(args, p.specs, lays)] + [w_kb]
         args.clear()
-        new_args.append(w_kb)
         state.set_rows(stats, kb)
         rec.row_counts.add(kb)
         stochastic = getattr(self.compiled, "stochastic", False)  # VCAS samples inside: verify its exact pass
         check_args = list(new_args) if check and stochastic else None
-        outs = self._scatter_outs(self.compiled(new_args), idx, n)
+        outs = self._full_rows(self.compiled(new_args), idx, n)
         if check:
             if stochastic:
-                exact = self._scatter_outs(self.compiled.exact(check_args), idx, n)
+                exact = self._full_rows(self.compiled.exact(check_args), idx, n)
                 res = self._verify(full_args, weight, exact, stats)
                 return outs if res is exact else res
             outs = self._verify(full_args, weight, outs, stats)
@@ -145,8 +140,11 @@ class SelectedRowBackward:
         every = self.config.verify_every
         return not self.record.verified or (every is not None and self.gathered_steps % every == 0)
 
-    def _scatter_outs(self, outs: list, idx: torch.Tensor, n: int) -> list:
-        """Batch-shaped outputs (input gradients) of the gathered rows back to N rows."""
+    def _full_rows(self, outs: list, idx: torch.Tensor, n: int) -> list:
+        """Batch-shaped outputs (input gradients) of the gathered rows back to N rows (the in-graph
+        gather's graph returns them at N rows already)."""
+        if self.in_graph:
+            return outs
         return [(scatter_rows(o, s, idx, n) if (s is not None and s.kind == "batch" and o is not None) else o)
                 for o, s in zip(outs, self.plan.out_specs)]
 
