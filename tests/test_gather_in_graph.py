@@ -39,15 +39,14 @@ def _check(cm, model, shape, steps, tol):
 @pytest.mark.parametrize("backend", ["aot_eager", pytest.param("inductor", marks=pytest.mark.skipif(
     torch.__version__ < "2.12", reason="torch<2.12: float64 CPU SDPA backward under Inductor fails in torch "
     "(pytorch/pytorch#185539)"))])
-def test_deit_gathers_in_graph_exactly(backend, monkeypatch):
-    # caches off: a graph served from an earlier run's cache skips the pass, and the counter must see it run
-    monkeypatch.setattr(torch._inductor.config, "fx_graph_cache", False)
-    monkeypatch.setattr(torch._functorch.config, "enable_autograd_cache", False)
+def test_deit_gathers_in_graph_exactly(backend):
     torch.manual_seed(0)
     model = make_deit(depth=1).double()
     before = counters()["gather_in_graph"]
     cm = capskip_fx.compile(model, rule="dense", backend=backend, gather="graph")
-    _check(cm, model, (3, 32, 32), [(12, [0, 3, 4, 9]), (9, [8, 1]), (12, [5])], 1e-9)
+    # caches off: a graph served from an earlier run's cache skips the pass, and the counter must see it run
+    with torch._inductor.config.patch(fx_graph_cache=False), torch._functorch.config.patch(enable_autograd_cache=False):
+        _check(cm, model, (3, 32, 32), [(12, [0, 3, 4, 9]), (9, [8, 1]), (12, [5])], 1e-9)
     assert not any(r.cached for r in cm.backend.records)
     head = next(r for r in cm.backend.records if r.selected)
     assert head.gather == "graph" and head.gather_refused is None
