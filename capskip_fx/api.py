@@ -12,7 +12,7 @@ from .backend import CapskipBackend, backend_of, capskip_backend
 from .config import CapskipConfig, split_options
 from .records import Report
 from .rules import Rule, build_rule, make_rule
-from .runtime.state import ForwardContext, RuntimeState, StepStats
+from .runtime.state import UNBOUND_REASON, ForwardContext, RuntimeState, StepStats, logits_of
 
 _RULE_STATE_KEY = "_capskip"
 
@@ -82,7 +82,7 @@ class CapskipModule(nn.Module):
             _mark_batch_dynamic((args, kwargs), n)
         out = self._compiled(*args, **kwargs)
         if train:
-            bound = self._state.end_forward(fwd, _logits_of(out, self._backend.logits_index))
+            bound = self._state.end_forward(fwd, logits_of(out, self._backend.logits_index))
             if not self._backend.records:
                 # Dynamo ran the model without handing us a graph (e.g. its recompile_limit was reached
                 # by earlier compiles of the same forward code): an eager, dense step; say so
@@ -94,8 +94,8 @@ class CapskipModule(nn.Module):
                 self._state.warn_once(f"{reason} -> dense backward")
                 self._state.record_dense_step(n, reason)
             elif not bound and self._backend.any_selected:
-                self._state.warn_once(_UNBOUND_REASON)
-                self._state.record_dense_step(n, _UNBOUND_REASON)
+                self._state.warn_once(UNBOUND_REASON)
+                self._state.record_dense_step(n, UNBOUND_REASON)
         return out
 
     # -- backend="eager": the reference semantics, dense cost ---------------------------
@@ -138,8 +138,6 @@ _NO_GRAPH_REASON = ("torch.compile produced no graph for this model (Dynamo's re
 # each compiled model its own Dynamo cache entries: many models sharing one forward (nn.Sequential, a
 # sweep in one process) must not exhaust one shared recompile_limit and silently run eager
 _ISOLATED = {"isolate_recompiles": True} if "isolate_recompiles" in inspect.signature(torch.compile).parameters else {}
-_UNBOUND_REASON = ("the returned logits are not the output of a compiled graph (eager code after a graph "
-                   "break?): no rule runs, dense backward")
 _N1_REASON = "batch of size 1: ran the eager model (dense backward) instead of a static-batch recompile"
 
 
@@ -151,15 +149,6 @@ def _check_targets(t) -> None:
             or t.dtype == torch.bool:
         what = f"{t.dtype} tensor of shape {tuple(t.shape)}" if isinstance(t, Tensor) else type(t).__name__
         raise ValueError(f"capskip_targets must be a 1-D integer tensor of class labels (-1 = unknown), got {what}")
-
-
-def _logits_of(out, index: Optional[int]):
-    if isinstance(out, Tensor):
-        return out
-    vals = list(out.values()) if isinstance(out, dict) else list(out) if isinstance(out, (tuple, list)) else []
-    if index is not None and index < len(vals):
-        return vals[index]
-    return next((v for v in vals if isinstance(v, Tensor) and v.dim() == 2), None)
 
 
 def _batch_size(args, kwargs=None) -> int:

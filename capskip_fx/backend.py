@@ -21,12 +21,12 @@ from . import aot_cache, ops
 from .config import ENV_BUDGET, ENV_OPTIONS, ENV_RULE, CapskipConfig, options_from_env, split_options
 from .passes.batch import Refused, fake_mode_of
 from .passes.gather_in_graph import check_full_rows_free, gather_in_graph
-from .passes.insert_select import SELECTION_OPS, InsertSelectPass
+from .passes.insert_select import SELECT, SELECTION_OPS, InsertSelectPass
 from .passes.selected_rows import BackwardPlan, check_not_specialised, plan_backward
 from .records import BackwardMode, GraphRecord, counters
 from .rules import build_rule
 from .runtime.backward import SelectedRowBackward
-from .runtime.state import RuntimeState
+from .runtime.state import UNBOUND_REASON, ForwardContext, RuntimeState, logits_of
 from .vcas import build_backward as vcas_backward
 
 _MATMULS = ("mm", "addmm", "bmm", "baddbmm")
@@ -328,6 +328,8 @@ class CapskipBackend:
         except Refused as e:
             rec.refuse(str(e), BackwardMode.DENSE_MASKED)
             self.on_refused(str(e))
+            if any(n.target is SELECT for n in gm.graph.nodes):
+                self.state.masked_reason = self.state.masked_reason or str(e)
             return base(gm, example_inputs, **kwargs), None  # its graph calls select(..., key): this model's
         rec.plan = plan
         prefix = None
@@ -386,11 +388,14 @@ class CapskipBackend:
 
 
 # -- the string backend: torch.compile(model, backend="capskip"[, options={...}]) ----------------------
-# One CapskipBackend (one rule state, one record list) per compiled module and settings, so all graphs of a
-# module (graph breaks, recompiles) share it, and it is freed with the module.  The module is the
-# OptimizedModule whose call is compiling the graph (found on the stack at compile time); for
-# torch.compile of a function, the backend that compiled a graph taking the same parameters, else the one
-# that compiled the previous graph.
+# One CapskipBackend (one rule state, one record list) per model and settings, so all graphs of a model
+# (graph breaks, recompiles, every block of a regional compile, every layer compiled in place) share it,
+# and it is freed with the model.  The model is settled by the module tree (_owning_module): the outermost
+# module being called that holds the graph's parameters.  A forward hook on it binds each forward to the
+# autograd node of its logits, so exactly one graph per forward (the one returning the logits) runs the
+# rule, and every other graph drops only the rows that reach it with no gradient.  For torch.compile of a
+# function (no module): the backend that compiled a graph taking the same parameters, else the one that
+# compiled the previous graph.
 _BY_OWNER: "weakref.WeakKeyDictionary[torch.nn.Module, dict[str, CapskipBackend]]" = weakref.WeakKeyDictionary()
 _BY_PARAM: "WeakIdKeyDictionary" = WeakIdKeyDictionary()  # Parameter -> {settings: backend}
 _LAST: list = [None]  # weakref of the backend that compiled the last graph
@@ -405,8 +410,8 @@ def capskip_backend(gm: fx.GraphModule, example_inputs, options: Optional[dict] 
     if mode is not None:
         opts["mode"] = mode
     key = repr(sorted(opts.items(), key=lambda kv: kv[0]))
-    owner = _compiling_module()
     params = [t for t in example_inputs if isinstance(t, torch.nn.Parameter)]
+    owner = _owning_module(params)
     backend = _BY_OWNER.get(owner, {}).get(key) if owner is not None else None
     if backend is None:
         backend = next((b for b in (_BY_PARAM.get(p, {}).get(key) for p in params) if b is not None), None)
@@ -416,13 +421,35 @@ def capskip_backend(gm: fx.GraphModule, example_inputs, options: Optional[dict] 
     if backend is None:
         backend = _string_backend(opts, from_env)
         backend.options_key = key
-    if owner is not None:
+    if owner is not None and key not in _BY_OWNER.get(owner, {}):
         _BY_OWNER.setdefault(owner, {})[key] = backend
+        owner.register_forward_hook(_BindLogits(backend))
     for p in params:
         _BY_PARAM.setdefault(p, {})[key] = backend
     _LAST[0] = weakref.ref(backend)
     _pin_to_module(gm)
     return backend(gm, example_inputs)
+
+
+class _BindLogits:
+    """Forward hook on the model that owns a string backend's graphs: binds each training forward to the
+    autograd node of the logits it returns (RuntimeState.end_forward), so only that graph runs the rule.
+    Logits from eager code (a head left out of a regional compile) make the step dense, with the reason."""
+
+    def __init__(self, backend: "CapskipBackend"):
+        self.backend = weakref.ref(backend)
+
+    def __call__(self, module, args, out) -> None:
+        backend = self.backend()
+        if backend is None or not torch.is_grad_enabled():
+            return
+        logits = logits_of(out, backend.logits_index)
+        if not isinstance(logits, torch.Tensor) or not logits.requires_grad or logits.dim() != 2:
+            return  # nothing to bind (token-shaped outputs): each graph records its own reason
+        state = backend.state
+        if not state.end_forward(ForwardContext(), logits, by_hook=True):
+            state.warn_once(UNBOUND_REASON)
+            state.record_dense_step(int(logits.shape[0]), UNBOUND_REASON, at_forward=True)
 
 
 def _pin_to_module(gm: fx.GraphModule) -> None:
@@ -446,17 +473,27 @@ def _pin_to_module(gm: fx.GraphModule) -> None:
             return
 
 
-def _compiling_module() -> Optional[torch.nn.Module]:
-    """The torch.compile'd module (OptimizedModule) whose call Dynamo is compiling, from the stack."""
+def _owning_module(params: list) -> Optional[torch.nn.Module]:
+    """The model a graph belongs to: the torch.compile'd module (OptimizedModule) being called, else the
+    outermost module being called that holds all the graph's parameters: the root model for ``m.compile()``
+    and for layers or blocks compiled in place (regional compile), under DDP or a trainer's wrapper alike.
+    Without parameters, the innermost module being called; None outside any module."""
     from torch._dynamo.eval_frame import OptimizedModule
 
+    called: list[torch.nn.Module] = []  # innermost first
     frame = sys._getframe(1)
     while frame is not None:
-        owner = frame.f_locals.get("self")
-        if isinstance(owner, OptimizedModule):
-            return owner
+        mod = frame.f_locals.get("self")
+        if isinstance(mod, OptimizedModule):
+            return mod
+        if isinstance(mod, torch.nn.Module) and all(mod is not c for c in called):
+            called.append(mod)
         frame = frame.f_back
-    return None
+    if not params:
+        return called[0] if called else None
+    ids = {id(p) for p in params}
+    return next((m for m in reversed(called) if ids <= {id(p) for p in m.parameters()}),
+                called[0] if called else None)
 
 
 def _string_backend(opts: dict, from_env: bool) -> CapskipBackend:

@@ -67,11 +67,12 @@ class SelectedRowBackward:
             if head:
                 weight, k = state.select(*(args[i] for i in p.select_args), fwd)
                 return weight, k, state.last.forwards[-1]
-            if not self.record.body:
+            if not self.record.body and (state.bound_forwards or state.hook_bound):
                 self.record.selected, self.record.body = False, True
                 self.record.no_head = "a Linear output that is not the returned logits"
         g = args[p.select_args[-1]]
         n = g.shape[0]
+        state.body_backward(n)
         live = torch.zeros(n, dtype=torch.bool, device=g.device)
         for i in p.tangent_args:
             live |= (args[i].reshape(n, -1) != 0).any(1)
@@ -92,7 +93,8 @@ class SelectedRowBackward:
             self.compiled.live_rows = k
         kb = self.config.bucket(k, n)
         if kb > self.config.gather_below * n or self.dense_only:
-            state.set_rows(stats, n)
+            state.set_rows(stats, n, rec.reason if self.dense_only else
+                           f"kept {k} of {n} rows, above gather_below={self.config.gather_below}: all rows ran")
             out = self._dense(list(args), weight)
             args.clear()
             return out

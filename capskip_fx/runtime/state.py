@@ -60,6 +60,8 @@ class StepStats:
     weight: Optional[Tensor] = None
     vcas: Optional[dict] = None  # with VCAS: probe?, rows per segment, s, rho, nu, (kept, total) per sampled matmul
     forwards: list = field(default_factory=list, repr=False)  # per-forward StepStats when a step had several
+    dense: bool = False  # no rule applied this step (every row ran with weight 1)
+    provisional: bool = False  # a dense record a head selection of the same backward replaces
     _bound: Optional[Tensor] = field(default=None, repr=False)
     _pending: Optional[Callable[[], Optional[str]]] = field(default=None, repr=False)  # reads the device
 
@@ -92,6 +94,17 @@ class StepStats:
         self._bound = one._bound if one else None
 
     @property
+    def mode(self) -> str:
+        """``selected`` (the backward ran on the kept rows), ``dense-masked`` (all rows ran, the rule's
+        gradient: skipped rows weighted 0) or ``dense`` (the rule was not applied); ``fallback`` says why
+        a step was not ``selected``.  ``none``: no backward yet."""
+        if self.dense or (self.forwards and all(f.dense for f in self.forwards)):
+            return "dense"
+        if not self.n:
+            return "none"
+        return "selected" if self.rows < self.n else "dense-masked"
+
+    @property
     def bound(self) -> float:
         """||S_k|| / ||G|| for capskip (reads the device once); NaN for rules without a bound."""
         return float(self._bound) if self._bound is not None else math.nan
@@ -102,7 +115,7 @@ class StepStats:
 
     def __repr__(self) -> str:
         """The numbers a user looks at (the weight tensor elided; ``.weight`` has it)."""
-        parts = [f"step={self.step}", f"n={self.n}", f"kept={self.kept}", f"rows={self.rows}"]
+        parts = [f"step={self.step}", f"mode={self.mode}", f"n={self.n}", f"kept={self.kept}", f"rows={self.rows}"]
         if self._bound is not None:
             parts.append(f"bound={self.bound:.4g}")
         parts += [f"fallback={self.fallback!r}", f"variants={self.variants}"]
@@ -111,7 +124,7 @@ class StepStats:
         return f"StepStats({', '.join(parts)})"
 
     def as_dict(self) -> dict:
-        d = {"step": self.step, "n": self.n, "kept": self.kept, "rows": self.rows,
+        d = {"step": self.step, "mode": self.mode, "n": self.n, "kept": self.kept, "rows": self.rows,
              "bound": self.bound, "fallback": self.fallback, "variants": self.variants,
              "selection_ms": self.selection_ms}
         if len(self.forwards) > 1:
@@ -128,6 +141,7 @@ class ForwardContext:
     stats: Optional[StepStats] = None
 
 
+_CLAIM = object()  # RuntimeState._task: a step recorded at its forward, claimed by the next backward
 _ATTR = "_capskip_forward"  # the attribute on the logits' autograd node that holds its ForwardContext
 
 
@@ -141,12 +155,14 @@ class RuntimeState:
         self.epoch = 0
         self.seed = seed
         self._generator: Optional[torch.Generator] = None
-        self.bound_forwards = False  # CapskipModule binds each forward to its logits' node (string backend: no)
+        self.bound_forwards = False  # CapskipModule binds each forward to its logits' node (and records dense steps)
+        self.hook_bound = False  # the string backend's forward hook on the owning module has bound a forward
         self._task: Optional[int] = None  # autograd graph task of the current step
         self._logged_at = -math.inf
         self.last = StepStats()
         self.variants = 0  # compiled selected-row backward variants
-        self.fallback: Optional[str] = None  # sticky reason for the current graph, if it runs dense
+        self.fallback: Optional[str] = None  # the first graph's refusal (a model whose every step is dense)
+        self.masked_reason: Optional[str] = None  # why the head graph's backward runs dense-masked
         self._warned: set[str] = set()
         self.head_bias = True  # set by the graph pass from the head it found
         # backwards with state of their own (VCAS's controllers), in compile order, checkpointed with ours
@@ -154,10 +170,14 @@ class RuntimeState:
         self._pending_runners: list = []  # their states from a checkpoint loaded before they compiled
 
     # -- forwards ----------------------------------------------------------------------
-    def end_forward(self, fwd: ForwardContext, logits: Any) -> bool:
+    def end_forward(self, fwd: ForwardContext, logits: Any, by_hook: bool = False) -> bool:
         """Bind ``fwd`` to the compiled function that produced the returned logits.  False if there is
-        none (the logits come from eager code after the compiled graphs): no graph will select."""
-        self.bound_forwards = True
+        none (the logits come from eager code after the compiled graphs): no graph will select.
+        ``by_hook``: the string backend's hook on the model that owns the graphs (backend.py)."""
+        if by_hook:
+            self.hook_bound = True
+        else:
+            self.bound_forwards = True
         node = _compiled_node(getattr(logits, "grad_fn", None))
         if node is None:
             return False
@@ -171,13 +191,19 @@ class RuntimeState:
         """(is this backward the rule's head?, its forward) for the head graph's running backward.
 
         Bound forwards (CapskipModule): the head is the node a forward bound; a head graph whose node
-        is unbound (a Linear output that is not the returned logits) is not.  String backend: every
-        head graph is, with no side inputs."""
+        is unbound (a Linear output that is not the returned logits) is not.  The string backend binds
+        through a forward hook on the module that owns its graphs (from its second forward on)."""
         current = getattr(torch._C, "_current_autograd_node", lambda: None)()
         fwd = getattr(current, _ATTR, None) if current is not None else None
         if fwd is not None:
             return True, fwd
-        return not self.bound_forwards, None
+        if self.bound_forwards or self.hook_bound:
+            return False, None
+        # nothing bound yet (a compiled function, or the first forward of a hooked model): the first head
+        # graph of a backward is the logits' (every other compiled graph lies upstream of it), the rest are
+        # Linear outputs inside the model: one rule run per backward
+        task = getattr(torch._C, "_current_graph_task_id", lambda: -1)()
+        return not (task != -1 and task == self._task and bool(self.last.forwards)), None
 
     @staticmethod
     def check_not_compiled_autograd() -> None:
@@ -254,7 +280,7 @@ class RuntimeState:
                 sel = Selection(weight=g.new_ones(n))
                 weight, k = sel.weight, n
         step = self._begin_step()
-        fwd.stats = StepStats(step=step, n=n, kept=int(k), rows=n, _fallback=fallback or self.fallback,
+        fwd.stats = StepStats(step=step, n=n, kept=int(k), rows=n, _fallback=fallback, dense=fallback is not None,
                               variants=self.variants, weight=weight.detach(), _bound=sel.bound, _pending=pending,
                               selection_ms=(time.perf_counter() - t0) * 1e3)
         self.last.add(fwd.stats)
@@ -267,6 +293,9 @@ class RuntimeState:
         if not head:
             return g.new_ones(g.shape[0])
         weight, _ = self.select(h, z, g, fwd)
+        stats = self.last.forwards[-1]
+        stats.fallback = stats.fallback or self.masked_reason
+        self.last.refresh()
         return weight
 
     def _begin_step(self) -> int:
@@ -277,6 +306,8 @@ class RuntimeState:
             self._log_step(self.last)
             self.last = StepStats(step=self.step, variants=self.variants)
             self.step += 1
+        elif self.last.provisional:  # a graph of this backward recorded it dense before the head ran
+            self.last = StepStats(step=self.last.step, variants=self.variants)
         return self.last.step
 
     def _log_step(self, st: StepStats) -> None:
@@ -288,10 +319,12 @@ class RuntimeState:
                      st.step, st.kept, st.n, 100.0 * st.kept / st.n, st.rows, self.variants,
                      f", fallback: {st.fallback}" if st.fallback else "")
 
-    def set_rows(self, stats: Optional[StepStats], rows: int) -> None:
-        """Rows a head graph's backward ran on, for its forward's stats."""
+    def set_rows(self, stats: Optional[StepStats], rows: int, reason: Optional[str] = None) -> None:
+        """Rows a head graph's backward ran on, for its forward's stats; ``reason``: why all rows ran."""
         if stats is not None:
             stats.rows = rows
+            if reason is not None and rows >= stats.n and stats.kept < stats.n:
+                stats.fallback = stats.fallback or reason
             if any(f is stats for f in self.last.forwards):
                 self.last.refresh()
 
@@ -356,22 +389,36 @@ class RuntimeState:
         idx = cat(index.to(g.device)) if index is not None else None
         return cat(h), cat(z), cat(g), idx, rank * n
 
-    def record_dense_step(self, n: int, reason: Optional[str] = None) -> None:
-        """Stats for a step whose graph was refused (or that ran eagerly): every row ran, and why."""
-        self.last = StepStats(step=self.step, n=n, kept=n, rows=n, _fallback=reason or self.fallback,
-                              variants=self.variants)
-        self._task = None
+    def record_dense_step(self, n: int, reason: str, provisional: bool = False, at_forward: bool = False) -> None:
+        """Stats for a step whose graph was refused (or that ran eagerly): every row ran, and why.
+        ``at_forward``: recorded by a forward hook; the next backward's graphs claim it as their step."""
+        self._log_step(self.last)
+        self.last = StepStats(step=self.step, n=n, kept=n, rows=n, _fallback=reason, variants=self.variants,
+                              dense=True, provisional=provisional)
+        self._task = _CLAIM if at_forward else None
         self.step += 1
+
+    def body_backward(self, n: int) -> None:
+        """A body graph's backward.  After the head's (the usual order) nothing to do; first in its backward,
+        no rule has run: the step is dense (replaced if a head graph of the same backward selects later)."""
+        task = getattr(torch._C, "_current_graph_task_id", lambda: -1)()
+        if self._task is _CLAIM:  # the forward hook recorded this step (and why)
+            self._task = task
+        if (task != -1 and task == self._task) or self.bound_forwards:  # CapskipModule recorded it at its forward
+            return
+        self.record_dense_step(n, NO_HEAD_REASON, provisional=True)
+        self._task = task
 
     def record_dense_graph(self, n: int, reason: str) -> None:
         """A refused graph's dense backward (string backend): the step's stats, once per backward, unless
         a selecting graph already recorded this backward."""
         task = getattr(torch._C, "_current_graph_task_id", lambda: -1)()
+        if self._task is _CLAIM:
+            self._task = task
         if task != -1 and task == self._task:
             self.last.fallback = self.last.fallback or reason
             return
-        self._log_step(self.last)
-        self.record_dense_step(n, reason)
+        self.record_dense_step(n, reason, provisional=True)
         self._task = task
 
     # -- stateful backwards --------------------------------------------------------------
@@ -402,6 +449,24 @@ class RuntimeState:
         if state.get("generator") is not None:
             self._generator = torch.Generator(device=state.get("generator_device") or "cpu")
             self._generator.set_state(state["generator"])
+
+
+NO_HEAD_REASON = ("no graph of this backward ran the rule (the first step of a model compiled in place or "
+                  "per block binds its logits from the second step on; or the logits come from eager code): "
+                  "dense backward")
+UNBOUND_REASON = ("the returned logits are not the output of a compiled graph (eager code after a graph "
+                  "break, or a head left out of a regional compile?): no rule runs, dense backward")
+
+
+def logits_of(out: Any, index: Optional[int]) -> Optional[Tensor]:
+    """The logits among a model's outputs: the tensor itself, the ``index``-th value of a tuple/list/dict,
+    else the first 2-D tensor (a Hugging Face ModelOutput's ``logits`` after its 0-d ``loss``)."""
+    if isinstance(out, Tensor):
+        return out
+    vals = list(out.values()) if isinstance(out, dict) else list(out) if isinstance(out, (tuple, list)) else []
+    if index is not None and index < len(vals):
+        return vals[index]
+    return next((v for v in vals if isinstance(v, Tensor) and v.dim() == 2), None)
 
 
 def _reason(checks: dict, deferred: bool = False) -> Optional[str]:
