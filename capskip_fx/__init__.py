@@ -10,9 +10,10 @@ compat.check()  # a moved torch internal fails here, loudly, never as a silently
 
 from .api import CapskipModule, compile, report, stats  # noqa: E402
 from .config import CapskipConfig  # noqa: E402
+from .rowwise import rowwise  # noqa: E402
 from .rules import RULES, HeadView, Rule, Selection, make_rule  # noqa: E402
 from .vcas.controller import VCAS  # noqa: E402
 
 __all__ = ["compile", "stats", "report", "CapskipModule", "CapskipConfig", "RULES", "Rule", "HeadView",
-           "Selection", "make_rule", "VCAS"]
+           "Selection", "make_rule", "VCAS", "rowwise"]
 __version__ = "0.1.0"

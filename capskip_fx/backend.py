@@ -18,6 +18,7 @@ from torch import fx
 from torch.utils.weak import WeakIdKeyDictionary
 
 from . import aot_cache, ops
+from .rowwise import undeclared_function
 from .config import ENV_BUDGET, ENV_OPTIONS, ENV_RULE, CapskipConfig, options_from_env, split_options
 from .passes.batch import Refused, fake_mode_of
 from .passes.gather_in_graph import check_full_rows_free, gather_in_graph
@@ -228,6 +229,10 @@ class CapskipBackend:
         self.records.append(rec)
         counters()["graphs"] += 1
         self._current = rec
+        unproven = undeclared_function(gm)
+        if unproven is not None:  # the joint pass then leaves the graph alone: a plain dense backward
+            rec.refuse(unproven)
+            self.on_refused(unproven)
         patches = {**self.config.inductor_options(), "joint_custom_pre_pass": InsertSelectPass(self)}
         if self._aot_cache():  # a hit rebuilds our wrappers around the served graphs
             patches["cudagraph_policy"] = aot_cache.RebuildPolicy(functools.partial(self._rebuild, rec),

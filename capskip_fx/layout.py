@@ -39,6 +39,8 @@ Invariants:
   stay batch-major with inner 1 (views, slices, casts) are row indices too, and indexing a batch value
   along its batch dim with a row index (other indices free: HF's ``mask[arange(N)[:, None], kv]``)
   reads row ``b`` from row ``b``: not mixing.  Any arithmetic on it (a roll's ``(i + k) % N``) is not.
+  A value computed from a row index by anything but indexing (``h * arange(N)[:, None]``) that reaches an
+  output or the backward is refused: the backward may recompute ``arange`` at the kept rows' count.
 * Refusals met during the walk come first (the first in topological order); the checks of forward
   outputs and backward consumers come after them.  The walk itself never stops early.
 
@@ -322,6 +324,7 @@ class _Walk:
         self.lay: dict[fx.Node, Result] = {}
         self.any_layout: set[fx.Node] = set()  # batch values whose rows are constant or i.i.d. random
         self.row_index: set[fx.Node] = set()  # batch-major values whose row b holds the value b (arange(N))
+        self.row_value: dict[fx.Node, fx.Node] = {}  # values computed from a row index -> the op that used it
         self.refusals: list[str] = []
 
     # ---- value helpers
@@ -390,7 +393,7 @@ class _Walk:
                 r = self.per_output(n, lambda v: None, f"(not analysed: {type(e).__name__}: {e})")
             if r is not None:
                 self.lay[n] = r
-        checks = self.check_uses()
+        checks = self.check_uses() + self.check_row_values()
         layouts: dict[str, Layout] = {}
         for n, r in self.lay.items():
             if isinstance(r, Layout):
@@ -399,6 +402,15 @@ class _Walk:
                 layouts.update({f"{n.name}.{i}": x for i, x in enumerate(r) if x is not None})
         refusal = (self.refusals + checks)[0] if self.refusals or checks else None
         return LayoutAnalysis(layouts, refusal)
+
+    def check_row_values(self) -> list:
+        """A row index used as a value (arithmetic, not indexing) that reaches an output or the backward:
+        a gathered backward recomputing ``arange`` would number the kept rows 0..k-1, not by their rows."""
+        for n, origin in self.row_value.items():
+            if any(u.op == "output" or u in self.bwd for u in n.users):
+                return [f"the row index arange(N) is used as a value, not to index rows ({_op(origin)}"
+                        f"{_where(origin)}): a selected-row backward would recompute it at the kept rows' count"]
+        return []
 
     def check_uses(self) -> list:
         """Unknown / token-major values that are forward outputs or are read by the backward."""
@@ -445,6 +457,10 @@ class _Walk:
         if _packet(n) in VALUE_KEEPING_OPS and n.args and n.args[0] in self.row_index and isinstance(r, Layout) \
                 and r.kind == "batch" and r.outer == 1 and r.inner == 1:
             self.row_index.add(n)
+        else:
+            used = [a for a in n.all_input_nodes if a in self.row_index or a in self.row_value]
+            if used and not (_packet(n) in INDEX_OPS | MASKED_INDEX_OPS and n.args[0] not in used):
+                self.row_value[n] = self.row_value.get(used[0], n)  # arithmetic on the row index
         return r
 
     def placeholder(self, val: Any) -> Optional[Layout]:

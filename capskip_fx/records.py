@@ -53,6 +53,7 @@ class GraphRecord:
     vcas: Optional[str] = None  # VCAS: segments and sampled matmuls, or why it did not apply
     segmented: bool = False  # the backward runs as VCAS segments (aot_eager: matmul shapes accumulate per pass)
     verified: bool = False  # an informative gathered step matched the dense-masked backward
+    verified_unordered: bool = False  # ... on a step whose kept rows were not the first k
     checks: int = 0  # verify comparisons run
     error: Optional[str] = None  # on_coupling="error": raised at this graph's first forward
     cached: bool = False  # served by AOTAutogradCache: the wrappers were rebuilt from their stored description

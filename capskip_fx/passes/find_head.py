@@ -2,7 +2,7 @@
 
 Invariants: the logits ``z`` are a user output of shape (s, C) (batch in dim 0) with a tangent
 ``g``; ``z`` is produced (through views only) by ``addmm(bias, h, W^T)`` or ``mm(h, W^T)`` and
-``h`` is (s, d).  The logits output is found from AOT output descriptors when available (the
+``h`` is (s, d): the same rows as the logits (a head over reshaped rows is no head).  The logits output is found from AOT output descriptors when available (the
 first plain user output that qualifies), else from the joint graph's output/tangent order.
 """
 from __future__ import annotations
@@ -68,6 +68,13 @@ def _match_linear(z: fx.Node) -> Optional[tuple[fx.Node, bool]]:
     return None
 
 
+def _same_size(a, b) -> bool:
+    """Sizes equal structurally (no guard: a SymInt is compared by its expression)."""
+    ea = a.node.expr if isinstance(a, torch.SymInt) else a
+    eb = b.node.expr if isinstance(b, torch.SymInt) else b
+    return ea == eb
+
+
 def find_head(graph: fx.Graph, logits_index: Optional[int] = None) -> Head:
     candidates = outputs_and_tangents(graph)
     reasons = []
@@ -86,6 +93,10 @@ def find_head(graph: fx.Graph, logits_index: Optional[int] = None) -> Head:
         hv = h.meta.get("val")
         if not isinstance(hv, torch.Tensor) or hv.dim() != 2:
             reasons.append(f"output {idx}: head input is not 2-D")
+            continue
+        if not _same_size(hv.shape[0], val.shape[0]):
+            reasons.append(f"output {idx}: the head's input has {hv.shape[0]} rows, the logits {val.shape[0]} "
+                           "(a Linear over reshaped rows, e.g. multiple choice)")
             continue
         return Head(z=z, g=g, h=h, bias=bias, output_index=idx)
     raise Refused("no classifier head: the model output must be logits (N, C) from a final Linear"

@@ -71,6 +71,8 @@ class InsertSelectPass(CustomGraphPass):
         if not _tangents(graph):
             rec.backward = BackwardMode.INFERENCE
             return
+        if rec.reason is not None:  # refused before AOT (an undeclared custom autograd.Function): dense
+            return
         try:
             self._apply(graph, rec)
         except Refused as e:

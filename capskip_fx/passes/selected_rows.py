@@ -139,11 +139,11 @@ def _split_prefix(gm: fx.GraphModule, example_inputs: list, g: fx.Node, sel: fx.
     prefix_gm = fx.GraphModule(gm, pg)
     # the rest: exported values become inputs; the prefix's nodes and the inputs only it read go
     new_inputs = []
-    with gm.graph.inserting_after(placeholders[-1]):
-        for n in exported:
+    for n in exported:  # in export order (each after the last): the runtime passes the prefix's outputs so
+        with gm.graph.inserting_after(new_inputs[-1] if new_inputs else placeholders[-1]):
             ph = gm.graph.placeholder(f"{n.name}_from_loss")
-            ph.meta["val"] = n.meta["val"]
-            new_inputs.append(ph)
+        ph.meta["val"] = n.meta["val"]
+        new_inputs.append(ph)
     for n, ph in zip(exported, new_inputs):
         n.replace_all_uses_with(ph, delete_user_cb=lambda u: u not in inside)
     for n in reversed(ordered):

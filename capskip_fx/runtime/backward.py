@@ -72,7 +72,7 @@ class SelectedRowBackward:
                 self.record.no_head = "a Linear output that is not the returned logits"
         g = args[p.select_args[-1]]
         n = g.shape[0]
-        state.body_backward(n)
+        state.body_backward(n, self.record.no_head)
         live = torch.zeros(n, dtype=torch.bool, device=g.device)
         for i in p.tangent_args:
             live |= (args[i].reshape(n, -1) != 0).any(1)
@@ -101,7 +101,7 @@ class SelectedRowBackward:
         # kept rows first; the pad rows are skipped rows and carry weight 0
         idx = torch.argsort((weight == 0).to(torch.int8), stable=True)[:kb]
         w_kb = weight.index_select(0, idx)
-        check = self._should_verify(k, n)
+        check = self._should_verify(k, n, weight)
         full_args = list(args) if check else None
         lays = self._layout(kb)
         if self.in_graph:  # the graph gathers and scatters: batch inputs as they are, then the index and n
@@ -133,14 +133,19 @@ class SelectedRowBackward:
             return self.compiled(args + [weight, torch.arange(n, device=weight.device), n])
         return (getattr(self.compiled, "exact", self.compiled) if exact else self.compiled)(args + [weight])
 
-    def _should_verify(self, k: int, n: int) -> bool:
-        """Verify on informative steps only (some rows kept, some dropped): the first one, then every
-        ``verify_every`` gathered steps if set."""
+    def _should_verify(self, k: int, n: int, weight: torch.Tensor) -> bool:
+        """Verify on informative steps only (some rows kept, some dropped): the first one, the first whose
+        kept rows are not the first k (where a value recomputed from the row index would coincide with the
+        dense one: one host read per step until then), then every ``verify_every`` gathered steps if set."""
         if not self.config.verify or not 0 < k < n:
             return False
         self.gathered_steps += 1
         every = self.config.verify_every
-        return not self.record.verified or (every is not None and self.gathered_steps % every == 0)
+        if not self.record.verified:
+            return True
+        if not self.record.verified_unordered and not bool((weight[:k] != 0).all()):
+            return True
+        return every is not None and self.gathered_steps % every == 0
 
     def _full_rows(self, outs: list, idx: torch.Tensor, n: int) -> list:
         """Batch-shaped outputs (input gradients) of the gathered rows back to N rows (the in-graph
@@ -168,4 +173,6 @@ class SelectedRowBackward:
                     return ref
         self.record.checks += 1
         self.record.verified = self.record.verified or informative
+        if informative and not bool((weight[:int((weight != 0).sum())] != 0).all()):
+            self.record.verified_unordered = True
         return outs

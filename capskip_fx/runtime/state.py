@@ -398,7 +398,7 @@ class RuntimeState:
         self._task = _CLAIM if at_forward else None
         self.step += 1
 
-    def body_backward(self, n: int) -> None:
+    def body_backward(self, n: int, no_head: Optional[str] = None) -> None:
         """A body graph's backward.  After the head's (the usual order) nothing to do; first in its backward,
         no rule has run: the step is dense (replaced if a head graph of the same backward selects later)."""
         task = getattr(torch._C, "_current_graph_task_id", lambda: -1)()
@@ -406,7 +406,8 @@ class RuntimeState:
             self._task = task
         if (task != -1 and task == self._task) or self.bound_forwards:  # CapskipModule recorded it at its forward
             return
-        self.record_dense_step(n, NO_HEAD_REASON, provisional=True)
+        reason = f"{no_head}: no rule runs, dense backward" if no_head else NO_HEAD_REASON
+        self.record_dense_step(n, reason, provisional=True)
         self._task = task
 
     def record_dense_graph(self, n: int, reason: str) -> None:
