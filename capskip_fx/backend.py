@@ -19,14 +19,14 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from . import aot_cache, ops
 from .config import ENV_BUDGET, ENV_OPTIONS, ENV_RULE, CapskipConfig, options_from_env, split_options
-from .passes.batch import Refused, fake_mode_of
 from .passes.gather_in_graph import check_full_rows_free, gather_in_graph
 from .passes.insert_select import SELECTION_OPS, InsertSelectPass
-from .passes.selected_rows import BackwardPlan, check_not_specialised, plan_backward
-from .records import BackwardMode, GraphRecord, counters
+from .passes.selected_rows import BackwardPlan, plan_backward
+from .records import BackwardMode, GraphRecord, Refused, counters
 from .rules import build_rule
 from .runtime.backward import SelectedRowBackward
 from .runtime.state import RuntimeState
+from .symbolic import check_not_specialised, fake_mode_of
 from .vcas import build_backward as vcas_backward
 
 _MATMULS = ("mm", "addmm", "bmm", "baddbmm")

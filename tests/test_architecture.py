@@ -1,6 +1,7 @@
 """The data path stays visible: no import cycle inside capskip_fx, no module importing another's
-private names, and the layers of shared/design/layout.md (ops and records import nothing of ours
-but each other's public names; rules import torch only)."""
+private names, and the layers of shared/design/layout.md (the base modules -- ops, records,
+symbolic, layout, rows -- import only what lies below them; rules import torch only; neither the
+runtime nor VCAS imports the passes).  Every import counts, module-level or inside a function."""
 from __future__ import annotations
 
 import ast
@@ -21,7 +22,8 @@ def _module_name(path: pathlib.Path) -> str:
 
 
 def _imports() -> list[tuple[str, str, list[str], bool]]:
-    """(importer, imported module, names, at module level?) for every import of capskip_fx code."""
+    """(importer, imported module, names, at module level?) for every import of capskip_fx code: every
+    Import / ImportFrom node of every module, function-level ones included."""
     out = []
     for path in PKG.rglob("*.py"):
         mod = _module_name(path)
@@ -52,6 +54,12 @@ def _imports() -> list[tuple[str, str, list[str], bool]]:
     return out
 
 
+def test_function_level_imports_are_seen():
+    """The layer checks below read function-level imports too (config imports the rules late)."""
+    late = [(src, dst) for src, dst, _, top in _imports() if not top]
+    assert ("capskip_fx.config", "capskip_fx.rules") in late, f"function-level imports not collected: {late}"
+
+
 def test_no_import_cycle_at_module_level():
     g = nx.DiGraph()
     for src, dst, _, top in _imports():
@@ -71,18 +79,30 @@ def test_no_private_names_imported_across_modules():
     ("capskip_fx.ops", ("capskip_fx.runtime", "capskip_fx.passes", "capskip_fx.backend", "capskip_fx.api")),
     ("capskip_fx.records", ("capskip_fx.runtime", "capskip_fx.passes", "capskip_fx.backend", "capskip_fx.api")),
     ("capskip_fx.passes", ("capskip_fx.backend", "capskip_fx.api", "capskip_fx.runtime")),
-    ("capskip_fx.runtime", ("capskip_fx.backend", "capskip_fx.api")),
+    ("capskip_fx.runtime", ("capskip_fx.backend", "capskip_fx.api", "capskip_fx.passes")),
     ("capskip_fx.rules", ("capskip_fx.runtime", "capskip_fx.passes", "capskip_fx.backend", "capskip_fx.api",
                           "capskip_fx.ops", "capskip_fx.vcas")),
     # the core data path knows nothing of VCAS (it sees a stateful compiled backward)
     ("capskip_fx.passes", ("capskip_fx.vcas",)),
     ("capskip_fx.runtime", ("capskip_fx.vcas",)),
-    ("capskip_fx.vcas", ("capskip_fx.backend", "capskip_fx.api", "capskip_fx.train")),
+    ("capskip_fx.vcas", ("capskip_fx.backend", "capskip_fx.api", "capskip_fx.train", "capskip_fx.passes")),
 ])
 def test_layers_import_downward_only(low, forbidden):
     bad = [(src, dst) for src, dst, _, _ in _imports()
            if (src == low or src.startswith(low + ".")) and any(dst == f or dst.startswith(f + ".") for f in forbidden)]
     assert not bad, f"{low} imports upward: {bad}"
+
+
+@pytest.mark.parametrize("base, below", [
+    ("capskip_fx.ops", ()),
+    ("capskip_fx.records", ()),
+    ("capskip_fx.symbolic", ("capskip_fx.records",)),
+    ("capskip_fx.layout", ("capskip_fx.symbolic",)),
+    ("capskip_fx.rows", ("capskip_fx.symbolic",)),
+])
+def test_base_modules_import_only_what_lies_below(base, below):
+    bad = [(src, dst) for src, dst, _, _ in _imports() if src == base and dst not in below]
+    assert not bad, f"{base} may import only {below}: {bad}"
 
 
 def test_backend_reaches_vcas_through_its_entry_point_only():
