@@ -60,10 +60,14 @@ def test_function_level_imports_are_seen():
     assert ("capskip_fx.config", "capskip_fx.rules") in late, f"function-level imports not collected: {late}"
 
 
-def test_no_import_cycle_at_module_level():
+@pytest.mark.parametrize("module_level_only", [True, False], ids=["module-level", "function-level too"])
+def test_no_import_cycle(module_level_only):
+    """A late import inside a function is still an edge: only a module's late import of its own package
+    (a registry lookup, as rules.random_skip's ``make_rule``) closes no cycle, since a package importing
+    its own children is not an edge."""
     g = nx.DiGraph()
     for src, dst, _, top in _imports():
-        if top and src != dst and not dst.startswith(src + "."):  # a package importing its own children is fine
+        if (top or not module_level_only) and src != dst and not dst.startswith(src + "."):
             g.add_edge(src, dst)
     cycles = list(nx.simple_cycles(g))
     assert not cycles, f"import cycles: {cycles}"
@@ -103,6 +107,30 @@ def test_layers_import_downward_only(low, forbidden):
 def test_base_modules_import_only_what_lies_below(base, below):
     bad = [(src, dst) for src, dst, _, _ in _imports() if src == base and dst not in below]
     assert not bad, f"{base} may import only {below}: {bad}"
+
+
+def test_rules_import_the_base_not_each_other():
+    """A rule file imports rules.base and rules.labels; only StaleSB extends a sibling (SB with a cache).
+    The package's registry is allowed (RandomSkip(match="sb") looks the name up)."""
+    shared = {"capskip_fx.rules", "capskip_fx.rules.base", "capskip_fx.rules.labels"}
+    extends = {("capskip_fx.rules.stale_sb", "capskip_fx.rules.selective_backprop")}
+    bad = [(src, dst) for src, dst, _, _ in _imports()
+           if src.startswith("capskip_fx.rules.") and dst.startswith("capskip_fx.rules")
+           and dst not in shared and (src, dst) not in extends]
+    assert not bad, f"rules importing a sibling rule: {bad}"
+
+
+def test_every_rule_declares_whether_it_reads_labels():
+    """The runtime reads ``Rule.needs_labels`` (no rule names): each registered rule sets it, and a random
+    twin reads labels only through the rule it matches."""
+    from capskip_fx.rules import RULES, RandomSkip, Rule
+
+    undeclared = [name for name, cls in RULES.items()
+                  if not any("needs_labels" in vars(c) for c in cls.__mro__ if c is not Rule)]
+    assert not undeclared, f"rules that leave needs_labels to the default: {undeclared}"
+    assert not RandomSkip(keep=0.5).needs_labels, "random with keep= reads no labels"
+    assert not RandomSkip(match="dense").needs_labels, "random matching dense reads no labels"
+    assert RandomSkip(match="capskip").needs_labels, "random matching capskip reads labels through it"
 
 
 def test_backend_reaches_vcas_through_its_entry_point_only():

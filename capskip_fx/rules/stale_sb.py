@@ -45,8 +45,8 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from .base import HeadView, Selection, selection_dtype
-from .selective_backprop import SelectiveBackprop, sb_keep_prob, view_losses
+from .base import HeadView, Selection, selection_dtype, view_losses
+from .selective_backprop import SelectiveBackprop, sb_keep_prob
 
 #: ``cache_epoch`` of an index never seen (far enough below any epoch to never be fresh)
 NEVER = -(2 ** 62)
