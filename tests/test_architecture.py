@@ -133,6 +133,19 @@ def test_every_rule_declares_whether_it_reads_labels():
     assert RandomSkip(match="capskip").needs_labels, "random matching capskip reads labels through it"
 
 
+def test_environment_is_read_in_config_only():
+    """CAPSKIP_* (and any other) environment variables are read through config.py's helpers."""
+    bad = []
+    for path in PKG.rglob("*.py"):
+        if path == PKG / "config.py":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            name = node.attr if isinstance(node, ast.Attribute) else node.id if isinstance(node, ast.Name) else None
+            if name in ("environ", "getenv", "environb", "getenvb"):
+                bad.append(f"{_module_name(path)}:{node.lineno}")
+    assert not bad, f"environment read outside capskip_fx/config.py: {bad}"
+
+
 def test_backend_reaches_vcas_through_its_entry_point_only():
     """VCAS is one subpackage with one entry point: the backend imports ``capskip_fx.vcas`` itself, the
     rest of the package at most its options (``vcas.controller.VCAS``)."""
