@@ -97,10 +97,6 @@ class StaleSB(SelectiveBackprop):
                 self.cache_epoch = torch.cat([self.cache_epoch, self.cache_epoch.new_full((extra,), NEVER)])
                 self.presel = torch.cat([self.presel, self.presel.new_zeros(extra)])
 
-    @property
-    def cache_device(self) -> Optional[torch.device]:
-        return None if self.cache_loss is None else self.cache_loss.device
-
     def fresh(self, idx: Tensor, epoch: int) -> Tensor:
         """(n,) bool: each index's last selection forward is less than ``staleness`` epochs old."""
         if self.cache_loss is None:
