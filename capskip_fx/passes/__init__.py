@@ -8,7 +8,6 @@ joint graph (AOTAutograd, before partitioning):
 backward graph (Inductor ``inner_compile``):
   selected_rows.py -- cut at the selection node and run the backward on the kept rows only
   gather_in_graph.py -- (gather="graph") take the saved activations at N rows and gather / scatter in the graph
+A pass that will not rewrite a graph raises ``records.Refused``; the batch symbol and size helpers are in
+``symbolic.py``.
 """
-from ..records import Refused
-
-__all__ = ["Refused"]
