@@ -76,15 +76,20 @@ def evaluate(e: sympy.Expr, sym: sympy.Symbol, value: int) -> int:
 
 # -- the batch symbol and the batch dim -------------------------------------------------------------
 
+def is_tangent(n) -> bool:
+    """A placeholder holding the incoming gradient of a forward output (AOTAutograd names them tangents_*)."""
+    return n.op == "placeholder" and n.name.startswith("tangents")
+
+
 def tangent_nodes(graph) -> list:
-    """The joint graph's tangent placeholders (incoming gradients of the forward's outputs)."""
-    return [n for n in graph.nodes if n.op == "placeholder" and n.name.startswith("tangents")]
+    """The joint graph's tangent placeholders."""
+    return [n for n in graph.nodes if is_tangent(n)]
 
 
 def batch_symbol(graph) -> Optional[sympy.Symbol]:
     """The symbol of the first primal placeholder whose dim 0 is a plain symbol, or None."""
     for n in graph.nodes:
-        if n.op != "placeholder" or n.name.startswith("tangents"):
+        if n.op != "placeholder" or is_tangent(n):
             continue
         v = n.meta.get("val")
         if isinstance(v, torch.Tensor) and v.dim() >= 1 and isinstance(v.shape[0], torch.SymInt):
