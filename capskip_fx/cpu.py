@@ -18,8 +18,9 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
-import os
 import sys
+
+from .config import malloc_tuning_enabled
 
 M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3
 TRIM_BYTES, MMAP_BYTES = 1 << 30, 32 << 20  # glibc caps the mmap threshold at 32 MiB on 64-bit
@@ -27,7 +28,7 @@ TRIM_BYTES, MMAP_BYTES = 1 << 30, 32 << 20  # glibc caps the mmap threshold at 3
 
 def retain_freed_memory() -> bool:
     """Keep freed heap memory mapped (see the module docstring).  True if glibc accepted both settings."""
-    if not sys.platform.startswith("linux") or os.environ.get("CAPSKIP_MALLOC_TUNING", "1") == "0":
+    if not sys.platform.startswith("linux") or not malloc_tuning_enabled():
         return False
     try:
         libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")

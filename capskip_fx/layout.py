@@ -68,11 +68,13 @@ import sympy
 import torch
 from torch import fx
 
-__all__ = ["Layout", "LayoutAnalysis", "analyze", "backward_nodes", "batch_symbol", "reshape_layout"]
+from .symbolic import (ONE, ZERO, exact_quotient, expr_of, product, same_size, shape_exprs, symbol_dims,
+                       tangent_nodes, uses_symbol)
+
+__all__ = ["Layout", "LayoutAnalysis", "analyze", "backward_nodes", "reshape_layout"]
 
 aten = torch.ops.aten
 prims = torch.ops.prims
-ONE, ZERO = sympy.Integer(1), sympy.Integer(0)
 
 
 @dataclass(frozen=True)
@@ -90,10 +92,6 @@ class Layout:
     def gatherable(self) -> bool:
         """Rows can be selected by an ``index_select`` on ``dim`` (viewed as ``(N, inner)``)."""
         return self.kind == "free" or (self.kind == "batch" and self.outer == 1)
-
-    @property
-    def is_batch(self) -> bool:
-        return self.kind == "batch"
 
     def __str__(self) -> str:
         if self.kind == "batch":
@@ -210,66 +208,16 @@ class _Refuse(Exception):
     """Row mixing met at a node (message = the refusal)."""
 
 
-def batch_symbol(graph: fx.Graph) -> Optional[sympy.Symbol]:
-    """The symbol of the first primal placeholder whose dim 0 is a plain symbol, or None."""
-    for n in graph.nodes:
-        if n.op != "placeholder" or n.name.startswith("tangents"):
-            continue
-        v = n.meta.get("val")
-        if isinstance(v, torch.Tensor) and v.dim() >= 1 and isinstance(v.shape[0], torch.SymInt):
-            e = v.shape[0].node.expr
-            if isinstance(e, sympy.Symbol):
-                return e
-    return None
-
-
 def backward_nodes(graph: fx.Graph) -> set[fx.Node]:
     """Nodes reachable from a tangent placeholder (the output node included); the rest is forward."""
     seen: set[fx.Node] = set()
-    stack = [n for n in graph.nodes if n.op == "placeholder" and n.name.startswith("tangents")]
+    stack = tangent_nodes(graph)
     while stack:
         n = stack.pop()
         if n not in seen:
             seen.add(n)
             stack.extend(n.users)
     return seen
-
-
-def _expr(v: Any) -> sympy.Expr:
-    if isinstance(v, (torch.SymInt, torch.SymFloat, torch.SymBool)):
-        return v.node.expr
-    return sympy.Integer(v)
-
-
-def _shape(v: torch.Tensor) -> list:
-    return [_expr(d) for d in v.shape]
-
-
-def _has(e: sympy.Expr, sym: sympy.Symbol) -> bool:
-    return not e.is_Number and sym in e.free_symbols
-
-
-def _eq(a: sympy.Expr, b: sympy.Expr) -> bool:
-    return a == b or sympy.expand(a - b) == 0
-
-
-def _prod(xs) -> sympy.Expr:
-    out = ONE
-    for x in xs:
-        out = out * x
-    return out
-
-
-def _divide(a: sympy.Expr, b: sympy.Expr, sym: sympy.Symbol) -> Optional[sympy.Expr]:
-    """a / b if it is an integer expression free of the batch symbol (structurally), else None."""
-    if b == 0:
-        return None
-    q = a / b
-    if q.is_Integer:
-        return q if q > 0 else None
-    if q.is_Number or _has(q, sym) or q.as_numer_denom()[1] != 1:
-        return None
-    return q
 
 
 def _where(n: fx.Node) -> str:
@@ -305,10 +253,6 @@ def _arg(n: fx.Node, idx: Optional[int], names=("dim", "dims"), default: Any = N
     return default
 
 
-def _sdims(shape: list, sym: sympy.Symbol) -> list:
-    return [k for k, e in enumerate(shape) if _has(e, sym)]
-
-
 # --------------------------------------------------------------------------------------------
 # the analysis state and the transfer rules
 
@@ -340,19 +284,19 @@ class _Walk:
 
     def track(self, lay: Layout, out: torch.Tensor) -> Optional[Layout]:
         """``lay``'s batch dim, found again intact as the output's one s-dim (None if it isn't)."""
-        shape = _shape(out)
-        ks = _sdims(shape, self.sym)
-        if len(ks) != 1 or not _eq(shape[ks[0]], lay.outer * self.sym * lay.inner):
+        shape = shape_exprs(out)
+        ks = symbol_dims(shape, self.sym)
+        if len(ks) != 1 or not same_size(shape[ks[0]], lay.outer * self.sym * lay.inner):
             return None
         return Layout("batch", ks[0], lay.outer, lay.inner, lay.why)
 
     def from_shape(self, out: torch.Tensor) -> Optional[Layout]:
         """Batch-major layout of a value whose rows fit any layout (constant, random, expanded)."""
-        shape = _shape(out)
-        ks = _sdims(shape, self.sym)
+        shape = shape_exprs(out)
+        ks = symbol_dims(shape, self.sym)
         if not ks:
             return FREE
-        inner = _divide(shape[ks[0]], self.sym, self.sym) if len(ks) == 1 else None
+        inner = exact_quotient(shape[ks[0]], self.sym, self.sym) if len(ks) == 1 else None
         return Layout("batch", ks[0], ONE, inner) if inner is not None else None
 
     def per_output(self, n: fx.Node, fn: Callable[[torch.Tensor], Optional[Layout]], what: str = "") -> Result:
@@ -466,10 +410,10 @@ class _Walk:
     def placeholder(self, val: Any) -> Optional[Layout]:
         if not isinstance(val, torch.Tensor):
             return None
-        shape = _shape(val)
-        if shape and shape[0] == self.sym and not any(_has(e, self.sym) for e in shape[1:]):
+        shape = shape_exprs(val)
+        if shape and shape[0] == self.sym and not any(uses_symbol(e, self.sym) for e in shape[1:]):
             return Layout("batch", 0)
-        if any(_has(e, self.sym) for e in (*shape, *(_expr(st) for st in val.stride()))):
+        if any(uses_symbol(e, self.sym) for e in (*shape, *(expr_of(st) for st in val.stride()))):
             return Layout("unknown", why="an input whose sizes or strides use the batch symbol other than as dim 0")
         return FREE
 
@@ -481,7 +425,7 @@ class _Walk:
             return self.per_output(n, lambda v: bad[0])
         if any(l.kind == "batch" for _, l in ins):
             return self.per_output(n, lambda v: None)
-        return self.per_output(n, lambda v: FREE if not _sdims(_shape(v), self.sym) else None,
+        return self.per_output(n, lambda v: FREE if not symbol_dims(shape_exprs(v), self.sym) else None,
                                "(creates a batch-sized value)")
 
     def first_unknown(self, ins) -> Optional[Layout]:
@@ -509,7 +453,7 @@ class _Walk:
         if first is not None:
             for a, l in items:  # any-layout operands must at least sit in the same dim with the same size
                 if a in self.any_layout and (
-                        l.dim != first.dim or not _eq(l.outer * l.inner, first.outer * first.inner)):
+                        l.dim != first.dim or not same_size(l.outer * l.inner, first.outer * first.inner)):
                     raise self.mixing(n, f"{what} batch values in different dims ({a.name}: {l}, {first})")
         return first
 
@@ -550,15 +494,15 @@ def reshape_layout(lay: Layout, in_shape: list, out_shape: list, sym: sympy.Symb
     """
     if any(e == 0 for e in in_shape) or any(e == 0 for e in out_shape):
         return None
-    ks = _sdims(out_shape, sym)
+    ks = symbol_dims(out_shape, sym)
     if len(ks) != 1:
         return None
     k = ks[0]
-    o_tot = _prod(in_shape[:lay.dim]) * lay.outer
-    i_tot = lay.inner * _prod(in_shape[lay.dim + 1:])
-    outer = _divide(o_tot, _prod(out_shape[:k]), sym)
-    inner = _divide(i_tot, _prod(out_shape[k + 1:]), sym)
-    if outer is None or inner is None or not _eq(out_shape[k], outer * sym * inner):
+    o_tot = product(in_shape[:lay.dim]) * lay.outer
+    i_tot = lay.inner * product(in_shape[lay.dim + 1:])
+    outer = exact_quotient(o_tot, product(out_shape[:k]), sym)
+    inner = exact_quotient(i_tot, product(out_shape[k + 1:]), sym)
+    if outer is None or inner is None or not same_size(out_shape[k], outer * sym * inner):
         return None
     return Layout("batch", k, outer, inner, lay.why)
 
@@ -567,9 +511,9 @@ def _reshape(w: _Walk, n: fx.Node) -> Result:
     x = w.of(n.args[0])
     if x is None or x.kind != "batch":
         return _move(w, n) if x is not None and x.kind == "free" else w.generic(n)
-    in_shape = _shape(n.args[0].meta["val"])
+    in_shape = shape_exprs(n.args[0].meta["val"])
     def one(v):
-        r = reshape_layout(x, in_shape, _shape(v), w.sym)
+        r = reshape_layout(x, in_shape, shape_exprs(v), w.sym)
         if r is not None and r.outer != 1 and not x.why:  # remember where it became token-major
             r = Layout("batch", r.dim, r.outer, r.inner, f"{_op(n)} merged dims left of the batch{_where(n)}")
         return r if r is None or r.outer != 1 else Layout("batch", r.dim, r.outer, r.inner)
@@ -583,9 +527,9 @@ def _as_strided(w: _Walk, n: fx.Node) -> Result:
         return w.generic(n)
     src, out = n.args[0].meta["val"], n.meta["val"]
     offset = n.args[3] if len(n.args) > 3 else n.kwargs.get("storage_offset")
-    if (_contiguous(_shape(src), [_expr(st) for st in src.stride()])
-            and _contiguous(_shape(out), [_expr(st) for st in out.stride()])
-            and (offset is None or offset == 0) and _expr(src.storage_offset()) == 0):
+    if (_contiguous(shape_exprs(src), [expr_of(st) for st in src.stride()])
+            and _contiguous(shape_exprs(out), [expr_of(st) for st in out.stride()])
+            and (offset is None or offset == 0) and expr_of(src.storage_offset()) == 0):
         return _reshape(w, n)
     return w.generic(n)
 
@@ -593,7 +537,7 @@ def _as_strided(w: _Walk, n: fx.Node) -> Result:
 def _contiguous(shape: list, strides: list) -> bool:
     expect = ONE
     for size, st in zip(reversed(shape), reversed(strides)):
-        if size != 1 and not _eq(st, expect):
+        if size != 1 and not same_size(st, expect):
             return False
         expect = expect * size
     return True
@@ -650,10 +594,10 @@ def _along(w: _Walk, n: fx.Node) -> Result:
 def _slab(w: _Walk, x: Layout, start: Any, length: sympy.Expr) -> Optional[Layout]:
     """The part [start, start + length) of ``x``'s batch dim, if it is whole slabs of s*inner."""
     unit = w.sym * x.inner
-    start = _expr(start.meta["val"]) if isinstance(start, fx.Node) else _expr(start or 0)
-    if start != 0 and (start.is_Number and start < 0 or _divide(start, unit, w.sym) is None):
+    start = expr_of(start.meta["val"]) if isinstance(start, fx.Node) else expr_of(start or 0)
+    if start != 0 and (start.is_Number and start < 0 or exact_quotient(start, unit, w.sym) is None):
         return None
-    outer = _divide(length, unit, w.sym)
+    outer = exact_quotient(length, unit, w.sym)
     return Layout("batch", x.dim, outer, x.inner, x.why) if outer is not None else None
 
 
@@ -677,8 +621,8 @@ def _slice(w: _Walk, n: fx.Node) -> Result:
         starts, acc = [], ZERO
         for v in outs:
             starts.append(acc)
-            acc = acc + _expr(v.shape[x.dim])
-    lays = [_slab(w, x, st, _expr(v.shape[x.dim])) for st, v in zip(starts, outs)]
+            acc = acc + expr_of(v.shape[x.dim])
+    lays = [_slab(w, x, st, expr_of(v.shape[x.dim])) for st, v in zip(starts, outs)]
     if any(l is None for l in lays):
         raise w.mixing(n, "slices or splits the batch dim")
     return lays if isinstance(val, (list, tuple)) else lays[0]
@@ -713,7 +657,7 @@ def _cat(w: _Walk, n: fx.Node) -> Result:
     nd = n.meta["val"].dim()
     dim = int(_arg(n, 1, default=0)) % max(nd, 1)
     if _packet(n) not in STACK_OPS and any(l.dim == dim for _, l in batch):
-        nonempty = [a for a, _ in ins if _ndim(a) != 1 or _expr(a.meta["val"].shape[0]) != 0]  # legacy 1-D empties
+        nonempty = [a for a, _ in ins if _ndim(a) != 1 or expr_of(a.meta["val"].shape[0]) != 0]  # legacy 1-D empties
         if len(batch) != len(nonempty) or any(l.dim != dim or l.inner != batch[0][1].inner for _, l in batch):
             raise w.mixing(n, "concatenates along the batch dim values that are not batch slabs alike")
         outer = ZERO
@@ -894,7 +838,7 @@ def _per_sample(w: _Walk, n: fx.Node) -> Result:
     if any(l.dim != 0 for _, l in batch):
         return w.per_output(n, lambda v: None, "(batch not in dim 0)")
     lay = w.agree(n, batch, "combines")
-    return w.per_output(n, lambda v: FREE if not _sdims(_shape(v), w.sym) else w.track(lay, v))
+    return w.per_output(n, lambda v: FREE if not symbol_dims(shape_exprs(v), w.sym) else w.track(lay, v))
 
 
 def _attention(w: _Walk, n: fx.Node) -> Result:
@@ -914,7 +858,7 @@ def _attention(w: _Walk, n: fx.Node) -> Result:
     if not batch:
         return w.generic(n)
     lay = w.agree(n, batch, "combines")  # a mask carrying the batch must agree as well
-    return w.per_output(n, lambda t: FREE if not _sdims(_shape(t), w.sym) else w.track(lay, t))
+    return w.per_output(n, lambda t: FREE if not symbol_dims(shape_exprs(t), w.sym) else w.track(lay, t))
 
 
 def _layer_norm(w: _Walk, n: fx.Node) -> Result:
@@ -964,18 +908,18 @@ def _arange(w: _Walk, n: fx.Node) -> Result:
         start, step = n.kwargs.get("start", start), n.kwargs.get("step", step)
     length, start, step = (a.meta.get("val") if isinstance(a, fx.Node) else a for a in (length, start, step))
     val = n.meta.get("val")
-    if isinstance(val, torch.Tensor) and val.dim() == 1 and _eq(_expr(val.shape[0]), w.sym) \
+    if isinstance(val, torch.Tensor) and val.dim() == 1 and same_size(expr_of(val.shape[0]), w.sym) \
             and _is_int(length, None, w.sym) and _is_int(start, 0) and _is_int(step, 1):
         w.row_index.add(n)
         return Layout("batch", 0)
-    return w.per_output(n, lambda v: FREE if not _sdims(_shape(v), w.sym) else None,
+    return w.per_output(n, lambda v: FREE if not symbol_dims(shape_exprs(v), w.sym) else None,
                         "(creates a batch-sized value)")
 
 
 def _is_int(v: Any, k: Optional[int], expr: Optional[sympy.Expr] = None) -> bool:
     """``v`` is the integer ``k`` (or the expression ``expr``), structurally."""
     return isinstance(v, (int, torch.SymInt)) and not isinstance(v, bool) \
-        and _eq(_expr(v), expr if expr is not None else sympy.Integer(k))
+        and same_size(expr_of(v), expr if expr is not None else sympy.Integer(k))
 
 
 _RULES: dict = {}

@@ -2,7 +2,8 @@
 
 Like Lightning Thunder's backend: every graph handed to us gets a :class:`GraphRecord`; why a graph
 runs dense is recorded once (the first reason wins) with :func:`refuse`, which also bumps
-``torch._dynamo.utils.counters["capskip"]`` so tests and users can see what fired.
+``torch._dynamo.utils.counters["capskip"]`` so tests and users can see what fired.  A pass that will not
+rewrite a graph raises :class:`Refused` with that reason.
 """
 from __future__ import annotations
 
@@ -22,6 +23,10 @@ class BackwardMode(str, enum.Enum):
 
     def __str__(self) -> str:
         return self.value
+
+
+class Refused(Exception):
+    """A graph a pass will not rewrite; the message is the reason recorded in the report."""
 
 
 def counters() -> Any:

@@ -1,4 +1,4 @@
-"""How a backward input carries the batch (Spec), and the row gather / scatter that follow it.
+"""The row gather / scatter of a backward input along its batch dim (a ``symbolic.Spec``).
 
 Specs are read from the *example inputs* of the compiled backward (real strides from the compiled
 forward, not node meta).  A batch-shaped input has one dim of size ``factor * s``, batch-major
@@ -8,45 +8,11 @@ the forward (layout.py), not by this size match.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Optional
 
-import sympy
 import torch
 
-from .passes.batch import Refused, batch_dim, expr_of
-
-
-@dataclass
-class Spec:
-    kind: str  # "static" | "symint" | "batch"
-    expr: Optional[sympy.Expr] = None
-    dim: int = 0
-    factor: int = 1
-    sizes: tuple = ()
-    strides: tuple = ()
-
-
-def spec_of(v: Any, sym: sympy.Symbol) -> Spec:
-    if isinstance(v, torch.SymInt):
-        e = v.node.expr
-        if sym not in e.free_symbols:  # e.g. a dynamic storage offset: its value passes through
-            return Spec("static")
-        if e.free_symbols != {sym}:
-            raise Refused(f"backward input size {e} depends on symbols other than the batch {sym}")
-        return Spec("symint", expr=e)
-    if isinstance(v, torch.Tensor):
-        free = set().union(*(expr_of(s).free_symbols for s in (*v.shape, *v.stride())))
-        if not free:
-            return Spec("static")
-        if free != {sym}:
-            raise Refused(f"backward input of shape {tuple(v.shape)} has dynamic dims other than the batch")
-        bd = batch_dim(v.shape, sym)
-        if bd is None:
-            raise Refused(f"backward input of shape {tuple(v.shape)} has the batch only in its strides")
-        return Spec("batch", dim=bd[0], factor=bd[1], sizes=tuple(expr_of(s) for s in v.shape),
-                    strides=tuple(expr_of(s) for s in v.stride()))
-    return Spec("static")
+from .symbolic import Spec
 
 
 def conform(x: torch.Tensor, sizes, strides) -> torch.Tensor:

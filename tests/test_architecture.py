@@ -1,6 +1,7 @@
 """The data path stays visible: no import cycle inside capskip_fx, no module importing another's
-private names, and the layers of shared/design/layout.md (ops and records import nothing of ours
-but each other's public names; rules import torch only)."""
+private names, and the layers of shared/design/layout.md (the base modules -- ops, records,
+symbolic, layout, rows -- import only what lies below them; rules import torch only; neither the
+runtime nor VCAS imports the passes).  Every import counts, module-level or inside a function."""
 from __future__ import annotations
 
 import ast
@@ -21,7 +22,8 @@ def _module_name(path: pathlib.Path) -> str:
 
 
 def _imports() -> list[tuple[str, str, list[str], bool]]:
-    """(importer, imported module, names, at module level?) for every import of capskip_fx code."""
+    """(importer, imported module, names, at module level?) for every import of capskip_fx code: every
+    Import / ImportFrom node of every module, function-level ones included."""
     out = []
     for path in PKG.rglob("*.py"):
         mod = _module_name(path)
@@ -52,10 +54,20 @@ def _imports() -> list[tuple[str, str, list[str], bool]]:
     return out
 
 
-def test_no_import_cycle_at_module_level():
+def test_function_level_imports_are_seen():
+    """The layer checks below read function-level imports too (config imports the rules late)."""
+    late = [(src, dst) for src, dst, _, top in _imports() if not top]
+    assert ("capskip_fx.config", "capskip_fx.rules") in late, f"function-level imports not collected: {late}"
+
+
+@pytest.mark.parametrize("module_level_only", [True, False], ids=["module-level", "function-level too"])
+def test_no_import_cycle(module_level_only):
+    """A late import inside a function is still an edge: only a module's late import of its own package
+    (a registry lookup, as rules.random_skip's ``make_rule``) closes no cycle, since a package importing
+    its own children is not an edge."""
     g = nx.DiGraph()
     for src, dst, _, top in _imports():
-        if top and src != dst and not dst.startswith(src + "."):  # a package importing its own children is fine
+        if (top or not module_level_only) and src != dst and not dst.startswith(src + "."):
             g.add_edge(src, dst)
     cycles = list(nx.simple_cycles(g))
     assert not cycles, f"import cycles: {cycles}"
@@ -71,18 +83,67 @@ def test_no_private_names_imported_across_modules():
     ("capskip_fx.ops", ("capskip_fx.runtime", "capskip_fx.passes", "capskip_fx.backend", "capskip_fx.api")),
     ("capskip_fx.records", ("capskip_fx.runtime", "capskip_fx.passes", "capskip_fx.backend", "capskip_fx.api")),
     ("capskip_fx.passes", ("capskip_fx.backend", "capskip_fx.api", "capskip_fx.runtime")),
-    ("capskip_fx.runtime", ("capskip_fx.backend", "capskip_fx.api")),
+    ("capskip_fx.runtime", ("capskip_fx.backend", "capskip_fx.api", "capskip_fx.passes")),
     ("capskip_fx.rules", ("capskip_fx.runtime", "capskip_fx.passes", "capskip_fx.backend", "capskip_fx.api",
                           "capskip_fx.ops", "capskip_fx.vcas")),
     # the core data path knows nothing of VCAS (it sees a stateful compiled backward)
     ("capskip_fx.passes", ("capskip_fx.vcas",)),
     ("capskip_fx.runtime", ("capskip_fx.vcas",)),
-    ("capskip_fx.vcas", ("capskip_fx.backend", "capskip_fx.api", "capskip_fx.train")),
+    ("capskip_fx.vcas", ("capskip_fx.backend", "capskip_fx.api", "capskip_fx.train", "capskip_fx.passes")),
 ])
 def test_layers_import_downward_only(low, forbidden):
     bad = [(src, dst) for src, dst, _, _ in _imports()
            if (src == low or src.startswith(low + ".")) and any(dst == f or dst.startswith(f + ".") for f in forbidden)]
     assert not bad, f"{low} imports upward: {bad}"
+
+
+@pytest.mark.parametrize("base, below", [
+    ("capskip_fx.ops", ()),
+    ("capskip_fx.records", ()),
+    ("capskip_fx.symbolic", ("capskip_fx.records",)),
+    ("capskip_fx.layout", ("capskip_fx.symbolic",)),
+    ("capskip_fx.rows", ("capskip_fx.symbolic",)),
+])
+def test_base_modules_import_only_what_lies_below(base, below):
+    bad = [(src, dst) for src, dst, _, _ in _imports() if src == base and dst not in below]
+    assert not bad, f"{base} may import only {below}: {bad}"
+
+
+def test_rules_import_the_base_not_each_other():
+    """A rule file imports rules.base and rules.labels; only StaleSB extends a sibling (SB with a cache).
+    The package's registry is allowed (RandomSkip(match="sb") looks the name up)."""
+    shared = {"capskip_fx.rules", "capskip_fx.rules.base", "capskip_fx.rules.labels"}
+    extends = {("capskip_fx.rules.stale_sb", "capskip_fx.rules.selective_backprop")}
+    bad = [(src, dst) for src, dst, _, _ in _imports()
+           if src.startswith("capskip_fx.rules.") and dst.startswith("capskip_fx.rules")
+           and dst not in shared and (src, dst) not in extends]
+    assert not bad, f"rules importing a sibling rule: {bad}"
+
+
+def test_every_rule_declares_whether_it_reads_labels():
+    """The runtime reads ``Rule.needs_labels`` (no rule names): each registered rule sets it, and a random
+    twin reads labels only through the rule it matches."""
+    from capskip_fx.rules import RULES, RandomSkip, Rule
+
+    undeclared = [name for name, cls in RULES.items()
+                  if not any("needs_labels" in vars(c) for c in cls.__mro__ if c is not Rule)]
+    assert not undeclared, f"rules that leave needs_labels to the default: {undeclared}"
+    assert not RandomSkip(keep=0.5).needs_labels, "random with keep= reads no labels"
+    assert not RandomSkip(match="dense").needs_labels, "random matching dense reads no labels"
+    assert RandomSkip(match="capskip").needs_labels, "random matching capskip reads labels through it"
+
+
+def test_environment_is_read_in_config_only():
+    """CAPSKIP_* (and any other) environment variables are read through config.py's helpers."""
+    bad = []
+    for path in PKG.rglob("*.py"):
+        if path == PKG / "config.py":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            name = node.attr if isinstance(node, ast.Attribute) else node.id if isinstance(node, ast.Name) else None
+            if name in ("environ", "getenv", "environb", "getenvb"):
+                bad.append(f"{_module_name(path)}:{node.lineno}")
+    assert not bad, f"environment read outside capskip_fx/config.py: {bad}"
 
 
 def test_backend_reaches_vcas_through_its_entry_point_only():

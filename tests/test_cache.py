@@ -100,7 +100,7 @@ _WARM = textwrap.dedent("""
     import json, sys, torch, torch.nn as nn, torch.nn.functional as F
     import capskip_fx
     import capskip_fx.backend as backend
-    from capskip_fx.passes.batch import Refused
+    from capskip_fx.records import Refused
     from torch._dynamo.utils import counters
     sys.path.insert(0, "tests")
     from conftest import max_rel_err

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 import capskip_fx
 from capskip_fx.rules import Forced
 from capskip_fx import backend as backend_mod
-from capskip_fx.passes.batch import Refused
+from capskip_fx.records import Refused
 from capskip_fx.passes.gather_in_graph import check_full_rows_free
 from capskip_fx.records import counters
 from conftest import make_deit, max_rel_err, reference_grads

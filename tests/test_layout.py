@@ -21,7 +21,8 @@ from torch._inductor.compile_fx import compile_fx
 from torch._inductor.custom_graph_pass import CustomGraphPass
 from torch._subclasses.fake_tensor import unset_fake_temporarily
 
-from capskip_fx.layout import Layout, LayoutAnalysis, analyze, backward_nodes, batch_symbol, reshape_layout
+from capskip_fx.layout import Layout, LayoutAnalysis, analyze, backward_nodes, reshape_layout
+from capskip_fx.symbolic import batch_symbol
 
 N, T, D = 3, 5, 4  # batch, tokens, width: distinct so no size is mistaken for another
 

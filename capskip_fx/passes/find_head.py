@@ -13,7 +13,8 @@ from typing import Optional
 import torch
 from torch import fx
 
-from .batch import Refused, tangent_nodes
+from ..records import Refused
+from ..symbolic import tangent_nodes
 
 aten = torch.ops.aten
 _VIEWS = {aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.alias.default,

@@ -20,7 +20,8 @@ import sympy
 import torch
 from torch import fx
 
-from .batch import Refused, fake_mode_of
+from ..records import Refused
+from ..symbolic import fake_mode_of
 
 aten = torch.ops.aten
 N_NAME = "capskip_n"

@@ -28,8 +28,8 @@ from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_file
 
 from .. import ops  # noqa: F401  (registers capskip::select)
 from ..layout import analyze, backward_nodes
-from ..records import BackwardMode
-from .batch import Refused, batch_dim, batch_symbol_of, tangent_nodes
+from ..records import BackwardMode, Refused
+from ..symbolic import batch_dim, batch_symbol_of, tangent_nodes
 from .find_head import find_head, find_in_graph_loss, outputs_and_tangents
 
 aten = torch.ops.aten

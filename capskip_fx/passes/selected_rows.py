@@ -25,8 +25,8 @@ import sympy
 import torch
 from torch import fx
 
-from ..rows import Spec, spec_of
-from .batch import Refused, batch_symbol_of, fake_mode_of
+from ..records import Refused
+from ..symbolic import Spec, batch_symbol_of, spec_of
 from .insert_select import SELECTION_OPS
 
 
@@ -166,12 +166,3 @@ def _check_proven(name: str, spec: Spec, layout) -> None:
         raise Refused(f"saved activation {name}: its sizes suggest batch dim {spec.dim} x{spec.factor}, but the "
                       f"dataflow says {layout}{': ' + layout.why if layout.why else ''}")
 
-
-def check_not_specialised(example_inputs, sym: sympy.Symbol) -> None:
-    """Refuse if compiling fixed the batch symbol (the graph would be wrong at other sizes)."""
-    env = getattr(fake_mode_of(example_inputs), "shape_env", None)
-    if env is None:
-        return
-    rep = env.replacements.get(sym)
-    if rep is not None and not rep.free_symbols:
-        raise Refused(f"compiling the backward specialised the batch size to {rep}")

@@ -5,7 +5,7 @@ import inspect
 import math
 from typing import Any, Optional, Union
 
-from .base import HeadView, Rule, Selection
+from .base import HeadView, Rule, SeededRule, Selection
 from .capskip import CAPSkip
 from .dense import Dense
 from .forced import Forced
@@ -66,5 +66,5 @@ def rule_options(name: str) -> dict[str, inspect.Parameter]:
             if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
 
 
-__all__ = ["build_rule", "rule_options", "HeadView", "Rule", "Selection", "RULES", "make_rule", "rule_class", "CAPSkip", "Dense", "Forced",
+__all__ = ["build_rule", "rule_options", "HeadView", "Rule", "SeededRule", "Selection", "RULES", "make_rule", "rule_class", "CAPSkip", "Dense", "Forced",
            "KABENA", "RandomSkip", "SelectiveBackprop", "StaleSB", "UpperBoundIS"]

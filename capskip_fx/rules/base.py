@@ -18,14 +18,21 @@ Rules apply it once, through :meth:`Rule.finish`, to the Selection they return.
 
 Rules run in the backward runtime, after the forward.  Their tensors live on the model's
 device; selection math is done in float32 (or float64 when the model is float64).
+
+Randomised rules derive from :class:`SeededRule`: draws use ``view.generator`` when the runtime
+passes one, else the rule's own generator, seeded with ``seed`` and created lazily on the tensors'
+device; its state is part of ``state_dict()``.
 """
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
 import torch
 from torch import Tensor
+
+from .labels import infer_targets, per_example_ce
 
 
 def selection_dtype(t: Tensor) -> torch.dtype:
@@ -50,6 +57,12 @@ class HeadView:
     @property
     def n(self) -> int:
         return self.delta.shape[0]
+
+
+def view_losses(view: HeadView, dtype: torch.dtype) -> Tensor:
+    """Per-example CE in ``dtype``; NaN where the label is unknown."""
+    targets = infer_targets(view.delta) if view.targets is None else view.targets.to(view.z.device).long()
+    return per_example_ce(view.z, targets).to(dtype)
 
 
 @dataclass
@@ -86,7 +99,7 @@ def normalize_weight(weight: Tensor, mode: str) -> Tensor:
 
 
 class Rule:
-    """Base class: subclasses set ``name`` and implement :meth:`select`.
+    """Base class: subclasses set ``name`` and ``needs_labels`` and implement :meth:`select`.
 
     Rules with state (histories, controllers, counters) keep it in plain attributes listed
     in ``_state_keys`` so that ``state_dict()`` round-trips it.  The runtime also runs ``select``
@@ -97,6 +110,9 @@ class Rule:
     name: str = "rule"
     _state_keys: tuple[str, ...] = ()
     normalize: str = "batch"  # see the module docstring; rules take it as an option
+    # reads labels (correctness, per-example CE): the runtime then also falls back on an all-zero dL/dz
+    # or, without explicit targets, a dL/dz that is not a softmax's.  True unless a rule says otherwise.
+    needs_labels: bool = True
 
     def finish(self, sel: Selection) -> Selection:
         """Apply ``self.normalize`` to ``sel.weight`` (every rule returns through this)."""
@@ -121,3 +137,46 @@ class Rule:
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}()"
+
+
+class SeededRule(Rule):
+    """A rule that draws random numbers; list ``"generator_state"`` in ``_state_keys``."""
+
+    def __init__(self, seed: int = 0):
+        self.seed = int(seed)
+        self._generator: Optional[torch.Generator] = None
+
+    def generator(self, view: HeadView) -> torch.Generator:
+        if view.generator is not None:
+            return view.generator
+        dev = view.delta.device
+        g = self._generator
+        if g is None or g.device.type != dev.type:
+            g = torch.Generator(device=dev)
+            g.manual_seed(self.seed)
+            self._generator = g
+        return g
+
+    def uniform(self, view: HeadView, n: int, dtype: torch.dtype) -> Tensor:
+        """``n`` U[0, 1) draws on the view's device (drawn where the generator lives)."""
+        g = self.generator(view)
+        u = torch.rand(n, generator=g, device=g.device, dtype=dtype)
+        return u.to(view.delta.device)
+
+    @property
+    def generator_state(self) -> Optional[dict[str, Any]]:
+        g = self._generator
+        return None if g is None else {"device": str(g.device), "state": g.get_state()}
+
+    @generator_state.setter
+    def generator_state(self, value: Optional[dict[str, Any]]) -> None:
+        if value is None:
+            self._generator = None  # the next draw reseeds with ``seed``, as a fresh rule would
+            return
+        try:
+            g = torch.Generator(device=value["device"])
+            g.set_state(value["state"].clone())
+        except RuntimeError as e:  # e.g. a CUDA state loaded where no CUDA exists
+            warnings.warn(f"{type(self).__name__}: cannot restore generator state ({e}); reseeding")
+            g = None
+        self._generator = g

@@ -92,6 +92,7 @@ class CAPSkip(Rule):
     """
 
     name = "capskip"
+    needs_labels = True  # skips among the correctly classified rows
 
     def __init__(self, budget: float = 0.1, bias: bool = True, compile: Optional[bool] = None,
                  normalize: str = "batch"):

@@ -6,6 +6,7 @@ from .base import HeadView, Rule, Selection, check_normalize
 
 class Dense(Rule):
     name = "dense"
+    needs_labels = False
 
     def __init__(self, normalize: str = "batch"):  # every row kept: both modes give weight 1
         self.normalize = check_normalize(normalize, "dense")

@@ -14,6 +14,7 @@ from .base import HeadView, Rule, Selection, check_normalize
 
 class Forced(Rule):
     name = "forced"
+    needs_labels = False
 
     def __init__(self, keep: Union[float, Callable[[int], torch.Tensor]] = 1.0, normalize: str = "batch"):
         self.normalize = check_normalize(normalize, "forced")

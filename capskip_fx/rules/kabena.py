@@ -30,9 +30,7 @@ import math
 import torch
 from torch import Tensor
 
-from .base import HeadView, Selection, check_normalize, selection_dtype
-from .random_skip import SeededRule
-from .selective_backprop import view_losses
+from .base import HeadView, SeededRule, Selection, check_normalize, selection_dtype, view_losses
 
 
 def kabena_probs(loss: Tensor, delta: Tensor, h: Tensor, tau: float, pi_min: float, bias: bool = True):
@@ -74,6 +72,7 @@ class KABENA(SeededRule):
     """Exclude up to K lowest-loss rows with probability ``1 - pi``; kept rows weigh ``1/pi``."""
 
     name = "kabena"
+    needs_labels = True  # per-example CE
     _state_keys = ("generator_state",)
 
     def __init__(self, tau: float = 0.1, pi_min: float = 0.1, bias: bool = True, seed: int = 0,

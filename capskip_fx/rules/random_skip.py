@@ -13,63 +13,15 @@ Invariants (tests/test_rules_literature.py):
   * the kept count is exact (``match=``: equal to the matched rule's count, step by step);
   * every subset of that size is equally likely; the count does not depend on the batch order;
   * with the same generator state the decision is the same.
-
-Also home of :class:`SeededRule`, the generator handling shared by the randomised rules: draws use
-``view.generator`` when the runtime passes one, else the rule's own generator, seeded with ``seed``
-and created lazily on the tensors' device; its state is part of ``state_dict()``.
 """
 from __future__ import annotations
 
-import warnings
 from typing import Any, Optional, Union
 
 import torch
 from torch import Tensor
 
-from .base import HeadView, Rule, Selection, check_normalize, selection_dtype
-
-
-class SeededRule(Rule):
-    """A rule that draws random numbers; list ``"generator_state"`` in ``_state_keys``."""
-
-    def __init__(self, seed: int = 0):
-        self.seed = int(seed)
-        self._generator: Optional[torch.Generator] = None
-
-    def generator(self, view: HeadView) -> torch.Generator:
-        if view.generator is not None:
-            return view.generator
-        dev = view.delta.device
-        g = self._generator
-        if g is None or g.device.type != dev.type:
-            g = torch.Generator(device=dev)
-            g.manual_seed(self.seed)
-            self._generator = g
-        return g
-
-    def uniform(self, view: HeadView, n: int, dtype: torch.dtype) -> Tensor:
-        """``n`` U[0, 1) draws on the view's device (drawn where the generator lives)."""
-        g = self.generator(view)
-        u = torch.rand(n, generator=g, device=g.device, dtype=dtype)
-        return u.to(view.delta.device)
-
-    @property
-    def generator_state(self) -> Optional[dict[str, Any]]:
-        g = self._generator
-        return None if g is None else {"device": str(g.device), "state": g.get_state()}
-
-    @generator_state.setter
-    def generator_state(self, value: Optional[dict[str, Any]]) -> None:
-        if value is None:
-            self._generator = None  # the next draw reseeds with ``seed``, as a fresh rule would
-            return
-        try:
-            g = torch.Generator(device=value["device"])
-            g.set_state(value["state"].clone())
-        except RuntimeError as e:  # e.g. a CUDA state loaded where no CUDA exists
-            warnings.warn(f"{type(self).__name__}: cannot restore generator state ({e}); reseeding")
-            g = None
-        self._generator = g
+from .base import HeadView, Rule, SeededRule, Selection, check_normalize, selection_dtype
 
 
 def random_ranks(u: Tensor) -> Tensor:
@@ -105,6 +57,11 @@ class RandomSkip(SeededRule):
         self.keep = keep
         self.match = match
         self.unbiased = self.normalize == "kept"
+
+    @property
+    def needs_labels(self) -> bool:
+        """A random twin reads labels only through the rule it matches."""
+        return self.match is not None and self.match.needs_labels
 
     @property
     def match_state(self) -> Optional[dict[str, Any]]:

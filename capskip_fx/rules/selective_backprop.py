@@ -59,15 +59,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from .base import HeadView, Selection, check_normalize, selection_dtype
-from .labels import infer_targets, per_example_ce
-from .random_skip import SeededRule
-
-
-def view_losses(view: HeadView, dtype: torch.dtype) -> Tensor:
-    """Per-example CE in ``dtype``; NaN where the label is unknown."""
-    targets = infer_targets(view.delta) if view.targets is None else view.targets.to(view.z.device).long()
-    return per_example_ce(view.z, targets).to(dtype)
+from .base import HeadView, SeededRule, Selection, check_normalize, selection_dtype, view_losses
 
 
 def percentile_below(loss: Tensor, history: Tensor) -> Tensor:
@@ -108,6 +100,7 @@ class SelectiveBackprop(SeededRule):
     """Keep row i with probability ``percentile(L_i) ** beta`` (or Composer's ``keep`` fraction)."""
 
     name = "sb"
+    needs_labels = True  # per-example CE
     _state_keys = ("history", "hist_pos", "generator_state", "epoch_start")
 
     def __init__(self, beta: float = 3.0, history: int = 1024, keep: Optional[float] = None,

@@ -45,8 +45,8 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from .base import HeadView, Selection, selection_dtype
-from .selective_backprop import SelectiveBackprop, sb_keep_prob, view_losses
+from .base import HeadView, Selection, selection_dtype, view_losses
+from .selective_backprop import SelectiveBackprop, sb_keep_prob
 
 #: ``cache_epoch`` of an index never seen (far enough below any epoch to never be fresh)
 NEVER = -(2 ** 62)
@@ -96,10 +96,6 @@ class StaleSB(SelectiveBackprop):
                 self.cache_loss = torch.cat([self.cache_loss, self.cache_loss.new_full((extra,), math.nan)])
                 self.cache_epoch = torch.cat([self.cache_epoch, self.cache_epoch.new_full((extra,), NEVER)])
                 self.presel = torch.cat([self.presel, self.presel.new_zeros(extra)])
-
-    @property
-    def cache_device(self) -> Optional[torch.device]:
-        return None if self.cache_loss is None else self.cache_loss.device
 
     def fresh(self, idx: Tensor, epoch: int) -> Tensor:
         """(n,) bool: each index's last selection forward is less than ``staleness`` epochs old."""

@@ -52,8 +52,7 @@ from typing import Optional, Union
 import torch
 from torch import Tensor
 
-from .base import HeadView, Selection, check_normalize, selection_dtype
-from .random_skip import SeededRule
+from .base import HeadView, SeededRule, Selection, check_normalize, selection_dtype
 
 
 def ub_probs(delta: Tensor, smooth: float = 0.0) -> Tensor:
@@ -97,6 +96,7 @@ class UpperBoundIS(SeededRule):
     """Importance-sample b rows with replacement by ``||delta_i||``; weights ``c_i / (b p_i)``."""
 
     name = "ub"
+    needs_labels = True  # reads no label, but its scores need a real dL/dz: the runtime's zero / softmax checks
     _state_keys = ("tau_ema", "generator_state")
 
     def __init__(self, b: Union[None, int, float] = None, tau_th: Optional[float] = 2.0,

@@ -26,7 +26,7 @@ import torch
 
 from ..records import BackwardMode
 from ..rows import gather_all, scatter_rows
-from ..passes.batch import evaluate
+from ..symbolic import evaluate
 
 VERIFY = "verify: the gathered backward differs from the dense-masked one; running dense-masked"
 

@@ -29,23 +29,12 @@ from torch import Tensor
 from ..rules.base import HeadView, Rule, Selection
 from ..rules.labels import SOFTMAX_RESIDUAL_TOL, infer_targets, softmax_residual
 
-_LABEL_FREE_RULES = ("dense", "forced")
 log = logging.getLogger("capskip_fx")
 LOG_EVERY_S = 60.0  # the INFO line for scripts that never call stats(): at most once a minute
 
 
 def _f32(t: Tensor) -> Tensor:
     return t.float() if t.dtype in (torch.float16, torch.bfloat16) else t
-
-
-def _needs_labels(rule: Rule) -> bool:
-    """Does the rule read labels (correctness, per-example CE)?  ``rule.needs_labels`` overrides."""
-    flag = getattr(rule, "needs_labels", None)
-    if flag is not None:
-        return bool(flag)
-    if rule.name == "random":  # a random twin reads labels only through the rule it matches
-        return getattr(rule, "match", None) is not None and _needs_labels(rule.match)
-    return rule.name not in _LABEL_FREE_RULES
 
 
 @dataclass(repr=False)
@@ -344,7 +333,7 @@ class RuntimeState:
             bad = (targets < -1) | (targets >= g.shape[1])
             checks["bad_targets"] = bad.any()
             targets = torch.where(bad, torch.full_like(targets, -1), targets)
-        if g.shape[0] > 0 and _needs_labels(self.rule):
+        if g.shape[0] > 0 and self.rule.needs_labels:
             # an unused 2-D output picked as the logits reads as "every row free": CAPSkip would skip all
             checks["zero"] = (g == 0).all()
             if targets is None:

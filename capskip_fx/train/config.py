@@ -9,12 +9,12 @@ from typing import Any, Optional
 
 import yaml
 
+from capskip_fx.config import BACKENDS
 from capskip_fx.data.datasets import DATASETS
 from capskip_fx.rules import RULES, build_rule
 
 RULE_NAMES = sorted(RULES) + ["vcas"]
 
-BACKENDS = ("inductor", "aot_eager", "eager")
 AMP = ("none", "bf16")
 
 

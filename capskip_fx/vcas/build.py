@@ -5,10 +5,8 @@ from typing import Callable, Optional
 
 from torch import fx
 
-from ..passes.batch import Refused
-from ..passes.selected_rows import check_not_specialised
-from ..records import GraphRecord
-from ..rows import spec_of
+from ..records import GraphRecord, Refused
+from ..symbolic import check_not_specialised, spec_of
 from .runtime import VcasBackward
 from .sample_wgrad import sample_wgrad
 from .segment_backward import find_cuts, split_backward

@@ -23,8 +23,8 @@ import torch
 from torch import Tensor
 
 from .. import ops
-from ..passes.batch import evaluate
-from ..rows import Spec, conform, gather_rows, scatter_rows
+from ..rows import conform, gather_rows, scatter_rows
+from ..symbolic import Spec, evaluate
 from .controller import VCAS, ProbeResult, VcasController
 from .sampling import bernoulli_keep, closed_form_var, ht_scale, sample_probs, soft_topk, systematic_keep, vcas_k
 from .segment_backward import SegmentPlan

@@ -17,7 +17,7 @@ import torch
 from torch import Tensor, fx
 
 from .. import ops
-from ..passes.batch import batch_dim_of
+from ..symbolic import batch_dim_of
 from .segment_backward import Flow
 
 aten = torch.ops.aten

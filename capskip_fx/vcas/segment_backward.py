@@ -24,8 +24,8 @@ import sympy
 import torch
 from torch import fx
 
-from ..passes.batch import Refused, batch_dim_of, tangent_nodes
-from ..rows import Spec, spec_of
+from ..records import Refused
+from ..symbolic import Spec, batch_dim_of, spec_of, tangent_nodes
 
 
 @dataclass
