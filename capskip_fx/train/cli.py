@@ -8,7 +8,7 @@ from typing import Any, Optional, Sequence
 
 import yaml
 
-from capskip_fx.data.datasets import DATASETS
+from .datasets import DATASETS
 
 from . import checkpoint, plots
 from .config import AMP, BACKENDS, FIELDS, RULE_NAMES, TrainConfig, default, normalise_keys, read_yaml

@@ -9,7 +9,7 @@ from typing import Any, Optional
 
 import yaml
 
-from capskip_fx.data.datasets import DATASETS
+from .datasets import DATASETS
 from capskip_fx.rules import RULES, build_rule
 
 RULE_NAMES = sorted(RULES) + ["vcas"]
