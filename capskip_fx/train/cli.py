@@ -10,7 +10,7 @@ import yaml
 
 from .datasets import DATASETS
 
-from . import checkpoint, plots
+from . import checkpoint, plots, report
 from .config import AMP, BACKENDS, FIELDS, RULE_NAMES, TrainConfig, default, normalise_keys, read_yaml
 from .loop import train
 
@@ -159,10 +159,21 @@ def run(argv: Optional[Sequence[str]] = None) -> Any:
         argv.insert(0, "train")
     ns = parser.parse_args(argv)
     if ns.command == "compare":
-        table = plots.compare(ns.runs, ns.out)
+        table = compare(ns.runs, ns.out)
         print(table + f"\nwritten to {ns.out}/compare.md")
         return table
     return train(config_from_args(ns))
+
+
+def compare(paths: Sequence[str | Path], out_dir: str | Path) -> str:
+    """``capskip-train compare``: the figures and ``compare.md`` for the runs under ``paths``; returns the
+    Markdown table."""
+    runs = report.find_runs(paths)
+    out_dir = Path(out_dir)
+    plots.plot_runs(runs, out_dir)
+    table = report.compare_table(runs)
+    (out_dir / "compare.md").write_text(report.compare_page(runs, table, plots.PLOTS))
+    return table
 
 
 def main(argv: Optional[Sequence[str]] = None) -> None:

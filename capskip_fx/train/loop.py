@@ -22,7 +22,7 @@ import capskip_fx
 from capskip_fx.rules import build_rule
 from capskip_fx.cpu import retain_freed_memory
 
-from . import checkpoint, plots
+from . import checkpoint, plots, report
 from .checks import CompileClock, distortion_check
 from .config import TrainConfig, rule_options, write_yaml
 from .data import load_data, make_loaders, resolve_device
@@ -119,7 +119,7 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
 
     data, cfg = load_data(cfg, device)
     model, cfg = build_model(cfg, data.num_classes, pretrained=pretrained)
-    cfg = dataclasses.replace(cfg, label=plots.run_label(dataclasses.asdict(cfg)),
+    cfg = dataclasses.replace(cfg, label=report.run_label(dataclasses.asdict(cfg)),
                               out=cfg.out or f"runs/{cfg.dataset}-{cfg.rule}-s{cfg.seed}")
     out = Path(cfg.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -311,5 +311,5 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
               "data_source": data.source, "n_params": n_params, "torch": torch.__version__,
               "resumed_from": cfg.resume}
     (out / "result.json").write_text(json.dumps(result, indent=2) + "\n")
-    plots.plot_runs([plots.load_run(out)], out)
+    plots.plot_runs([report.load_run(out)], out)
     return result
