@@ -120,6 +120,20 @@ def _carry_lines(src: Path, dst: Path, before_step: int) -> None:
     dst.write_text("".join(kept))
 
 
+def _preflight(cfg: TrainConfig) -> tuple[Optional[dict], Optional[dict], bool]:
+    """(checkpoint to resume, initial weights, fetch pretrained?): everything that can fail on a path or
+    the network does so before the data is loaded."""
+    ck = checkpoint.load_for_resume(cfg.resume) if cfg.resume else None
+    if ck is not None and ck["epoch"] >= cfg.epochs:
+        raise SystemExit(f"--resume {cfg.resume}: the run already finished epoch {ck['epoch']} of {cfg.epochs}; "
+                         f"pass --epochs N > {ck['epoch']} to train on")
+    init_sd = checkpoint.read_weights(cfg.initial_checkpoint) if cfg.initial_checkpoint and ck is None else None
+    pretrained = cfg.pretrained and ck is None  # a resumed run's weights come from its checkpoint
+    if pretrained:
+        check_pretrained(cfg.model)
+    return ck, init_sd, pretrained
+
+
 class RunState:
     """One run: built (or resumed) from a config, then advanced by :meth:`step` and :meth:`end_epoch`.
 
@@ -127,24 +141,38 @@ class RunState:
     is in :meth:`checkpoint_state`, written at each epoch end."""
 
     def __init__(self, cfg: TrainConfig):
-        # everything that can fail on a path or the network does so before the data is loaded
-        ck = checkpoint.load_for_resume(cfg.resume) if cfg.resume else None
-        if ck is not None and ck["epoch"] >= cfg.epochs:
-            raise SystemExit(f"--resume {cfg.resume}: the run already finished epoch {ck['epoch']} of {cfg.epochs}; "
-                             f"pass --epochs N > {ck['epoch']} to train on")
-        init_sd = checkpoint.read_weights(cfg.initial_checkpoint) if cfg.initial_checkpoint and ck is None else None
-        pretrained = cfg.pretrained and ck is None  # a resumed run's weights come from its checkpoint
-        if pretrained:
-            check_pretrained(cfg.model)
-
+        ck, init_sd, pretrained = _preflight(cfg)
         if cfg.threads:
             torch.set_num_threads(cfg.threads)
         random.seed(cfg.seed)
         torch.manual_seed(cfg.seed)
-        device = self.device = resolve_device(cfg.device)
-        if device.type == "cpu":
+        self.device = resolve_device(cfg.device)
+        if self.device.type == "cpu":
             retain_freed_memory()  # the gathers' fresh buffers would page-fault in every step (capskip_fx/cpu.py)
+        self._build(cfg, init_sd, pretrained)
 
+        # the run's progress: what a checkpoint carries
+        self.clock = CompileClock()
+        self.counters = Counters()
+        self.summary: list[dict[str, Any]] = []
+        self.epochs_done = 0
+        # this process's own (not in a checkpoint)
+        self.epoch = 0  # the epoch in progress (1-based)
+        self.ep = EpochStats()
+        self.bar = None
+        self.t_prev = 0.0  # when the wait for the next batch began
+        self.prev_variants: Optional[int] = None
+        self.first_step = True  # this process's first step compiles, also when it resumes mid-run
+        self.hit_budget = False
+        self.log_mode = "w"
+        if ck is not None:
+            self._resume(ck)
+        self.tol_limit = self.cfg.budget + self.cfg.check_tol
+        self.lr = lr_at(self.cfg, self.counters.step / self.total_steps)
+
+    def _build(self, cfg: TrainConfig, init_sd: Optional[dict], pretrained: bool) -> None:
+        """Data, model, loaders, the compiled model and the optimizer; the resolved config in ``out``."""
+        device = self.device
         data, cfg = load_data(cfg, device)
         model, cfg = build_model(cfg, data.num_classes, pretrained=pretrained)
         cfg = dataclasses.replace(cfg, label=report.run_label(dataclasses.asdict(cfg)),
@@ -177,22 +205,6 @@ class RunState:
         self.opt = create_optimizer_v2(model, "adamw", lr=cfg.lr, weight_decay=cfg.weight_decay)
         self.log_every = cfg.log_every or max(1, self.steps_per_epoch // 10)
 
-        self.clock = CompileClock()
-        self.counters = Counters()
-        self.prev_variants: Optional[int] = None
-        self.hit_budget = False
-        self.first_step = True  # this process's first step compiles, also when it resumes mid-run
-        self.summary: list[dict[str, Any]] = []
-        self.epoch = 0  # the last finished epoch
-        self.ep = EpochStats()
-        self.bar = None
-        self.log_mode = "w"
-        if ck is not None:
-            self._resume(ck)
-            del ck
-        self.tol_limit = cfg.budget + cfg.check_tol
-        self.lr = lr_at(cfg, self.counters.step / self.total_steps)
-
     def _resume(self, ck: dict[str, Any]) -> None:
         cfg = self.cfg
         self.cm.load_state_dict(ck["model"])  # weights + the rule's state
@@ -202,7 +214,7 @@ class RunState:
         if self.stale_filter is not None:
             self.stale_filter.load_state_dict(ck["stale_filter"])
         self.summary = list(ck["summary"])
-        self.epoch = ck["epoch"]
+        self.epochs_done = ck["epoch"]
         src = Path(cfg.resume).parent
         for name in ("steps.jsonl", "checks.jsonl"):
             _carry_lines(src / name, self.out / name, self.counters.step)
@@ -211,7 +223,7 @@ class RunState:
             print("[resume] with --workers > 0 the augmentation draws of persistent workers restart: "
                   "close to, not bit-exact with, an uninterrupted run", file=sys.stderr)
         checkpoint.set_rng_state(ck["rng"], self.gen)  # last: nothing above may draw from them
-        print(f"[resume] {cfg.resume}: epoch {self.epoch}, step {self.counters.step}, wall {self.clock.wall_s:.1f}s")
+        print(f"[resume] {cfg.resume}: epoch {self.epochs_done}, step {self.counters.step}, wall {self.clock.wall_s:.1f}s")
 
     def __enter__(self) -> "RunState":
         self.steps_f = open(self.out / "steps.jsonl", self.log_mode)
@@ -240,7 +252,7 @@ class RunState:
         from tqdm.auto import tqdm
 
         cfg = self.cfg
-        self.epoch_now = epoch
+        self.epoch = epoch
         self.ep = EpochStats(wall0=self.clock.wall_s)
         self.cm.set_epoch(epoch - 1)
         if self.stale_filter is not None:
@@ -251,6 +263,7 @@ class RunState:
         return self.bar
 
     def _progress(self) -> float:
+        """The schedule's position at the coming step, in [0, 1]."""
         cfg, step = self.cfg, self.counters.step
         progress = (step + 1) / self.total_steps
         if self.stale_filter is not None:  # epochs shrink as rows are dropped: progress through the data
@@ -261,7 +274,7 @@ class RunState:
 
     def step(self, batch) -> bool:
         """Train on one batch of the epoch; False once the time budget is reached (end the epoch)."""
-        cfg, c, ep, epoch, device = self.cfg, self.counters, self.ep, self.epoch_now, self.device
+        cfg, c, ep, epoch, device = self.cfg, self.counters, self.ep, self.epoch, self.device
         x, y, idx = (t.to(device, non_blocking=True) for t in batch)
         t0 = time.perf_counter()
         data_s = t0 - self.t_prev
@@ -326,7 +339,7 @@ class RunState:
         if violation:
             print(f"[check] step {c.step}: capskip head rel-L2 {chk['rel_l2_head']:.6g} > budget "
                   f"{cfg.budget} (+{cfg.check_tol}); rule bound {bound}", file=sys.stderr)
-        self.checks_f.write(json.dumps({"step": c.step, "epoch": self.epoch_now, "kept": kept, "n": n, "bound": bound,
+        self.checks_f.write(json.dumps({"step": c.step, "epoch": self.epoch, "kept": kept, "n": n, "bound": bound,
                                         **{k: _finite(v) for k, v in chk.items()},
                                         "violation": violation}) + "\n")
         self.checks_f.flush()
@@ -337,7 +350,7 @@ class RunState:
         ips = ep.rows / ep_wall if ep_wall > 0 else float("nan")
         if bar.disable:
             if ep.steps % self.log_every == 0 or ep.steps == self.steps_per_epoch:
-                print(f"epoch {self.epoch_now} step {ep.steps}/{self.steps_per_epoch} loss {ep.loss / ep.steps:.4f} "
+                print(f"epoch {self.epoch} step {ep.steps}/{self.steps_per_epoch} loss {ep.loss / ep.steps:.4f} "
                       f"kept {ep.kept_frac / ep.steps:.3f} img/s {ips:.0f} lr {self.lr:.2e}", flush=True)
         else:
             bar.set_postfix(loss=f"{ep.loss / ep.steps:.4f}", kept=f"{ep.kept_frac / ep.steps:.3f}",
@@ -345,7 +358,7 @@ class RunState:
 
     def end_epoch(self) -> bool:
         """Evaluate, write the summary row and the checkpoint; False once the run should stop (time budget)."""
-        cfg, c, ep, epoch, clock = self.cfg, self.counters, self.ep, self.epoch_now, self.clock
+        cfg, c, ep, epoch, clock = self.cfg, self.counters, self.ep, self.epoch, self.clock
         self.bar.close()
         self.steps_f.flush()
         self.checks_f.flush()
@@ -361,7 +374,7 @@ class RunState:
             w = csv.DictWriter(f, fieldnames=SUMMARY_FIELDS)
             w.writeheader()
             w.writerows(self.summary)
-        self.epoch = epoch
+        self.epochs_done = epoch
         checkpoint.save(self.checkpoint_state(), self.out / checkpoint.FILENAME)
         print(f"[epoch {epoch}] train_loss {self.summary[-1]['train_loss']:.4f} eval_top1 {top1:.2f}% "
               f"wall {clock.wall_s:.1f}s compile {clock.compile_s:.1f}s kept {self.summary[-1]['mean_kept_frac']:.3f}"
@@ -375,7 +388,7 @@ class RunState:
         """What ``--resume`` needs to continue after the last finished epoch."""
         c = self.counters
         return {
-            "format": checkpoint.FORMAT, "epoch": self.epoch, "model": self.cm.state_dict(),
+            "format": checkpoint.FORMAT, "epoch": self.epochs_done, "model": self.cm.state_dict(),
             "optimizer": self.opt.state_dict(),
             # the schedule is a function of these (and of the clock under --time-budget)
             "schedule": {"step": c.step, "total_steps": self.total_steps, "lr": self.lr},
@@ -403,7 +416,7 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
     """One run.  Returns the final result (also written to ``result.json``)."""
     run = RunState(cfg)
     with run:
-        for epoch in range(run.epoch + 1, run.cfg.epochs + 1):
+        for epoch in range(run.epochs_done + 1, run.cfg.epochs + 1):
             for batch in run.begin_epoch(epoch):
                 if not run.step(batch):
                     break
