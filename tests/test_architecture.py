@@ -155,3 +155,30 @@ def test_backend_reaches_vcas_through_its_entry_point_only():
     bad = [(src, dst) for src, dst in into
            if not ((src == "capskip_fx.backend" and dst == "capskip_fx.vcas") or dst == "capskip_fx.vcas.controller")]
     assert not bad, f"reaching into VCAS past its entry point: {bad}"
+
+
+def _within(mod: str, pkg: str) -> bool:
+    return mod == pkg or mod.startswith(pkg + ".")
+
+
+def _dynamic_imports() -> list[tuple[str, str]]:
+    """(importer, module) for ``importlib.import_module("capskip_fx...")`` / ``__import__`` with a literal name."""
+    out = []
+    for path in PKG.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Call) and node.args and isinstance(node.args[0], ast.Constant) \
+                    and isinstance(node.args[0].value, str) and node.args[0].value.startswith("capskip_fx"):
+                name = getattr(node.func, "attr", getattr(node.func, "id", ""))
+                if name in ("import_module", "__import__"):
+                    out.append((_module_name(path), node.args[0].value))
+    return out
+
+
+def test_library_never_imports_the_harness():
+    """capskip_fx.train (the training harness, extra ``train``) sits on top: nothing else in the package
+    imports it, at module or function level."""
+    edges = [(src, dst) for src, dst, _, _ in _imports()] + _dynamic_imports()
+    into = [(src, dst) for src, dst in edges if _within(dst, "capskip_fx.train")]
+    assert into, "no import of capskip_fx.train found at all: the test would pass vacuously"
+    bad = [(src, dst) for src, dst in into if not _within(src, "capskip_fx.train")]
+    assert not bad, f"the library imports the harness: {bad}"

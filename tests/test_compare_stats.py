@@ -7,7 +7,7 @@ import math
 import pytest
 import yaml
 
-from capskip_fx.train import plots
+from capskip_fx.train import cli, plots, report
 
 T975_DF2 = 4.302652729911275  # Student t, 97.5% quantile, 2 degrees of freedom
 
@@ -30,7 +30,7 @@ def test_intervals_paired_differences_and_time_to_accuracy(tmp_path):
         _run(tmp_path, f"tm-s{s}", s, [(6, 80.0), (12, finals["tm"][s])], rule="dense", time_budget=12)
         # capskip reaches 91 (dense's mean final) half-way through its second epoch on seeds 0 and 2
         _run(tmp_path, f"capskip-s{s}", s, [(5, 81.0), (11, finals["capskip"][s])], rule="capskip", budget=0.3)
-    table = plots.compare_table(plots.find_runs([tmp_path]))
+    table = report.compare_table(report.find_runs([tmp_path]))
     rows = {line.split("|")[1].strip(): [c.strip() for c in line.split("|")[2:-1]]
             for line in table.splitlines()[2:]}
     half = T975_DF2 * 1.0 / math.sqrt(3)  # dense: sd 1
@@ -50,10 +50,10 @@ def test_one_seed_has_no_interval_and_plots_draw_bands(tmp_path):
     _run(tmp_path, "dense-s0", 0, [(10, 80.0), (20, 90.0)], rule="dense")
     for s in range(2):
         _run(tmp_path, f"capskip-s{s}", s, [(5, 81.0 + s), (11, 90.0 + s)], rule="capskip", budget=0.3)
-    table = plots.compare([tmp_path], tmp_path / "cmp")
+    table = cli.compare([tmp_path], tmp_path / "cmp")
     assert "| dense | 1 | 90.00 |" in table
     for p in plots.PLOTS:
         assert (tmp_path / "cmp" / p).stat().st_size > 1000
-    mean, half = plots._band([[1.0, 2.0], [3.0, 4.0]])
+    mean, half = report.band([[1.0, 2.0], [3.0, 4.0]])
     assert mean.tolist() == [2.0, 3.0]
     assert half == pytest.approx([12.706204736174698 * math.sqrt(2) / math.sqrt(2)] * 2)  # t(0.975, 1) * sd / sqrt(n)

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from capskip_fx.data import datasets as ds
+from capskip_fx.train import datasets as ds
 
 torch.set_num_threads(1)
 

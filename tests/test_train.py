@@ -15,7 +15,7 @@ import yaml
 
 import capskip_fx
 from capskip_fx import train
-from capskip_fx.train import loop, plots
+from capskip_fx.train import loop, plots, report
 
 torch.set_num_threads(1)
 
@@ -207,7 +207,7 @@ def test_cli_errors_come_before_any_work(tmp_path, capsys):
 
 
 def test_compare_splits_runs_of_different_datasets(tmp_path):
-    runs = [plots.Run(path=tmp_path / n, config={"dataset": d, "rule": "dense", "seed": 0},
-                      summary=[{"eval_top1": 50.0, "wall_clock_s": 1.0}]) for n, d in (("a", "digits"), ("b", "mnist"))]
-    table = plots.compare_table(runs)
+    runs = [report.Run(path=tmp_path / n, config={"dataset": d, "rule": "dense", "seed": 0},
+                       summary=[{"eval_top1": 50.0, "wall_clock_s": 1.0}]) for n, d in (("a", "digits"), ("b", "mnist"))]
+    table = report.compare_table(runs)
     assert "### digits" in table and "### mnist" in table and table.count("| run |") == 2

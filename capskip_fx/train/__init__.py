@@ -23,15 +23,29 @@ budget the learning-rate schedule follows max(step progress, time progress), so 
 time-matched run anneals fully instead of being cut off at a high learning rate.
 
 Modules: :mod:`.config` (TrainConfig, YAML), :mod:`.cli` (flags, ``run``, ``main``, ``compare``),
-:mod:`.loop` (``train``, evaluation, LR schedule), :mod:`.data`, :mod:`.model`, :mod:`.checks`
-(distortion check, CompileClock), :mod:`.checkpoint`, :mod:`.plots`.
-"""
-from .checks import CompileClock, distortion_check
-from .cli import build_parser, config_from_args, main, parse_config, run
-from .config import AMP, BACKENDS, RULE_NAMES, TrainConfig, rule_options
-from .loop import SUMMARY_FIELDS, evaluate, lr_at, train
-from .model import build_model, find_head
+:mod:`.loop` (``RunState``, ``train``, evaluation, LR schedule), :mod:`.data` (loaders) and
+:mod:`.datasets` (the datasets), :mod:`.model`, :mod:`.checks` (distortion check, CompileClock),
+:mod:`.checkpoint`, :mod:`.report` (run directories, statistics, tables), :mod:`.plots` (figures).
 
-__all__ = ["TrainConfig", "parse_config", "config_from_args", "build_parser", "run", "main", "train", "evaluate",
-           "lr_at", "CompileClock", "distortion_check", "rule_options", "build_model", "find_head",
-           "RULE_NAMES", "BACKENDS", "AMP", "SUMMARY_FIELDS"]
+Only the command line and the config are imported here; the rest loads on first use, so that
+``capskip-train --help`` answers without importing torch or timm.
+"""
+from importlib import import_module
+
+from .cli import build_parser, compare, config_from_args, main, parse_config, run
+from .config import AMP, BACKENDS, DATASETS, RULE_NAMES, TrainConfig, rule_options
+
+# name -> submodule, loaded on first access (PEP 562)
+_LAZY = {"CompileClock": "checks", "distortion_check": "checks", "RunState": "loop", "SUMMARY_FIELDS": "loop",
+         "evaluate": "loop", "lr_at": "loop", "train": "loop", "build_model": "model", "find_head": "model"}
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        return getattr(import_module(f"{__name__}.{_LAZY[name]}"), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+__all__ = ["TrainConfig", "parse_config", "config_from_args", "build_parser", "run", "main", "compare", "train",
+           "RunState", "evaluate", "lr_at", "CompileClock", "distortion_check", "rule_options", "build_model",
+           "find_head", "RULE_NAMES", "BACKENDS", "AMP", "DATASETS", "SUMMARY_FIELDS"]

@@ -1,4 +1,7 @@
-"""The command line: ``capskip-train [train] FLAGS`` and ``capskip-train compare RUNS``."""
+"""The command line: ``capskip-train [train] FLAGS`` and ``capskip-train compare RUNS``.
+
+Parsing needs neither torch nor timm: what a command runs is imported after its flags are read, so
+``--help`` and flag errors answer at once."""
 from __future__ import annotations
 
 import argparse
@@ -8,11 +11,7 @@ from typing import Any, Optional, Sequence
 
 import yaml
 
-from capskip_fx.data.datasets import DATASETS
-
-from . import checkpoint, plots
-from .config import AMP, BACKENDS, FIELDS, RULE_NAMES, TrainConfig, default, normalise_keys, read_yaml
-from .loop import train
+from .config import AMP, BACKENDS, DATASETS, FIELDS, RULE_NAMES, TrainConfig, default, normalise_keys, read_yaml
 
 DESCRIPTION = "Training harness: fine-tune a timm model with a selective-backprop rule, log everything."
 
@@ -117,6 +116,8 @@ def _resume_base(path: str) -> dict[str, Any]:
     """The resolved config saved in a run's checkpoint: a resumed run's defaults."""
     if not Path(path).is_file():
         raise SystemExit(f"config: resume {path!r} is not a file (--resume)")
+    from . import checkpoint
+
     return normalise_keys(checkpoint.load_for_resume(path)["config"], f"--resume {path}")
 
 
@@ -159,10 +160,26 @@ def run(argv: Optional[Sequence[str]] = None) -> Any:
         argv.insert(0, "train")
     ns = parser.parse_args(argv)
     if ns.command == "compare":
-        table = plots.compare(ns.runs, ns.out)
+        table = compare(ns.runs, ns.out)
         print(table + f"\nwritten to {ns.out}/compare.md")
         return table
-    return train(config_from_args(ns))
+    cfg = config_from_args(ns)
+    from .loop import train
+
+    return train(cfg)
+
+
+def compare(paths: Sequence[str | Path], out_dir: str | Path) -> str:
+    """``capskip-train compare``: the figures and ``compare.md`` for the runs under ``paths``; returns the
+    Markdown table."""
+    from . import plots, report
+
+    runs = report.find_runs(paths)
+    out_dir = Path(out_dir)
+    plots.plot_runs(runs, out_dir)
+    table = report.compare_table(runs)
+    (out_dir / "compare.md").write_text(report.compare_page(runs, table, plots.PLOTS))
+    return table
 
 
 def main(argv: Optional[Sequence[str]] = None) -> None:

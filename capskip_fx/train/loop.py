@@ -1,5 +1,8 @@
 """The training loop: one run from a TrainConfig, its per-step / per-epoch logs, evaluation and
-the learning-rate schedule."""
+the learning-rate schedule.
+
+:class:`RunState` holds a run (model, optimizer, loaders, clock, counters); :func:`train` drives it:
+``begin_epoch`` / ``step`` per batch / ``end_epoch``, then ``finish``."""
 from __future__ import annotations
 
 import contextlib
@@ -22,7 +25,7 @@ import capskip_fx
 from capskip_fx.rules import build_rule
 from capskip_fx.cpu import retain_freed_memory
 
-from . import checkpoint, plots
+from . import checkpoint, plots, report
 from .checks import CompileClock, distortion_check
 from .config import TrainConfig, rule_options, write_yaml
 from .data import load_data, make_loaders, resolve_device
@@ -78,8 +81,30 @@ def evaluate(model: nn.Module, loader, device, autocast) -> tuple[float, float]:
 SUMMARY_FIELDS = ("epoch", "steps", "train_loss", "eval_top1", "eval_loss", "wall_clock_s", "compile_s",
                   "backward_rows", "rows", "rows_seen", "mean_kept_frac", "lr", "checks", "violations", "fallbacks",
                   "time_budget_hit")
-#: rows: forwarded (every step's batch); rows_seen: drawn from the data (more under Stale-SB's filter)
-COUNTERS = ("step", "backward_rows", "rows", "checks", "violations", "fallbacks")
+
+
+@dataclasses.dataclass
+class Counters:
+    """The run's running totals; a checkpoint carries them (under ``counters``)."""
+    step: int = 0
+    backward_rows: int = 0
+    rows: int = 0  # forwarded (every step's batch); rows_seen: drawn from the data (more under Stale-SB's filter)
+    checks: int = 0
+    violations: int = 0
+    fallbacks: int = 0
+
+
+COUNTERS = tuple(f.name for f in dataclasses.fields(Counters))
+
+
+@dataclasses.dataclass
+class EpochStats:
+    """The current epoch's sums, for its summary row and the progress display."""
+    loss: float = 0.0
+    kept_frac: float = 0.0
+    steps: int = 0
+    rows: int = 0
+    wall0: float = 0.0  # the clock's wall_s when the epoch began
 
 
 def _carry_lines(src: Path, dst: Path, before_step: int) -> None:
@@ -95,11 +120,9 @@ def _carry_lines(src: Path, dst: Path, before_step: int) -> None:
     dst.write_text("".join(kept))
 
 
-def train(cfg: TrainConfig) -> dict[str, Any]:
-    """One run.  Returns the final result (also written to ``result.json``)."""
-    from tqdm.auto import tqdm
-
-    # everything that can fail on a path or the network does so before the data is loaded
+def _preflight(cfg: TrainConfig) -> tuple[Optional[dict], Optional[dict], bool]:
+    """(checkpoint to resume, initial weights, fetch pretrained?): everything that can fail on a path or
+    the network does so before the data is loaded."""
     ck = checkpoint.load_for_resume(cfg.resume) if cfg.resume else None
     if ck is not None and ck["epoch"] >= cfg.epochs:
         raise SystemExit(f"--resume {cfg.resume}: the run already finished epoch {ck['epoch']} of {cfg.epochs}; "
@@ -108,208 +131,295 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
     pretrained = cfg.pretrained and ck is None  # a resumed run's weights come from its checkpoint
     if pretrained:
         check_pretrained(cfg.model)
+    return ck, init_sd, pretrained
 
-    if cfg.threads:
-        torch.set_num_threads(cfg.threads)
-    random.seed(cfg.seed)
-    torch.manual_seed(cfg.seed)
-    device = resolve_device(cfg.device)
-    if device.type == "cpu":
-        retain_freed_memory()  # the gathers' fresh buffers would page-fault in every step (capskip_fx/cpu.py)
 
-    data, cfg = load_data(cfg, device)
-    model, cfg = build_model(cfg, data.num_classes, pretrained=pretrained)
-    cfg = dataclasses.replace(cfg, label=plots.run_label(dataclasses.asdict(cfg)),
-                              out=cfg.out or f"runs/{cfg.dataset}-{cfg.rule}-s{cfg.seed}")
-    out = Path(cfg.out)
-    out.mkdir(parents=True, exist_ok=True)
-    write_yaml(cfg, out / "config.yaml")
-    n_params = sum(p.numel() for p in model.parameters())
-    print(f"[run] {cfg.label} seed {cfg.seed}: {cfg.model} ({n_params:,} params) on {device}, "
-          f"backend {cfg.backend}, out {out}")
+class RunState:
+    """One run: built (or resumed) from a config, then advanced by :meth:`step` and :meth:`end_epoch`.
 
-    head = find_head(model)
-    if init_sd is not None:
-        checkpoint.load_weights(model, head, init_sd, cfg.initial_checkpoint, reset_head=cfg.reset_head)
-    model.to(device)
-    vcas = capskip_fx.VCAS(**cfg.vcas_options) if cfg.vcas_options is not None else None
-    stale = None  # Stale-SB: one rule object for the model and the loader's filter (its data side)
-    if cfg.rule == "stale_sb":
-        stale = build_rule("stale_sb", cfg.budget, {"num_examples": len(data.train), **rule_options(cfg)})
-    train_loader, eval_loader, gen = make_loaders(cfg, data, device, stale_rule=stale)
-    stale_filter = train_loader.batch_sampler.filter if stale is not None else None
-    steps_per_epoch = len(train_loader)  # under Stale-SB an upper bound: dropped rows shorten epochs
-    total_steps = cfg.epochs * steps_per_epoch
-    cm = capskip_fx.compile(model, rule=stale or cfg.rule, budget=cfg.budget, backend=cfg.backend, seed=cfg.seed,
-                            vcas=vcas, **({} if stale else rule_options(cfg, total_steps)))
-    cm.train()
-    from timm.optim import create_optimizer_v2  # AdamW without decay on biases/norms/tokens
+    A context manager: the per-step logs are open inside ``with``.  Everything the next epoch depends on
+    is in :meth:`checkpoint_state`, written at each epoch end."""
 
-    opt = create_optimizer_v2(model, "adamw", lr=cfg.lr, weight_decay=cfg.weight_decay)
-    log_every = cfg.log_every or max(1, steps_per_epoch // 10)
+    def __init__(self, cfg: TrainConfig):
+        ck, init_sd, pretrained = _preflight(cfg)
+        if cfg.threads:
+            torch.set_num_threads(cfg.threads)
+        random.seed(cfg.seed)
+        torch.manual_seed(cfg.seed)
+        self.device = resolve_device(cfg.device)
+        if self.device.type == "cpu":
+            retain_freed_memory()  # the gathers' fresh buffers would page-fault in every step (capskip_fx/cpu.py)
+        self._build(cfg, init_sd, pretrained)
 
-    def autocast():
-        if cfg.amp == "bf16":
-            return torch.autocast(device.type, dtype=torch.bfloat16)
-        return contextlib.nullcontext()
+        # the run's progress: what a checkpoint carries
+        self.clock = CompileClock()
+        self.counters = Counters()
+        self.summary: list[dict[str, Any]] = []
+        self.epochs_done = 0
+        # this process's own (not in a checkpoint)
+        self.epoch = 0  # the epoch in progress (1-based)
+        self.ep = EpochStats()
+        self.bar = None
+        self.t_prev = 0.0  # when the wait for the next batch began
+        self.prev_variants: Optional[int] = None
+        self.first_step = True  # this process's first step compiles, also when it resumes mid-run
+        self.hit_budget = False
+        self.log_mode = "w"
+        if ck is not None:
+            self._resume(ck)
+        self.tol_limit = self.cfg.budget + self.cfg.check_tol
+        self.lr = lr_at(self.cfg, self.counters.step / self.total_steps)
 
-    def sync():
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
+    def _build(self, cfg: TrainConfig, init_sd: Optional[dict], pretrained: bool) -> None:
+        """Data, model, loaders, the compiled model and the optimizer; the resolved config in ``out``."""
+        device = self.device
+        data, cfg = load_data(cfg, device)
+        model, cfg = build_model(cfg, data.num_classes, pretrained=pretrained)
+        cfg = dataclasses.replace(cfg, label=report.run_label(dataclasses.asdict(cfg)),
+                                  out=cfg.out or f"runs/{cfg.dataset}-{cfg.rule}-s{cfg.seed}")
+        self.cfg, self.data, self.model = cfg, data, model
+        out = self.out = Path(cfg.out)
+        out.mkdir(parents=True, exist_ok=True)
+        write_yaml(cfg, out / "config.yaml")
+        self.n_params = sum(p.numel() for p in model.parameters())
+        print(f"[run] {cfg.label} seed {cfg.seed}: {cfg.model} ({self.n_params:,} params) on {device}, "
+              f"backend {cfg.backend}, out {out}")
 
-    clock = CompileClock()
-    step, backward_rows, rows, checks, violations, fallbacks = 0, 0, 0, 0, 0, 0
-    prev_variants, hit_budget, first_step = None, False, True
-    summary: list[dict[str, Any]] = []
-    start_epoch = 0
-    log_mode = "w"
-    if ck is not None:
-        cm.load_state_dict(ck["model"])  # weights + the rule's state
-        opt.load_state_dict(ck["optimizer"])
-        clock.load_state_dict(ck["clock"])
-        step, backward_rows, rows, checks, violations, fallbacks = (ck["counters"][k] for k in COUNTERS)
-        if stale_filter is not None:
-            stale_filter.load_state_dict(ck["stale_filter"])
-        summary = list(ck["summary"])
-        start_epoch = ck["epoch"]
+        self.head = find_head(model)
+        if init_sd is not None:
+            checkpoint.load_weights(model, self.head, init_sd, cfg.initial_checkpoint, reset_head=cfg.reset_head)
+        model.to(device)
+        vcas = capskip_fx.VCAS(**cfg.vcas_options) if cfg.vcas_options is not None else None
+        stale = None  # Stale-SB: one rule object for the model and the loader's filter (its data side)
+        if cfg.rule == "stale_sb":
+            stale = build_rule("stale_sb", cfg.budget, {"num_examples": len(data.train), **rule_options(cfg)})
+        self.train_loader, self.eval_loader, self.gen = make_loaders(cfg, data, device, stale_rule=stale)
+        self.stale_filter = self.train_loader.batch_sampler.filter if stale is not None else None
+        self.steps_per_epoch = len(self.train_loader)  # under Stale-SB an upper bound: dropped rows shorten epochs
+        self.total_steps = cfg.epochs * self.steps_per_epoch
+        self.cm = capskip_fx.compile(model, rule=stale or cfg.rule, budget=cfg.budget, backend=cfg.backend,
+                                     seed=cfg.seed, vcas=vcas, **({} if stale else rule_options(cfg, self.total_steps)))
+        self.cm.train()
+        from timm.optim import create_optimizer_v2  # AdamW without decay on biases/norms/tokens
+
+        self.opt = create_optimizer_v2(model, "adamw", lr=cfg.lr, weight_decay=cfg.weight_decay)
+        self.log_every = cfg.log_every or max(1, self.steps_per_epoch // 10)
+
+    def _resume(self, ck: dict[str, Any]) -> None:
+        cfg = self.cfg
+        self.cm.load_state_dict(ck["model"])  # weights + the rule's state
+        self.opt.load_state_dict(ck["optimizer"])
+        self.clock.load_state_dict(ck["clock"])
+        self.counters = Counters(**{k: ck["counters"][k] for k in COUNTERS})
+        if self.stale_filter is not None:
+            self.stale_filter.load_state_dict(ck["stale_filter"])
+        self.summary = list(ck["summary"])
+        self.epochs_done = ck["epoch"]
         src = Path(cfg.resume).parent
         for name in ("steps.jsonl", "checks.jsonl"):
-            _carry_lines(src / name, out / name, step)
-        log_mode = "a"
+            _carry_lines(src / name, self.out / name, self.counters.step)
+        self.log_mode = "a"
         if cfg.workers > 0:
             print("[resume] with --workers > 0 the augmentation draws of persistent workers restart: "
                   "close to, not bit-exact with, an uninterrupted run", file=sys.stderr)
-        checkpoint.set_rng_state(ck["rng"], gen)  # last: nothing above may draw from them
-        print(f"[resume] {cfg.resume}: epoch {start_epoch}, step {step}, wall {clock.wall_s:.1f}s")
-        del ck
-    tol_limit = cfg.budget + cfg.check_tol
+        checkpoint.set_rng_state(ck["rng"], self.gen)  # last: nothing above may draw from them
+        print(f"[resume] {cfg.resume}: epoch {self.epochs_done}, step {self.counters.step}, wall {self.clock.wall_s:.1f}s")
 
-    def rows_seen() -> int:
-        return stale_filter.n_seen if stale_filter is not None else rows
+    def __enter__(self) -> "RunState":
+        self.steps_f = open(self.out / "steps.jsonl", self.log_mode)
+        self.checks_f = open(self.out / "checks.jsonl", self.log_mode)
+        return self
 
-    lr = lr_at(cfg, step / total_steps)
-    with open(out / "steps.jsonl", log_mode) as steps_f, open(out / "checks.jsonl", log_mode) as checks_f:
-        for epoch in range(start_epoch + 1, cfg.epochs + 1):
-            ep_loss, ep_kept_frac, ep_steps, ep_rows, ep_wall0 = 0.0, 0.0, 0, 0, clock.wall_s
-            cm.set_epoch(epoch - 1)
-            if stale_filter is not None:
-                train_loader.batch_sampler.set_epoch(epoch - 1)
-            bar = tqdm(train_loader, desc=f"epoch {epoch}/{cfg.epochs}", disable=None, leave=True, dynamic_ncols=True)
-            t_prev = time.perf_counter()
-            for x, y, idx in bar:
-                x, y, idx = (t.to(device, non_blocking=True) for t in (x, y, idx))
-                t0 = time.perf_counter()
-                data_s = t0 - t_prev
-                progress = (step + 1) / total_steps
-                if stale_filter is not None:  # epochs shrink as rows are dropped: progress through the data
-                    progress = stale_filter.n_seen / (cfg.epochs * len(data.train))
-                if cfg.time_budget and cfg.schedule_by_time:
-                    progress = max(progress, clock.wall_s / cfg.time_budget)
-                lr = lr_at(cfg, progress)
-                for group in opt.param_groups:
-                    group["lr"] = lr
-                do_check = cfg.check_every > 0 and (step + 1) % cfg.check_every == 0
-                rng = (torch.get_rng_state(), torch.cuda.get_rng_state(device) if device.type == "cuda" else None) \
-                    if do_check else None
-                opt.zero_grad(set_to_none=True)
-                with autocast():
-                    logits = cm(x, capskip_targets=y, capskip_index=idx)
-                    loss = F.cross_entropy(logits, y)
-                loss.backward()
-                st = capskip_fx.stats(cm)
-                loss_v = loss.item()
-                sync()
-                t1 = time.perf_counter()
-                if not math.isfinite(loss_v):
-                    raise FloatingPointError(f"non-finite loss {loss_v} at step {step} (epoch {epoch})")
-                kept, n = int(st.kept), int(st.n)
-                bound = _finite(st.bound)
-                if do_check:
-                    chk = distortion_check(model, head, x, y, autocast, rng)
-                    checks += 1
-                    violation = bool(cfg.rule == "capskip" and chk["rel_l2_head"] > tol_limit)
-                    violations += violation
-                    if violation:
-                        print(f"[check] step {step}: capskip head rel-L2 {chk['rel_l2_head']:.6g} > budget "
-                              f"{cfg.budget} (+{cfg.check_tol}); rule bound {bound}", file=sys.stderr)
-                    checks_f.write(json.dumps({"step": step, "epoch": epoch, "kept": kept, "n": n, "bound": bound,
-                                               **{k: _finite(v) for k, v in chk.items()},
-                                               "violation": violation}) + "\n")
-                    checks_f.flush()
-                t2 = time.perf_counter()
-                opt.step()
-                sync()
-                t3 = time.perf_counter()
-                step_s = (t1 - t0) + (t3 - t2)
-                variants = st.variants
-                # this process's first step compiles, also when it resumes mid-run
-                is_compile = first_step or (prev_variants is not None and variants > prev_variants)
-                prev_variants, first_step = variants, False
-                clock.add(data_s, step_s, is_compile)
-                fallback = st.fallback
-                fallbacks += fallback is not None
-                backward_rows += kept
-                rows += n
-                ep_loss += loss_v
-                ep_kept_frac += kept / max(n, 1)
-                ep_steps += 1
-                ep_rows += n
-                steps_f.write(json.dumps({
-                    "step": step, "epoch": epoch, "loss": loss_v, "kept": kept, "n": n, "bound": bound,
-                    "rows_run": st.rows, "lr": lr, "step_time_s": step_s, "data_time_s": data_s, "compile_step": is_compile,
-                    "variants": variants, "fallback": fallback,
-                    "selection_ms": _finite(st.selection_ms), "vcas": _vcas_log(st.vcas)}) + "\n")
-                step += 1
-                ep_wall = clock.wall_s - ep_wall0
-                ips = ep_rows / ep_wall if ep_wall > 0 else float("nan")
-                if bar.disable:
-                    if ep_steps % log_every == 0 or ep_steps == steps_per_epoch:
-                        print(f"epoch {epoch} step {ep_steps}/{steps_per_epoch} loss {ep_loss / ep_steps:.4f} "
-                              f"kept {ep_kept_frac / ep_steps:.3f} img/s {ips:.0f} lr {lr:.2e}", flush=True)
-                else:
-                    bar.set_postfix(loss=f"{ep_loss / ep_steps:.4f}", kept=f"{ep_kept_frac / ep_steps:.3f}",
-                                    img_s=f"{ips:.0f}", refresh=False)
-                if cfg.time_budget and clock.wall_s >= cfg.time_budget:
-                    hit_budget = True
+    def __exit__(self, *exc) -> None:
+        self.steps_f.close()
+        self.checks_f.close()
+
+    def autocast(self):
+        if self.cfg.amp == "bf16":
+            return torch.autocast(self.device.type, dtype=torch.bfloat16)
+        return contextlib.nullcontext()
+
+    def _sync(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    @property
+    def rows_seen(self) -> int:
+        return self.stale_filter.n_seen if self.stale_filter is not None else self.counters.rows
+
+    def begin_epoch(self, epoch: int):
+        """Start ``epoch`` (1-based); returns its batches (a progress bar over the train loader)."""
+        from tqdm.auto import tqdm
+
+        cfg = self.cfg
+        self.epoch = epoch
+        self.ep = EpochStats(wall0=self.clock.wall_s)
+        self.cm.set_epoch(epoch - 1)
+        if self.stale_filter is not None:
+            self.train_loader.batch_sampler.set_epoch(epoch - 1)
+        self.bar = tqdm(self.train_loader, desc=f"epoch {epoch}/{cfg.epochs}", disable=None, leave=True,
+                        dynamic_ncols=True)
+        self.t_prev = time.perf_counter()
+        return self.bar
+
+    def _progress(self) -> float:
+        """The schedule's position at the coming step, in [0, 1]."""
+        cfg, step = self.cfg, self.counters.step
+        progress = (step + 1) / self.total_steps
+        if self.stale_filter is not None:  # epochs shrink as rows are dropped: progress through the data
+            progress = self.stale_filter.n_seen / (cfg.epochs * len(self.data.train))
+        if cfg.time_budget and cfg.schedule_by_time:
+            progress = max(progress, self.clock.wall_s / cfg.time_budget)
+        return progress
+
+    def step(self, batch) -> bool:
+        """Train on one batch of the epoch; False once the time budget is reached (end the epoch)."""
+        cfg, c, ep, epoch, device = self.cfg, self.counters, self.ep, self.epoch, self.device
+        x, y, idx = (t.to(device, non_blocking=True) for t in batch)
+        t0 = time.perf_counter()
+        data_s = t0 - self.t_prev
+        lr = self.lr = lr_at(cfg, self._progress())
+        for group in self.opt.param_groups:
+            group["lr"] = lr
+        do_check = cfg.check_every > 0 and (c.step + 1) % cfg.check_every == 0
+        rng = (torch.get_rng_state(), torch.cuda.get_rng_state(device) if device.type == "cuda" else None) \
+            if do_check else None
+        self.opt.zero_grad(set_to_none=True)
+        with self.autocast():
+            logits = self.cm(x, capskip_targets=y, capskip_index=idx)
+            loss = F.cross_entropy(logits, y)
+        loss.backward()
+        st = capskip_fx.stats(self.cm)
+        loss_v = loss.item()
+        self._sync()
+        t1 = time.perf_counter()
+        if not math.isfinite(loss_v):
+            raise FloatingPointError(f"non-finite loss {loss_v} at step {c.step} (epoch {epoch})")
+        kept, n = int(st.kept), int(st.n)
+        bound = _finite(st.bound)
+        if do_check:
+            self._check(x, y, rng, kept, n, bound)
+        t2 = time.perf_counter()
+        self.opt.step()
+        self._sync()
+        t3 = time.perf_counter()
+        step_s = (t1 - t0) + (t3 - t2)
+        variants = st.variants
+        is_compile = self.first_step or (self.prev_variants is not None and variants > self.prev_variants)
+        self.prev_variants, self.first_step = variants, False
+        self.clock.add(data_s, step_s, is_compile)
+        fallback = st.fallback
+        c.fallbacks += fallback is not None
+        c.backward_rows += kept
+        c.rows += n
+        ep.loss += loss_v
+        ep.kept_frac += kept / max(n, 1)
+        ep.steps += 1
+        ep.rows += n
+        self.steps_f.write(json.dumps({
+            "step": c.step, "epoch": epoch, "loss": loss_v, "kept": kept, "n": n, "bound": bound,
+            "rows_run": st.rows, "lr": lr, "step_time_s": step_s, "data_time_s": data_s, "compile_step": is_compile,
+            "variants": variants, "fallback": fallback,
+            "selection_ms": _finite(st.selection_ms), "vcas": _vcas_log(st.vcas)}) + "\n")
+        c.step += 1
+        self._show_progress()
+        if cfg.time_budget and self.clock.wall_s >= cfg.time_budget:
+            self.hit_budget = True
+            return False
+        self.t_prev = time.perf_counter()
+        return True
+
+    def _check(self, x, y, rng, kept: int, n: int, bound) -> None:
+        """The exact distortion check of this step's batch, logged to ``checks.jsonl``."""
+        cfg, c = self.cfg, self.counters
+        chk = distortion_check(self.model, self.head, x, y, self.autocast, rng)
+        c.checks += 1
+        violation = bool(cfg.rule == "capskip" and chk["rel_l2_head"] > self.tol_limit)
+        c.violations += violation
+        if violation:
+            print(f"[check] step {c.step}: capskip head rel-L2 {chk['rel_l2_head']:.6g} > budget "
+                  f"{cfg.budget} (+{cfg.check_tol}); rule bound {bound}", file=sys.stderr)
+        self.checks_f.write(json.dumps({"step": c.step, "epoch": self.epoch, "kept": kept, "n": n, "bound": bound,
+                                        **{k: _finite(v) for k, v in chk.items()},
+                                        "violation": violation}) + "\n")
+        self.checks_f.flush()
+
+    def _show_progress(self) -> None:
+        ep, bar = self.ep, self.bar
+        ep_wall = self.clock.wall_s - ep.wall0
+        ips = ep.rows / ep_wall if ep_wall > 0 else float("nan")
+        if bar.disable:
+            if ep.steps % self.log_every == 0 or ep.steps == self.steps_per_epoch:
+                print(f"epoch {self.epoch} step {ep.steps}/{self.steps_per_epoch} loss {ep.loss / ep.steps:.4f} "
+                      f"kept {ep.kept_frac / ep.steps:.3f} img/s {ips:.0f} lr {self.lr:.2e}", flush=True)
+        else:
+            bar.set_postfix(loss=f"{ep.loss / ep.steps:.4f}", kept=f"{ep.kept_frac / ep.steps:.3f}",
+                            img_s=f"{ips:.0f}", refresh=False)
+
+    def end_epoch(self) -> bool:
+        """Evaluate, write the summary row and the checkpoint; False once the run should stop (time budget)."""
+        cfg, c, ep, epoch, clock = self.cfg, self.counters, self.ep, self.epoch, self.clock
+        self.bar.close()
+        self.steps_f.flush()
+        self.checks_f.flush()
+        top1, eval_loss = evaluate(self.model, self.eval_loader, self.device, self.autocast)
+        self.summary.append({
+            "epoch": epoch, "steps": c.step, "train_loss": ep.loss / max(ep.steps, 1), "eval_top1": top1,
+            "eval_loss": eval_loss, "wall_clock_s": clock.wall_s, "compile_s": clock.compile_s,
+            "backward_rows": c.backward_rows, "rows": c.rows, "rows_seen": self.rows_seen,
+            "mean_kept_frac": ep.kept_frac / max(ep.steps, 1),
+            "lr": self.lr, "checks": c.checks, "violations": c.violations, "fallbacks": c.fallbacks,
+            "time_budget_hit": int(self.hit_budget)})
+        with open(self.out / "summary.csv", "w", newline="") as f:
+            w = csv.DictWriter(f, fieldnames=SUMMARY_FIELDS)
+            w.writeheader()
+            w.writerows(self.summary)
+        self.epochs_done = epoch
+        checkpoint.save(self.checkpoint_state(), self.out / checkpoint.FILENAME)
+        print(f"[epoch {epoch}] train_loss {self.summary[-1]['train_loss']:.4f} eval_top1 {top1:.2f}% "
+              f"wall {clock.wall_s:.1f}s compile {clock.compile_s:.1f}s kept {self.summary[-1]['mean_kept_frac']:.3f}"
+              + (f" violations {c.violations}" if c.violations else ""), flush=True)
+        if self.hit_budget:
+            print(f"[run] time budget {cfg.time_budget:.1f}s reached after {c.step} steps (epoch {epoch})")
+            return False
+        return True
+
+    def checkpoint_state(self) -> dict[str, Any]:
+        """What ``--resume`` needs to continue after the last finished epoch."""
+        c = self.counters
+        return {
+            "format": checkpoint.FORMAT, "epoch": self.epochs_done, "model": self.cm.state_dict(),
+            "optimizer": self.opt.state_dict(),
+            # the schedule is a function of these (and of the clock under --time-budget)
+            "schedule": {"step": c.step, "total_steps": self.total_steps, "lr": self.lr},
+            "counters": dataclasses.asdict(c),
+            "clock": self.clock.state_dict(), "summary": self.summary, "rng": checkpoint.rng_state(self.gen),
+            "stale_filter": self.stale_filter.state_dict() if self.stale_filter is not None else None,
+            "config": dataclasses.asdict(self.cfg)}
+
+    def finish(self) -> dict[str, Any]:
+        """The final result, written to ``result.json``, and the run's plots."""
+        cfg, c, out = self.cfg, self.counters, self.out
+        result = {"out": str(out), "label": cfg.label, "seed": cfg.seed, "final_top1": self.summary[-1]["eval_top1"],
+                  "wall_clock_s": self.clock.wall_s, "compile_s": self.clock.compile_s, "steps": c.step,
+                  "kept_frac": c.backward_rows / max(c.rows, 1), "backward_rows": c.backward_rows,
+                  "forward_frac": c.rows / max(self.rows_seen, 1), "checks": c.checks,
+                  "violations": c.violations, "fallbacks": c.fallbacks, "time_budget_hit": self.hit_budget,
+                  "data_source": self.data.source, "n_params": self.n_params, "torch": torch.__version__,
+                  "resumed_from": cfg.resume}
+        (out / "result.json").write_text(json.dumps(result, indent=2) + "\n")
+        plots.plot_runs([report.load_run(out)], out)
+        return result
+
+
+def train(cfg: TrainConfig) -> dict[str, Any]:
+    """One run.  Returns the final result (also written to ``result.json``)."""
+    run = RunState(cfg)
+    with run:
+        for epoch in range(run.epochs_done + 1, run.cfg.epochs + 1):
+            for batch in run.begin_epoch(epoch):
+                if not run.step(batch):
                     break
-                t_prev = time.perf_counter()
-            bar.close()
-            steps_f.flush()
-            checks_f.flush()
-            top1, eval_loss = evaluate(model, eval_loader, device, autocast)
-            summary.append({
-                "epoch": epoch, "steps": step, "train_loss": ep_loss / max(ep_steps, 1), "eval_top1": top1,
-                "eval_loss": eval_loss, "wall_clock_s": clock.wall_s, "compile_s": clock.compile_s,
-                "backward_rows": backward_rows, "rows": rows, "rows_seen": rows_seen(),
-                "mean_kept_frac": ep_kept_frac / max(ep_steps, 1),
-                "lr": lr, "checks": checks, "violations": violations, "fallbacks": fallbacks,
-                "time_budget_hit": int(hit_budget)})
-            with open(out / "summary.csv", "w", newline="") as f:
-                w = csv.DictWriter(f, fieldnames=SUMMARY_FIELDS)
-                w.writeheader()
-                w.writerows(summary)
-            checkpoint.save({
-                "format": checkpoint.FORMAT, "epoch": epoch, "model": cm.state_dict(), "optimizer": opt.state_dict(),
-                # the schedule is a function of these (and of the clock under --time-budget)
-                "schedule": {"step": step, "total_steps": total_steps, "lr": lr},
-                "counters": dict(zip(COUNTERS, (step, backward_rows, rows, checks, violations, fallbacks))),
-                "clock": clock.state_dict(), "summary": summary, "rng": checkpoint.rng_state(gen),
-                "stale_filter": stale_filter.state_dict() if stale_filter is not None else None,
-                "config": dataclasses.asdict(cfg)}, out / checkpoint.FILENAME)
-            print(f"[epoch {epoch}] train_loss {summary[-1]['train_loss']:.4f} eval_top1 {top1:.2f}% "
-                  f"wall {clock.wall_s:.1f}s compile {clock.compile_s:.1f}s kept {summary[-1]['mean_kept_frac']:.3f}"
-                  + (f" violations {violations}" if violations else ""), flush=True)
-            if hit_budget:
-                print(f"[run] time budget {cfg.time_budget:.1f}s reached after {step} steps (epoch {epoch})")
+            if not run.end_epoch():
                 break
-
-    result = {"out": str(out), "label": cfg.label, "seed": cfg.seed, "final_top1": summary[-1]["eval_top1"],
-              "wall_clock_s": clock.wall_s, "compile_s": clock.compile_s, "steps": step,
-              "kept_frac": backward_rows / max(rows, 1), "backward_rows": backward_rows,
-              "forward_frac": rows / max(rows_seen(), 1), "checks": checks,
-              "violations": violations, "fallbacks": fallbacks, "time_budget_hit": hit_budget,
-              "data_source": data.source, "n_params": n_params, "torch": torch.__version__,
-              "resumed_from": cfg.resume}
-    (out / "result.json").write_text(json.dumps(result, indent=2) + "\n")
-    plots.plot_runs([plots.load_run(out)], out)
-    return result
+    return run.finish()

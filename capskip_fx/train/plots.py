@@ -1,163 +1,22 @@
-"""Plots and comparison tables over run directories written by :mod:`capskip_fx.train`.
-
-A run directory holds ``config.yaml`` (the resolved config), ``summary.csv`` (one row per
-epoch) and ``steps.jsonl`` (one line per step).  Runs are grouped by their label (rule +
-budget/options, see :func:`run_label`); seeds of one configuration share a label.
+"""Figures over run directories written by :mod:`capskip_fx.train` (loaded by :mod:`.report`).
 
 Figures are drawn on :class:`matplotlib.figure.Figure` objects (Agg, no pyplot state), so this
 works headless and inside test processes.  Groups with several seeds are drawn as one mean curve with
-its 95% t band; the table gives 95% t intervals over seeds, the paired (same-seed) difference to the
-time-matched dense runs, and the wall-clock to reach dense's final top-1 (and 99% of it).
+its 95% t band (:func:`.report.band`).
 """
 from __future__ import annotations
 
-import csv
-import inspect
-import json
 import math
-import statistics
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterable, Optional, Sequence
+from typing import Any, Sequence
 
 import numpy as np
-import yaml
 from matplotlib.figure import Figure
+
+from .report import Run, band, eval_curve, group_runs
 
 PLOTS = ("accuracy_vs_wallclock.png", "accuracy_vs_epoch.png", "kept_fraction.png")
 
-
-def rule_takes_budget(rule: str) -> bool:
-    """Whether ``rule`` reads ``budget`` (so it belongs in the label)."""
-    try:
-        from capskip_fx.rules import RULES
-    except ImportError:  # pragma: no cover - rules package missing
-        RULES = {}
-    cls = RULES.get(rule)
-    if cls is None:
-        return rule == "capskip"
-    return "budget" in inspect.signature(cls).parameters
-
-
-def run_label(cfg: dict[str, Any]) -> str:
-    """Group label of a run: explicit ``label``, else rule + the options that define it."""
-    if cfg.get("label"):
-        return str(cfg["label"])
-    rule = cfg.get("rule", "?")
-    parts = [rule]
-    if cfg.get("match"):
-        parts.append(f"match={cfg['match']}")
-    if cfg.get("match") or rule_takes_budget(rule):
-        parts.append(f"b={float(cfg.get('budget', 0.1)):g}")
-    if cfg.get("keep") is not None:
-        parts.append(f"keep={float(cfg['keep']):g}")
-    parts += [f"{k}={v}" for k, v in sorted((cfg.get("rule_options") or {}).items())]
-    vcas = cfg.get("vcas_options")
-    if vcas is not None and rule != "vcas":
-        parts.append("+vcas")
-    if vcas:
-        parts += [f"vcas.{k}={v}" for k, v in sorted(vcas.items())]
-    if cfg.get("time_budget"):
-        parts.append("time-matched")
-    return " ".join(parts)
-
-
-def _num(v: str) -> Any:
-    if v is None or v == "":
-        return None
-    try:
-        return int(v)
-    except ValueError:
-        try:
-            return float(v)
-        except ValueError:
-            return v
-
-
-@dataclass
-class Run:
-    path: Path
-    config: dict[str, Any]
-    summary: list[dict[str, Any]]
-    steps: list[dict[str, Any]] = field(default_factory=list)
-
-    @property
-    def label(self) -> str:
-        return run_label(self.config)
-
-    @property
-    def seed(self) -> Any:
-        return self.config.get("seed")
-
-    @property
-    def is_dense_reference(self) -> bool:
-        return self.config.get("rule") == "dense" and not self.config.get("time_budget")
-
-    @property
-    def final(self) -> dict[str, Any]:
-        return self.summary[-1] if self.summary else {}
-
-    @property
-    def kept_frac(self) -> float:
-        """Overall backward rows / forward rows (not a mean of per-epoch means)."""
-        f = self.final
-        if f.get("rows"):
-            return f["backward_rows"] / f["rows"]
-        return f.get("mean_kept_frac", math.nan) if f else math.nan
-
-    @property
-    def forward_frac(self) -> float:
-        """Forwarded rows / rows drawn from the data (below 1 only where a data-side filter drops rows)."""
-        f = self.final
-        rows = f.get("rows")
-        seen = f.get("rows_seen") or rows
-        return rows / seen if rows is not None and seen else math.nan
-
-
-def load_run(path: str | Path, with_steps: bool = True) -> Run:
-    path = Path(path)
-    cfg_file = path / "config.yaml"
-    if not cfg_file.is_file():
-        raise FileNotFoundError(f"{path} is not a run directory (no config.yaml)")
-    config = yaml.safe_load(cfg_file.read_text()) or {}
-    summary = []
-    if (path / "summary.csv").is_file():
-        with open(path / "summary.csv", newline="") as f:
-            summary = [{k: _num(v) for k, v in row.items()} for row in csv.DictReader(f)]
-    steps = []
-    if with_steps and (path / "steps.jsonl").is_file():
-        with open(path / "steps.jsonl") as f:
-            steps = [json.loads(line) for line in f if line.strip()]
-    return Run(path, config, summary, steps)
-
-
-def find_runs(paths: Iterable[str | Path]) -> list[Run]:
-    """Run directories named directly, or found (recursively) under the given folders."""
-    dirs: list[Path] = []
-    for p in map(Path, paths):
-        if (p / "config.yaml").is_file():
-            dirs.append(p)
-        else:
-            dirs += sorted(c.parent for c in p.rglob("config.yaml"))
-    seen, runs = set(), []
-    for d in dirs:
-        if d.resolve() not in seen:
-            seen.add(d.resolve())
-            runs.append(load_run(d))
-    if not runs:
-        raise FileNotFoundError(f"no run directories (with config.yaml) in {list(map(str, paths))}")
-    return runs
-
-
-def group_runs(runs: Sequence[Run]) -> dict[str, list[Run]]:
-    """Label -> runs; the dense reference group first, then in order of appearance."""
-    groups: dict[str, list[Run]] = {}
-    for r in sorted(runs, key=lambda r: not r.is_dense_reference):
-        groups.setdefault(r.label, []).append(r)
-    return groups
-
-
-# ---------------------------------------------------------------- plots
 
 def _colors(labels: Sequence[str]) -> dict[str, Any]:
     from matplotlib import colormaps
@@ -176,33 +35,14 @@ def _moving_average(values: list[float], window: int) -> list[float]:
     return out
 
 
-def _band(ys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Mean and 95% t half-width over axis 0 (rows = seeds); half-width 0 for one seed."""
-    from scipy import stats
-
-    ys = np.asarray(ys, dtype=float)
-    mean = np.nanmean(ys, axis=0)
-    n = np.sum(~np.isnan(ys), axis=0)
-    if ys.shape[0] < 2:
-        return mean, np.zeros_like(mean)
-    sd = np.nanstd(ys, axis=0, ddof=1)
-    half = stats.t.ppf(0.975, np.maximum(n - 1, 1)) * sd / np.sqrt(np.maximum(n, 1))
-    return mean, np.where(n >= 2, half, 0.0)
-
-
-def _curve(r: Run, x: str) -> tuple[np.ndarray, np.ndarray]:
-    rows = [s for s in r.summary if s.get("eval_top1") is not None]
-    return np.array([float(s[x]) for s in rows]), np.array([float(s["eval_top1"]) for s in rows])
-
-
 def _group_curve(members: Sequence[Run], name: str) -> tuple[np.ndarray, np.ndarray]:
     """(x, top-1 per seed on a common x): epochs as they are; wall-clock interpolated on a common grid
     up to the shortest run's end (no extrapolation)."""
     if name == "accuracy_vs_epoch.png":
-        curves = [_curve(r, "epoch") for r in members]
+        curves = [eval_curve(r, "epoch") for r in members]
         length = min(len(x) for x, _ in curves)
         return curves[0][0][:length], np.stack([y[:length] for _, y in curves])
-    curves = [_curve(r, "wall_clock_s") for r in members]
+    curves = [eval_curve(r, "wall_clock_s") for r in members]
     curves = [(x, y) for x, y in curves if len(x)]
     if not curves:
         return np.zeros(0), np.zeros((len(members), 0))
@@ -238,7 +78,7 @@ def plot_runs(runs: Sequence[Run], out_dir: str | Path) -> list[Path]:
             xs, ys = _group_curve(members, name)
             if not len(xs):
                 continue
-            mean, half = _band(ys)
+            mean, half = band(ys)
             n = len(members)
             ax.plot(xs, mean, color=colors[label], marker="." if len(xs) < 20 else None,
                     label=f"{label} (n={n})" if n > 1 else label)
@@ -252,132 +92,3 @@ def plot_runs(runs: Sequence[Run], out_dir: str | Path) -> list[Path]:
         fig.savefig(out_dir / name, dpi=110)
         written.append(out_dir / name)
     return written
-
-
-# ---------------------------------------------------------------- table
-
-def _mean_std(xs: list[float], fmt: str) -> str:
-    xs = [x for x in xs if x is not None and not math.isnan(x)]
-    if not xs:
-        return "n/a"
-    if len(xs) == 1:
-        return format(xs[0], fmt)
-    return f"{format(statistics.mean(xs), fmt)} ± {format(statistics.stdev(xs), fmt)}"
-
-
-def _mean(xs: list[Optional[float]]) -> float:
-    xs = [x for x in xs if x is not None and not math.isnan(x)]
-    return statistics.mean(xs) if xs else math.nan
-
-
-def compare_table(runs: Sequence[Run]) -> str:
-    """Markdown table, one row per label: final top-1 mean ± std (sample std over seeds), etc.
-    Runs on different datasets (or subsets) are never compared in one table: one table each."""
-    by_data: dict[str, list[Run]] = {}
-    for r in runs:
-        c = r.config
-        key = f"{c.get('dataset')} (train subset {c.get('train_subset')}, eval subset {c.get('eval_subset')})"
-        by_data.setdefault(key, []).append(r)
-    if len(by_data) > 1:
-        return "\n".join(f"### {key}\n\n{_table(members)}" for key, members in by_data.items())
-    return _table(runs)
-
-
-def t_interval(xs: Sequence[Optional[float]], level: float = 0.95) -> tuple[float, float]:
-    """(mean, half-width of the ``level`` Student-t interval); half-width NaN for fewer than 2 values."""
-    from scipy import stats
-
-    xs = [x for x in xs if x is not None and not math.isnan(x)]
-    if not xs:
-        return math.nan, math.nan
-    m = statistics.fmean(xs)
-    if len(xs) < 2:
-        return m, math.nan
-    return m, float(stats.t.ppf(0.5 + level / 2, len(xs) - 1)) * statistics.stdev(xs) / math.sqrt(len(xs))
-
-
-def fmt_interval(xs: Sequence[Optional[float]], fmt: str = ".2f", signed: bool = False) -> str:
-    """``mean [lo, hi]`` (95% t), or the value alone for one seed."""
-    m, h = t_interval(xs)
-    if math.isnan(m):
-        return "n/a"
-    f = ("+" if signed else "") + fmt
-    return format(m, f) if math.isnan(h) else f"{format(m, f)} [{format(m - h, f)}, {format(m + h, f)}]"
-
-
-def _time_to(r: Run, target: float) -> Optional[float]:
-    """First wall-clock at which the run's eval curve reaches ``target``, linearly interpolated between
-    evaluations (the first evaluation's time if it is already there); None if never."""
-    prev = None
-    for t, acc in zip(*_curve(r, "wall_clock_s")):
-        if acc >= target:
-            if prev is None:
-                return float(t)
-            (t0, a0) = prev
-            return float(t0 + (t - t0) * (target - a0) / (acc - a0))
-        prev = (t, acc)
-    return None
-
-
-def _ratio_to(members: Sequence[Run], dense: Sequence[Run], target: float) -> str:
-    """Median time to ``target`` over the group's seeds / dense's, and how many seeds reached it."""
-    mine = [t for t in (_time_to(r, target) for r in members) if t is not None]
-    ref = [t for t in (_time_to(r, target) for r in dense) if t is not None]
-    if not mine or not ref:
-        return f"never ({len(mine)}/{len(members)})"
-    return f"{statistics.median(mine) / statistics.median(ref):.2f} ({len(mine)}/{len(members)})"
-
-
-def _table(runs: Sequence[Run]) -> str:
-    groups = group_runs(runs)
-    dense = next((g for g in groups.values() if all(r.is_dense_reference for r in g)), None)
-    matched = next((g for g in groups.values()
-                    if all(r.config.get("rule") == "dense" and r.config.get("time_budget") for r in g)), None)
-    dense_wall = _mean([r.final.get("wall_clock_s") for r in dense]) if dense else math.nan
-    target = _mean([r.final.get("eval_top1") for r in dense]) if dense else math.nan
-    by_seed = lambda g: {r.seed: r.final.get("eval_top1") for r in g}  # noqa: E731
-    lines = [
-        "| run | seeds | final top-1 (%) [95% CI] | Δ vs time-matched dense (pp, paired) [95% CI] "
-        "| wall-clock (s) | × dense wall-clock | time to dense's final top-1 (× dense) | to 99% of it "
-        "| mean kept | forwarded | backward rows | check violations |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
-    ]
-    for label, members in groups.items():
-        wall = _mean([r.final.get("wall_clock_s") for r in members])
-        ratio = f"{wall / dense_wall:.2f}" if dense_wall and not math.isnan(dense_wall) and not math.isnan(wall) else "n/a"
-        rows = _mean([r.final.get("backward_rows") for r in members])
-        viol = sum(int(r.final.get("violations") or 0) for r in members)
-        diff = "n/a"
-        if matched is not None and members is not matched:
-            a, b = by_seed(members), by_seed(matched)
-            diffs = [a[s] - b[s] for s in a if s in b and a[s] is not None and b[s] is not None]
-            diff = fmt_interval(diffs, ".2f", signed=True) if diffs else "n/a"
-        reach = (_ratio_to(members, dense, target), _ratio_to(members, dense, 0.99 * target)) \
-            if dense and not math.isnan(target) else ("n/a", "n/a")
-        lines.append(
-            f"| {label} | {len(members)} | {fmt_interval([r.final.get('eval_top1') for r in members])} | {diff} "
-            f"| {_mean_std([r.final.get('wall_clock_s') for r in members], '.1f')} | {ratio} "
-            f"| {reach[0]} | {reach[1]} | {_mean_std([r.kept_frac for r in members], '.3f')} "
-            f"| {_mean_std([r.forward_frac for r in members], '.3f')} "
-            f"| {'n/a' if math.isnan(rows) else f'{rows:.0f}'} | {viol} |"
-        )
-    return "\n".join(lines) + "\n"
-
-
-def compare(paths: Iterable[str | Path], out_dir: str | Path) -> str:
-    """Plots + ``compare.md`` for the runs under ``paths``; returns the Markdown table."""
-    runs = find_runs(paths)
-    out_dir = Path(out_dir)
-    plot_runs(runs, out_dir)
-    table = compare_table(runs)
-    dirs = "\n".join(f"- `{r.path}` ({r.label}, seed {r.seed})" for r in runs)
-    (out_dir / "compare.md").write_text(
-        "# Comparison\n\n" + table + "\nWall-clock is training time only (compile warm-up and "
-        "evaluation excluded); top-1 is the last evaluation of each run. Intervals: 95% Student-t over "
-        "seeds; Δ pairs each seed with the time-matched dense run of the same seed; time to an accuracy is "
-        "read off each run's per-epoch evaluations (linear between them), median over seeds / dense's "
-        "median, with the number of seeds that reached it. Wall-clock ± is the sample std. Forwarded: rows "
-        "forwarded / rows drawn from the data (below 1 only under Stale-SB's data-side filter); mean kept is "
-        "of the forwarded rows.\n\n"
-        + "".join(f"![{p}]({p})\n" for p in PLOTS) + "\nRuns:\n" + dirs + "\n")
-    return table

