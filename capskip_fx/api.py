@@ -8,11 +8,11 @@ import torch
 from torch import Tensor, nn
 
 from . import ops
-from .backend import CapskipBackend, backend_of, capskip_backend
+from .backend import CapskipBackend, backend_of, capskip_backend, load_pending_state
 from .config import CapskipConfig, split_options
 from .records import Report
 from .rules import Rule, build_rule, make_rule
-from .runtime.state import UNBOUND_REASON, ForwardContext, RuntimeState, StepStats, logits_of
+from .runtime.state import UNBOUND_REASON, ForwardContext, RunSummary, RuntimeState, StepStats, logits_of
 
 _RULE_STATE_KEY = "_capskip"
 
@@ -250,3 +250,71 @@ def stats(model) -> StepStats:
 def report(model) -> Report:
     """One row per graph the backend received: how its backward runs and why (prints as a table)."""
     return Report(r.as_dict() for r in _backend_of(model).records)
+
+
+def summary(model) -> RunSummary:
+    """The run so far: steps, kept % and rows-run % of the forwarded rows, steps by mode, and why steps were
+    not ``selected`` (reason -> steps).  ``print(capskip_fx.summary(model))`` for a readable line."""
+    return _backend_of(model).state.summary()
+
+
+def state_dict(model) -> dict:
+    """The rule's state (histories, EMAs, generators, step and epoch) of a model compiled with any idiom:
+    ``capskip_fx.compile``, ``torch.compile(m, backend="capskip")``, ``m.compile(...)``, per block.  Save it
+    beside the model's own state_dict (which, but for CapskipModule's, does not hold it)."""
+    return _backend_of(model).state.state_dict()
+
+
+def load_state_dict(model, state: dict) -> None:
+    """Restore :func:`state_dict`.  Before the model's first step (a resume) the state is kept until its
+    first compiled graph creates the backend."""
+    if isinstance(model, (CapskipModule, CapskipBackend)):
+        _backend_of(model).state.load_state_dict(state)
+        return
+    backend = backend_of(model) if isinstance(model, nn.Module) else None
+    if backend is not None:
+        backend.state.load_state_dict(state)
+    elif isinstance(model, nn.Module):
+        load_pending_state(model, state)
+    else:
+        raise TypeError(f"capskip_fx.load_state_dict expects a module, got {type(model).__name__}")
+
+
+def compile_regions(model: nn.Module, *, rule: Union[str, Rule] = "capskip", budget: Optional[float] = 0.1,
+                    blocks: Optional[Any] = None, head: Optional[nn.Module] = None, **options: Any) -> nn.Module:
+    """Regional compile: compile the model's repeated blocks and its head in place with
+    ``backend="capskip"`` (one compile per block, as torchtitan and PyTorch's tutorials do), and return the
+    model itself (its state_dict keys unchanged).  ``blocks``: the block modules (default: the longest
+    ModuleList / Sequential of one class, e.g. timm's ``blocks``, Hugging Face's ``layers``); ``head``: the
+    classifier (default: timm's ``get_classifier()``, else the last Linear).  Every block's backward runs on
+    the rows the head's rule keeps; ``options`` as for :func:`compile`."""
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"capskip_fx.compile_regions expects an nn.Module, got {type(model).__name__}")
+    if not isinstance(rule, str):
+        raise TypeError("compile_regions takes a rule name (the string backend's options); use compile() for a Rule")
+    opts = dict(options, rule=rule, budget=budget)
+    blocks = list(blocks) if blocks is not None else _repeated_blocks(model)
+    head = head if head is not None else _classifier(model)
+    for b in blocks:
+        b.compile(backend="capskip", options=opts)
+    head.compile(backend="capskip", options=opts)
+    return model
+
+
+def _repeated_blocks(model: nn.Module) -> list:
+    best: list = []
+    for m in model.modules():
+        if isinstance(m, (nn.ModuleList, nn.Sequential)) and len(m) > len(best):
+            kids = list(m.children())
+            if kids and all(type(k) is type(kids[0]) for k in kids) and not isinstance(kids[0], nn.Linear):
+                best = kids
+    if not best:
+        raise ValueError("capskip_fx.compile_regions: no ModuleList / Sequential of repeated blocks found; "
+                         "pass blocks=[...]")
+    return best
+
+
+def _classifier(model: nn.Module) -> nn.Module:
+    get = getattr(model, "get_classifier", None)
+    head = get() if callable(get) else None
+    return head if isinstance(head, nn.Module) and any(True for _ in head.parameters()) else _last_linear(model)

@@ -347,13 +347,15 @@ class CapskipBackend:
                                      base, kwargs)
         vcas = compiled is not None
         in_graph = False
-        if compiled is None and self.config.gather == "graph":
+        if compiled is None and self.config.gather == "graph" and plan.stride_syms:
+            rec.gather_refused = "a saved view has a symbolic stride (gathered as a contiguous copy, eagerly)"
+        elif compiled is None and self.config.gather == "graph":
             compiled = self._gather_in_graph(rec, gm, plan, list(example_inputs) + [w_val], base, kwargs)
             in_graph = compiled is not None
         if compiled is None:
             compiled = base(gm, list(example_inputs) + [w_val], **kwargs)
         try:
-            check_not_specialised(example_inputs, plan.sym)
+            check_not_specialised(example_inputs, plan.sym, plan.stride_syms)
             rec.backward = BackwardMode.SELECTED
             counters()["rewritten"] += 1
         except Refused as e:
@@ -405,6 +407,13 @@ class CapskipBackend:
 _BY_OWNER: "weakref.WeakKeyDictionary[torch.nn.Module, dict[str, CapskipBackend]]" = weakref.WeakKeyDictionary()
 _BY_PARAM: "WeakIdKeyDictionary" = WeakIdKeyDictionary()  # Parameter -> {settings: backend}
 _LAST: list = [None]  # weakref of the backend that compiled the last graph
+# rule states loaded (capskip_fx.load_state_dict) into a model whose backend does not exist yet
+_PENDING_STATE: "weakref.WeakKeyDictionary[torch.nn.Module, dict]" = weakref.WeakKeyDictionary()
+
+
+def load_pending_state(module: torch.nn.Module, state: dict) -> None:
+    """Keep a rule state for the backend ``module``'s first compiled graph will create."""
+    _PENDING_STATE[module] = state
 
 
 def capskip_backend(gm: fx.GraphModule, example_inputs, options: Optional[dict] = None, mode: Optional[str] = None):
@@ -430,6 +439,10 @@ def capskip_backend(gm: fx.GraphModule, example_inputs, options: Optional[dict] 
     if owner is not None and key not in _BY_OWNER.get(owner, {}):
         _BY_OWNER.setdefault(owner, {})[key] = backend
         owner.register_forward_hook(_BindLogits(backend))
+        for m in (owner, getattr(owner, "_orig_mod", None), getattr(owner, "module", None)):
+            pending = _PENDING_STATE.pop(m, None) if m is not None else None
+            if pending is not None:  # capskip_fx.load_state_dict before the first step: restore now
+                backend.state.load_state_dict(pending)
     for p in params:
         _BY_PARAM.setdefault(p, {})[key] = backend
     _LAST[0] = weakref.ref(backend)
@@ -509,6 +522,7 @@ def _string_backend(opts: dict, from_env: bool) -> CapskipBackend:
     try:
         config, rule, rule_opts = split_options(rule, opts)
         state = RuntimeState(build_rule(rule, budget, rule_opts), seed=seed, scope=config.scope)
+        state.print_at_exit = True
     except (TypeError, ValueError) as e:
         where = f"{ENV_RULE} / {ENV_BUDGET} / {ENV_OPTIONS}" if from_env else "torch.compile(options=...)"
         raise ValueError(f"capskip backend settings ({where}): {e}") from None

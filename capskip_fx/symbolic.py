@@ -142,14 +142,46 @@ def fake_mode_of(values) -> Any:
     return next((v.fake_mode for v in values if getattr(v, "fake_mode", None) is not None), None)
 
 
-def check_not_specialised(example_inputs, sym: sympy.Symbol) -> None:
-    """Refuse if compiling fixed the batch symbol (the graph would be wrong at other sizes)."""
+def check_not_specialised(example_inputs, sym: sympy.Symbol, others=()) -> None:
+    """Refuse if compiling fixed the batch symbol (the graph would be wrong at other sizes), or one of
+    ``others`` (the stride symbols the gathered copies give new values, see stride_symbols)."""
     env = getattr(fake_mode_of(example_inputs), "shape_env", None)
     if env is None:
         return
-    rep = env.replacements.get(sym)
-    if rep is not None and not rep.free_symbols:
-        raise Refused(f"compiling the backward specialised the batch size to {rep}")
+    for s in (sym, *others):
+        rep = env.replacements.get(s)
+        if rep is not None and not rep.free_symbols:
+            what = "the batch size" if s == sym else f"the stride {s} of a gathered input"
+            raise Refused(f"compiling the backward specialised {what} to {rep}")
+
+
+def stride_symbols(example_inputs, sym: sympy.Symbol) -> dict:
+    """{stride symbol: its value in a contiguous gathered copy} for batch tensors whose dim stride is a
+    symbol of its own.  Dynamo gives a non-contiguous view marked dynamic (timm's pooled ``x[:, 0]``
+    into a regionally compiled head) such a stride; the gathered copy is contiguous, so the symbol's
+    value at run time is the contiguous stride.  Empty where any use of a symbol does not fit that
+    (other strides not contiguous, the symbol in a size or in a non-batch tensor): then spec_of refuses."""
+    found: dict = {}
+    bad: set = set()
+    for v in example_inputs:
+        if not isinstance(v, torch.Tensor):
+            continue
+        sizes = [expr_of(x) for x in v.shape]
+        strides = [expr_of(x) for x in v.stride()]
+        lone = {e for e in strides if isinstance(e, sympy.Symbol) and e != sym}
+        if not lone:
+            continue
+        contig = [product(sizes[d + 1:]) for d in range(len(sizes))]
+        batch = any(sym in e.free_symbols for e in sizes) and \
+            all(f == sym for e in sizes for f in e.free_symbols)
+        for e, c in zip(strides, contig):
+            if e in lone:
+                if not batch or found.get(e, c) != c:
+                    bad.add(e)
+                found[e] = c
+            elif e != c:
+                bad |= lone
+    return {} if bad else found
 
 
 # -- how a compiled graph's input carries the batch (read from its example value) -------------------
@@ -167,9 +199,13 @@ class Spec:
     strides: tuple = ()
 
 
-def spec_of(v: Any, sym: sympy.Symbol) -> Spec:
+def spec_of(v: Any, sym: sympy.Symbol, strides: Optional[dict] = None) -> Spec:
+    """``strides``: stride_symbols' map; SymInts using one are evaluated at the gathered rows too."""
+    free_strides = set(strides or ())
     if isinstance(v, torch.SymInt):
         e = v.node.expr
+        if e.free_symbols & free_strides and e.free_symbols <= free_strides | {sym}:
+            return Spec("symint", expr=e.xreplace(strides))
         if sym not in e.free_symbols:  # e.g. a dynamic storage offset: its value passes through
             return Spec("static")
         if e.free_symbols != {sym}:
@@ -179,11 +215,11 @@ def spec_of(v: Any, sym: sympy.Symbol) -> Spec:
         free = set().union(*(expr_of(s).free_symbols for s in (*v.shape, *v.stride())))
         if not free:
             return Spec("static")
-        if free != {sym}:
+        if not free <= {sym} | free_strides or sym not in free:
             raise Refused(f"backward input of shape {tuple(v.shape)} has dynamic dims other than the batch")
         bd = batch_dim(v.shape, sym)
         if bd is None:
             raise Refused(f"backward input of shape {tuple(v.shape)} has the batch only in its strides")
         return Spec("batch", dim=bd[0], factor=bd[1], sizes=tuple(expr_of(s) for s in v.shape),
-                    strides=tuple(expr_of(s) for s in v.stride()))
+                    strides=tuple(expr_of(s).xreplace(strides) if strides else expr_of(s) for s in v.stride()))
     return Spec("static")

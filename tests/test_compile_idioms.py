@@ -307,3 +307,106 @@ def test_split_prefix_keeps_export_order():
     a_, b_, t_ = vals
     got = gm(*[vals[i] for i in prefix.keep], *outs)
     assert torch.equal(got[0], t_ * a_ - t_ * b_), "the exported values reached the wrong inputs"
+
+
+# -- regional compile of a real architecture, the run summary, the rule's state through every idiom ------
+
+def _vit():
+    timm = pytest.importorskip("timm")
+    return timm.create_model("vit_tiny_patch16_224", img_size=32, patch_size=8, depth=2, num_classes=5)
+
+
+@pytest.mark.parametrize("backend", ["aot_eager", pytest.param("inductor", marks=pytest.mark.inductor)])
+def test_compile_regions_on_timm_vit_selects_in_every_graph(backend):
+    """Regression: timm ViT with blocks and head compiled in place ran every graph dense-masked (the pooled
+    ``x[:, 0]`` reaches the head with a stride symbol of its own)."""
+    torch.manual_seed(9)
+    dtype = torch.float64 if backend == "aot_eager" else torch.float32
+    model = _vit().to(dtype)
+    ref = copy.deepcopy(model)
+    assert capskip_fx.compile_regions(model, rule="random", keep=0.5, backend=backend) is model
+    assert list(model.state_dict()) == list(ref.state_dict()), "in-place compile keeps the model's keys"
+    for _ in range(2):
+        x, y = torch.randn(N, 3, 32, 32, dtype=dtype), torch.randint(0, 5, (N,))
+        model.zero_grad()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            F.cross_entropy(model(x), y).backward()
+        s = capskip_fx.stats(model)
+        assert (s.mode, s.kept, s.rows) == ("selected", N // 2, N // 2), s
+        for a, b in zip(ref.parameters(), model.parameters()):
+            a.data.copy_(b.data)
+        ref.zero_grad()
+        ((F.cross_entropy(ref(x), y, reduction="none") * s.weight).sum() / N).backward()
+        tol = 1e-10 if dtype == torch.float64 else 1e-4
+        for (name, a), b in zip(ref.named_parameters(), model.parameters()):
+            err = float((a.grad - b.grad).norm() / a.grad.norm().clamp_min(1e-30))
+            assert err < tol, f"{name}: gradient error {err:.3g}"
+    rep = capskip_fx.report(model)
+    assert [r["role"] for r in rep] == ["body", "body", "head"], rep
+    assert all(r["backward"] == "selected rows" and r["row_counts"] == [N // 2] for r in rep), rep
+    run = capskip_fx.summary(model)
+    assert (run.steps, run.n, run.kept, run.rows) == (2, 2 * N, N, N), run
+    assert run.modes == {"selected": 2} and not run.fallbacks, run
+    assert "kept 50.0%" in str(run) and run.as_dict()["capskip/rows_pct"] == 50.0
+
+
+def test_compile_regions_refuses_a_model_without_repeated_blocks():
+    with pytest.raises(ValueError, match="blocks=\\[...\\]"):
+        capskip_fx.compile_regions(nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2)))
+
+
+def test_summary_counts_dense_steps_by_reason():
+    torch.manual_seed(10)
+    model = _compile_regions(Tokens().double(), head=False)
+    for _ in range(3):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            F.cross_entropy(model(torch.randn(N, 5, 4, dtype=torch.float64)), torch.randint(0, 3, (N,))).backward()
+    run = capskip_fx.summary(model)
+    assert (run.steps, run.kept_pct, run.rows_pct) == (3, 100.0, 100.0), run
+    assert run.modes == {"dense": 3}, run
+    assert sum(run.fallbacks.values()) == 3 and any("not the output of a compiled graph" in r for r in run.fallbacks)
+
+
+def _stateful_idiom(idiom, seed):
+    torch.manual_seed(seed)
+    model = Tokens().double()
+    opts = dict(OPTS, rule="random", keep=0.5)
+    if idiom == "capskip_module":
+        return capskip_fx.compile(model, **opts)
+    if idiom == "whole":
+        return torch.compile(model, backend="capskip", options=opts)
+    if idiom == "in_place":
+        model.compile(backend="capskip", options=opts)
+        return model
+    return capskip_fx.compile_regions(model, blocks=model.blocks, head=model.head, **opts)
+
+
+@pytest.mark.parametrize("idiom", ["capskip_module", "whole", "in_place", "regional"])
+def test_rule_state_resumes_through_every_idiom(idiom):
+    """The rule's state (here the generator the random rule draws from) saved with capskip_fx.state_dict
+    and loaded before the first step of a fresh model continues the same draws."""
+    xs = [torch.randn(N, 5, 4, dtype=torch.float64) for _ in range(4)]
+    y = torch.randint(0, 3, (N,))
+
+    def run(model, batches):
+        kept = []
+        for x in batches:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                F.cross_entropy(model(x), y).backward()
+            kept.append(capskip_fx.stats(model).weight.clone())
+        return kept
+
+    whole = _stateful_idiom(idiom, 0)
+    expected = run(whole, xs)
+    first = _stateful_idiom(idiom, 0)
+    run(first, xs[:2])
+    saved = capskip_fx.state_dict(first)
+    assert saved["step"] == 2 and saved["generator"] is not None, saved.keys()
+    resumed = _stateful_idiom(idiom, 0)
+    capskip_fx.load_state_dict(resumed, saved)
+    got = run(resumed, xs[2:])
+    for i, (a, b) in enumerate(zip(got, expected[2:])):
+        assert torch.equal(a, b), f"step {i + 2}: resumed selection {a.tolist()} != uninterrupted {b.tolist()}"

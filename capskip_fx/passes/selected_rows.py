@@ -26,7 +26,7 @@ import torch
 from torch import fx
 
 from ..records import Refused
-from ..symbolic import Spec, batch_symbol_of, spec_of
+from ..symbolic import Spec, batch_symbol_of, spec_of, stride_symbols
 from .insert_select import SELECTION_OPS
 
 
@@ -50,6 +50,7 @@ class BackwardPlan:
     out_specs: list[Optional[Spec]]
     sym: sympy.Symbol
     prefix: Optional[Prefix] = None
+    stride_syms: tuple = ()  # symbolic strides of saved views, contiguous in the gathered copies (symbolic.py)
 
     @property
     def head(self) -> bool:
@@ -83,7 +84,8 @@ def plan_backward(gm: fx.GraphModule, example_inputs, layouts: dict) -> tuple[fx
     if not all(a in pos for a in tensors):
         raise Refused("the selection's inputs are computed inside the backward (not saved activations)")
     sym = batch_symbol_of(example_inputs[pos[tensors[-1]]])
-    specs = [spec_of(v, sym) for v in example_inputs]
+    strides = stride_symbols(example_inputs, sym)
+    specs = [spec_of(v, sym, strides) for v in example_inputs]
     for a in tensors:
         if specs[pos[a]].kind != "batch" or specs[pos[a]].factor != 1 or specs[pos[a]].dim != 0:
             raise Refused(f"selection input {a.name} does not carry the batch in dim 0")
@@ -96,7 +98,7 @@ def plan_backward(gm: fx.GraphModule, example_inputs, layouts: dict) -> tuple[fx
     out_specs = []
     for o in out_vals:
         v = o.meta.get("val") if isinstance(o, fx.Node) else None
-        out_specs.append(spec_of(v, sym) if isinstance(v, torch.Tensor) else None)
+        out_specs.append(spec_of(v, sym, strides) if isinstance(v, torch.Tensor) else None)
         if out_specs[-1] is not None and out_specs[-1].kind == "static":
             out_specs[-1] = None
     w_val = sel.meta["val"]
@@ -109,7 +111,7 @@ def plan_backward(gm: fx.GraphModule, example_inputs, layouts: dict) -> tuple[fx
     gm.recompile()
     tangents = tuple(i for i, n in enumerate(placeholders)
                      if n.name.startswith("tangents") and specs[i].kind == "batch")
-    plan = BackwardPlan(tuple(pos[a] for a in tensors), tangents, specs, out_specs, sym, prefix)
+    plan = BackwardPlan(tuple(pos[a] for a in tensors), tangents, specs, out_specs, sym, prefix, tuple(strides))
     return gm, plan, w_val, example_inputs
 
 

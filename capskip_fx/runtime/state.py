@@ -16,8 +16,12 @@ host-known ``count``; a body graph (after a graph break) reads once (runtime/bac
 """
 from __future__ import annotations
 
+import atexit
 import logging
 import math
+import sys
+import weakref
+from collections import Counter
 import time
 import warnings
 from dataclasses import dataclass, field
@@ -121,6 +125,56 @@ class StepStats:
         return d
 
 
+@dataclass
+class RunSummary:
+    """The run so far, step by step (``capskip_fx.summary(model)``): how many rows were forwarded, kept
+    and run by the backward, the steps by mode, and why steps were not ``selected`` (no device read:
+    a fixed-count step's deferred non-finite check counts only once ``stats().fallback`` read it)."""
+
+    steps: int = 0
+    n: int = 0  # rows forwarded (with a backward)
+    kept: int = 0  # rows the rule kept
+    rows: int = 0  # rows the backward ran on
+    modes: Counter = field(default_factory=Counter)
+    fallbacks: Counter = field(default_factory=Counter)  # reason -> steps
+
+    def add(self, st: "StepStats") -> None:
+        if not st.n:
+            return
+        self.steps += 1
+        self.n, self.kept, self.rows = self.n + st.n, self.kept + st.kept, self.rows + st.rows
+        self.modes[st.mode] += 1
+        reason = st._fallback or next((f._fallback for f in st.forwards if f._fallback), None)
+        if reason is not None:
+            self.fallbacks[reason] += 1
+
+    def __add__(self, other: "RunSummary") -> "RunSummary":
+        return RunSummary(self.steps + other.steps, self.n + other.n, self.kept + other.kept, self.rows + other.rows,
+                          self.modes + other.modes, self.fallbacks + other.fallbacks)
+
+    @property
+    def kept_pct(self) -> float:
+        return 100.0 * self.kept / self.n if self.n else math.nan
+
+    @property
+    def rows_pct(self) -> float:
+        return 100.0 * self.rows / self.n if self.n else math.nan
+
+    def as_dict(self) -> dict:
+        """Flat, for a trainer's logger."""
+        d = {"capskip/steps": self.steps, "capskip/kept_pct": self.kept_pct, "capskip/rows_pct": self.rows_pct}
+        d.update({f"capskip/steps_{m.replace('-', '_')}": c for m, c in sorted(self.modes.items())})
+        return d
+
+    def __str__(self) -> str:
+        modes = ", ".join(f"{m} {c}" for m, c in self.modes.most_common())
+        out = (f"capskip_fx: {self.steps} steps, kept {self.kept_pct:.1f}% of {self.n} rows, backward ran on "
+               f"{self.rows_pct:.1f}% ({modes or 'no steps'})")
+        for reason, c in self.fallbacks.most_common(3):
+            out += f"\n  {c} steps: {reason}"
+        return out
+
+
 @dataclass(eq=False)
 class ForwardContext:
     """One forward of a CapskipModule: its side inputs, and its stats once its head backward ran."""
@@ -128,6 +182,18 @@ class ForwardContext:
     targets: Optional[Tensor] = None
     index: Optional[Tensor] = None
     stats: Optional[StepStats] = None
+
+
+_LIVE: "weakref.WeakSet[RuntimeState]" = weakref.WeakSet()  # states that print their summary at exit
+
+
+@atexit.register
+def _print_summaries() -> None:
+    """Unmodified scripts (timm's train.py with backend="capskip") see the run's kept and run fractions."""
+    for state in list(_LIVE):
+        run = state.summary()
+        if run.steps and state.print_at_exit:
+            print(str(run), file=sys.stderr)
 
 
 _CLAIM = object()  # RuntimeState._task: a step recorded at its forward, claimed by the next backward
@@ -156,6 +222,9 @@ class RuntimeState:
         self.head_bias = True  # set by the graph pass from the head it found
         # backwards with state of their own (VCAS's controllers), in compile order, checkpointed with ours
         self.runners: list = []
+        self.totals = RunSummary()  # completed steps (summary() adds the last one)
+        self.print_at_exit = False  # the string backend's: scripts that never call stats()
+        _LIVE.add(self)
         self._pending_runners: list = []  # their states from a checkpoint loaded before they compiled
 
     # -- forwards ----------------------------------------------------------------------
@@ -300,13 +369,21 @@ class RuntimeState:
         return self.last.step
 
     def _log_step(self, st: StepStats) -> None:
-        """One INFO line per LOG_EVERY_S about the last completed step (no device read)."""
+        """A completed step: into the run summary, and one INFO line per LOG_EVERY_S (no device read)."""
+        self.totals.add(st)
         now = time.monotonic()
         if st.n and log.isEnabledFor(logging.INFO) and now - self._logged_at >= LOG_EVERY_S:
             self._logged_at = now
-            log.info("capskip_fx step %d: kept %d/%d rows (%.0f%%), backward ran on %d, variants %d%s",
-                     st.step, st.kept, st.n, 100.0 * st.kept / st.n, st.rows, self.variants,
-                     f", fallback: {st.fallback}" if st.fallback else "")
+            run = self.totals
+            log.info("capskip_fx step %d (%s): kept %d/%d rows, backward ran on %d; run: kept %.1f%%, ran %.1f%% "
+                     "of rows over %d steps%s", st.step, st.mode, st.kept, st.n, st.rows, run.kept_pct, run.rows_pct,
+                     run.steps, f"; this step: {st._fallback}" if st._fallback else "")
+
+    def summary(self) -> RunSummary:
+        """The run so far, the step in progress included."""
+        now = RunSummary()
+        now.add(self.last)
+        return self.totals + now
 
     def set_rows(self, stats: Optional[StepStats], rows: int, reason: Optional[str] = None) -> None:
         """Rows a head graph's backward ran on, for its forward's stats; ``reason``: why all rows ran."""
