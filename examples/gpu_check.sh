@@ -62,6 +62,9 @@ timeout 50 "$PY" benchmarks/host_syncs.py --device "$DEV" --amp "$AMP" --backend
 
 echo "== DDP, one process ($( [[ $DEV == cuda ]] && echo NCCL || echo gloo ))"
 timeout 30 "$PY" benchmarks/ddp_check.py --device "$DEV" || echo "DDP check failed or timed out: $?"
+for ENGINE in ddp-regional fsdp2-regional; do
+  timeout 60 "$PY" benchmarks/ddp_check.py --device "$DEV" --engine "$ENGINE" || echo "$ENGINE check failed or timed out: $?"
+done
 
 T=${TINY:+-tiny}
 CKPT=${CKPT:-$OUT/finetune-pretrain$T/checkpoint.pt}

@@ -538,3 +538,50 @@ def test_string_backend_stats_of_a_refused_graph(monkeypatch):
     assert (st.n, st.kept) == (8, 8) and st.fallback and "cross-example op" in st.fallback, st
     F.cross_entropy(m(x[:6]), torch.randint(0, 3, (6,))).backward()
     assert (capskip_fx.stats(m).step, capskip_fx.stats(m).n) == (1, 6)
+
+
+def test_lightning_in_place_compile_with_the_callback(monkeypatch, tmp_path):
+    """The recipe: ``self.net.compile(backend="capskip")``, the run summary logged by CapskipCallback, each
+    weight once in the checkpoint, and the rule's state resumable with capskip_fx.state_dict."""
+    L = pytest.importorskip("lightning")
+    from capskip_fx.integrations.lightning import CapskipCallback
+
+    _env(monkeypatch, CAPSKIP_RULE="random", CAPSKIP_OPTIONS="keep=0.5,backend=aot_eager")
+    logged = []
+
+    class Lit(L.LightningModule):
+        def __init__(self):
+            super().__init__()
+            torch.manual_seed(0)
+            self.net = _LitNet().double()
+            self.net.compile(backend="capskip")
+
+        def training_step(self, batch, batch_idx):
+            x, y = batch
+            return F.cross_entropy(self.net(x), y)
+
+        def log_dict(self, fields, *args, **kwargs):
+            logged.append(dict(fields))
+            super().log_dict(fields, *args, **kwargs)
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    g = torch.Generator().manual_seed(0)
+    ds = torch.utils.data.TensorDataset(torch.randn(24, 6, dtype=torch.float64, generator=g),
+                                        torch.randint(0, 3, (24,), generator=g))
+    loader = torch.utils.data.DataLoader(ds, batch_size=8, drop_last=True)
+    lit = Lit()
+    trainer = L.Trainer(max_steps=3, accelerator="cpu", logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False, callbacks=[CapskipCallback()])
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer.fit(lit, loader)
+    st = capskip_fx.stats(lit)
+    assert (st.mode, st.n, st.kept, st.rows) == ("selected", 8, 4, 4), st
+    assert logged and logged[-1]["capskip/kept_pct"] == 50.0 and logged[-1]["capskip/steps"] == 3, logged[-1:]
+    ckpt = tmp_path / "lit.ckpt"
+    trainer.save_checkpoint(ckpt)
+    keys = sorted(torch.load(ckpt, weights_only=False)["state_dict"])
+    assert keys == ["net.body.bias", "net.body.weight", "net.head.bias", "net.head.weight"], keys
+    assert capskip_fx.state_dict(lit)["step"] == 3

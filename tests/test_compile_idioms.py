@@ -410,3 +410,17 @@ def test_rule_state_resumes_through_every_idiom(idiom):
     got = run(resumed, xs[2:])
     for i, (a, b) in enumerate(zip(got, expected[2:])):
         assert torch.equal(a, b), f"step {i + 2}: resumed selection {a.tolist()} != uninterrupted {b.tolist()}"
+
+
+def test_verify_runs_again_when_the_first_checked_step_kept_a_prefix():
+    """Regression: verify checked only the first informative step; one that keeps the first k rows hides a
+    backward that is wrong on other rows."""
+    from capskip_fx.rules import Forced
+
+    keeps = iter([torch.arange(4), torch.tensor([1, 3, 5, 6]), torch.tensor([0, 2, 4, 7])])
+    torch.manual_seed(11)
+    cm = capskip_fx.compile(_mlp().double(), rule=Forced(keep=lambda n: next(keeps)), backend="aot_eager")
+    for _ in range(3):
+        F.cross_entropy(cm(torch.randn(N, 6, dtype=torch.float64)), torch.randint(0, 3, (N,))).backward()
+    head = next(r for r in cm.backend.records if r.selected)
+    assert head.checks == 2 and head.verified and head.verified_unordered, (head.checks, head.verified_unordered)

@@ -6,19 +6,16 @@ bucket; the head's split selects, the others reuse its rows (capskip::shared).
 from __future__ import annotations
 
 import os
-import socket
-import time
-import warnings
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn as nn
 import torch.nn.functional as F
 
 import capskip_fx
 from capskip_fx.rules import CAPSkip
+from helpers.distributed import PG_TIMEOUT, finish, free_port, spawn
 
 W, N = 2, 6
 KEEP = [torch.tensor([0, 3]), torch.tensor([1, 2, 5])]
@@ -42,7 +39,7 @@ def make_data():
 
 def _worker(rank, port, path, optimize_ddp, scope, accumulate):
     os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
-    dist.init_process_group("gloo", rank=rank, world_size=W, timeout=_PG_TIMEOUT)
+    dist.init_process_group("gloo", rank=rank, world_size=W, timeout=PG_TIMEOUT)
     torch.set_num_threads(1)
     torch._dynamo.config.optimize_ddp = optimize_ddp
     model = make_model()
@@ -61,46 +58,7 @@ def _worker(rank, port, path, optimize_ddp, scope, accumulate):
     if rank == 0:
         torch.save({"grads": {k: p.grad for k, p in model.named_parameters()}, "report": capskip_fx.report(cm),
                     "weight": torch.cat(weights)}, path)
-    _finish(path, rank)
-
-
-_PG_TIMEOUT = __import__("datetime").timedelta(seconds=60)  # a collective that waits longer is a failure
-
-
-def _finish(path, rank):
-    """Results are on disk: mark this rank done, then tear down and leave without Python's finalizers.
-    torch's gloo teardown can deadlock (~ProcessGroupGloo joining a thread that waits for the GIL, seen on
-    2.11 and 2.15 without capskip_fx); the parent then kills a rank that marked itself done."""
-    open(f"{path}.done{rank}", "w").close()
-    dist.destroy_process_group()
-    os._exit(0)
-
-
-def _spawn(fn, args, nprocs, path, limit=300.0, grace=20.0):
-    """mp.spawn with a bounded wait: fail fast if a rank has not finished its work within ``limit`` s;
-    kill ranks that finished their work but hang in torch's teardown for more than ``grace`` s."""
-    ctx = mp.spawn(fn, args=args, nprocs=nprocs, join=False)
-    start, done_at = time.monotonic(), None
-    while not ctx.join(timeout=1):
-        all_done = all(os.path.exists(f"{path}.done{r}") for r in range(nprocs))
-        done_at = done_at or (time.monotonic() if all_done else None)
-        if done_at and time.monotonic() - done_at > grace:
-            for p in ctx.processes:
-                if p.is_alive():
-                    p.kill()
-            warnings.warn("a DDP worker hung in torch's process-group teardown after its work was done: killed")
-            return
-        if time.monotonic() - start > limit:
-            for p in ctx.processes:
-                if p.is_alive():
-                    p.kill()
-            pytest.fail(f"DDP workers did not finish within {limit:.0f} s (hung in torch.distributed?)")
-
-
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    finish(path, rank)
 
 
 @pytest.mark.skipif(not dist.is_available(), reason="torch.distributed not available")
@@ -108,7 +66,7 @@ def _free_port():
                                                             (True, "global", False), (True, "per_rank", True)])
 def test_ddp_matches_single_process(tmp_path, optimize_ddp, scope, accumulate):
     path = str(tmp_path / "out.pt")
-    _spawn(_worker, (_free_port(), path, optimize_ddp, scope, accumulate), W, path)
+    spawn(_worker, (free_port(), path, optimize_ddp, scope, accumulate), W, path)
     out = torch.load(path, weights_only=False)
     x, y = make_data()
     w = out["weight"]
@@ -139,7 +97,7 @@ def _fsdp_worker(rank, port, path):
     from torch.distributed.fsdp import fully_shard
 
     os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
-    dist.init_process_group("gloo", rank=0, world_size=1, timeout=_PG_TIMEOUT)
+    dist.init_process_group("gloo", rank=0, world_size=1, timeout=PG_TIMEOUT)
     out = {}
     model = make_model()
     fully_shard(model[2])
@@ -158,13 +116,13 @@ def _fsdp_worker(rank, port, path):
     out["fallback"] = capskip_fx.stats(cm).fallback
     out["kept"] = capskip_fx.stats(cm).kept
     torch.save(out, path)
-    _finish(path, rank)
+    finish(path, rank)
 
 
 @pytest.mark.skipif(not dist.is_available(), reason="torch.distributed not available")
 def test_fsdp2_is_refused_clearly(tmp_path):
     path = str(tmp_path / "fsdp.pt")
-    _spawn(_fsdp_worker, (_free_port(), path), 1, path)
+    spawn(_fsdp_worker, (free_port(), path), 1, path)
     out = torch.load(path, weights_only=False)
     assert "FSDP2" in out["refused"] and "DDP(capskip_fx.compile(model))" in out["refused"]
     assert "no graph" in out["fallback"] and out["kept"] == W * N

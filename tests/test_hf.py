@@ -75,3 +75,33 @@ def test_trainer_skips_rows_with_the_in_model_loss(make, monkeypatch, tmp_path):
     total = torch.sqrt(sum(r.double().pow(2).sum() for r in refs.values())).item()
     err = max((grads[k] - r).double().norm().item() / max(r.double().norm().item(), 1e-6 * total) for k, r in refs.items())
     assert err < 1e-4
+
+
+def test_trainer_with_the_model_compiled_in_place(monkeypatch, tmp_path):
+    """The README recipe: ``model.compile(backend="capskip")`` keeps the model's class and signature, so
+    Trainer finds ``labels`` (eval_loss without label_names), saves clean keys, and the callback logs the
+    run summary."""
+    from capskip_fx.integrations.hf import add_callback
+
+    monkeypatch.setenv("CAPSKIP_RULE", "forced")
+    monkeypatch.setenv("CAPSKIP_OPTIONS", "keep=0.5,backend=aot_eager")
+    torch.manual_seed(0)
+    model, sample = _bert()
+    model.compile(backend="capskip")
+    args = transformers.TrainingArguments(output_dir=str(tmp_path), per_device_train_batch_size=8, max_steps=3,
+                                          logging_steps=1, report_to=[], use_cpu=True, save_strategy="no",
+                                          dataloader_drop_last=True, disable_tqdm=True,
+                                          per_device_eval_batch_size=8)
+    trainer = transformers.Trainer(model=model, args=args, train_dataset=_Data(sample), eval_dataset=_Data(sample))
+    add_callback(trainer)
+    trainer.train()
+    st = capskip_fx.stats(model)
+    assert (st.mode, st.n, st.kept, st.rows) == ("selected", 8, 4, 4), st
+    logged = [h for h in trainer.state.log_history if "capskip/kept_pct" in h]
+    assert logged, f"no capskip fields in the logs: {trainer.state.log_history}"
+    assert logged[-1]["capskip/kept_pct"] == 50.0 and logged[-1]["capskip/steps"] == 3, logged[-1]
+    assert "eval_loss" in trainer.evaluate(), "Trainer found the labels (model signature kept)"
+    trainer.save_model(str(tmp_path / "saved"))
+    fresh = type(model).from_pretrained(str(tmp_path / "saved"))
+    for (k, a), b in zip(model.state_dict().items(), fresh.state_dict().values()):
+        assert torch.equal(a, b), f"{k} did not reload as saved"

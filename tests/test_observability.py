@@ -45,7 +45,8 @@ def test_info_line_rate_limited(caplog, monkeypatch):
         for s in range(4):
             _step(cm, seed=s)
     lines = [r.getMessage() for r in caplog.records if r.name == "capskip_fx"]
-    assert lines == ["capskip_fx step 0: kept 4/8 rows (50%), backward ran on 4, variants 1"]
+    assert lines == ["capskip_fx step 0 (selected): kept 4/8 rows, backward ran on 4; run: kept 50.0%, ran 50.0% "
+                     "of rows over 1 steps"], lines
 
 
 def test_structured_trace_has_the_rewritten_backward(tmp_path):

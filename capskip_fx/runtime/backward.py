@@ -101,7 +101,7 @@ class SelectedRowBackward:
         # kept rows first; the pad rows are skipped rows and carry weight 0
         idx = torch.argsort((weight == 0).to(torch.int8), stable=True)[:kb]
         w_kb = weight.index_select(0, idx)
-        check = self._should_verify(k, n, weight)
+        check = self._should_verify(k, n)
         full_args = list(args) if check else None
         lays = self._layout(kb)
         if self.in_graph:  # the graph gathers and scatters: batch inputs as they are, then the index and n
@@ -133,17 +133,16 @@ class SelectedRowBackward:
             return self.compiled(args + [weight, torch.arange(n, device=weight.device), n])
         return (getattr(self.compiled, "exact", self.compiled) if exact else self.compiled)(args + [weight])
 
-    def _should_verify(self, k: int, n: int, weight: torch.Tensor) -> bool:
-        """Verify on informative steps only (some rows kept, some dropped): the first one, the first whose
-        kept rows are not the first k (where a value recomputed from the row index would coincide with the
-        dense one: one host read per step until then), then every ``verify_every`` gathered steps if set."""
+    def _should_verify(self, k: int, n: int) -> bool:
+        """Verify on informative steps only (some rows kept, some dropped): the first one; the next one too
+        when the first kept the first k rows (where a value recomputed from the row index coincides with the
+        dense one; no read to look for a step that does not: rules that always keep a prefix are served);
+        then every ``verify_every`` gathered steps if set."""
         if not self.config.verify or not 0 < k < n:
             return False
         self.gathered_steps += 1
         every = self.config.verify_every
-        if not self.record.verified:
-            return True
-        if not self.record.verified_unordered and not bool((weight[:k] != 0).all()):
+        if not self.record.verified or (not self.record.verified_unordered and self.record.checks < 2):
             return True
         return every is not None and self.gathered_steps % every == 0
 

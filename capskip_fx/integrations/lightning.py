@@ -1,0 +1,28 @@
+"""Lightning: the run summary logged with the LightningModule's own logger.
+
+    trainer = L.Trainer(callbacks=[CapskipCallback()])   # the module's model compiled with backend="capskip"
+"""
+from __future__ import annotations
+
+try:
+    from lightning.pytorch.callbacks import Callback
+except ImportError:  # the older package name
+    from pytorch_lightning.callbacks import Callback
+
+from ..api import summary
+
+
+class CapskipCallback(Callback):
+    """Logs ``capskip_fx.summary(...).as_dict()`` at each training batch end (``on_step``), for the
+    module passed in or, by default, the LightningModule itself (its compiled submodules are found through
+    their parameters)."""
+
+    def __init__(self, model=None):
+        self.model = model
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        try:
+            fields = summary(self.model if self.model is not None else pl_module).as_dict()
+        except TypeError:  # not compiled with capskip (yet)
+            return
+        pl_module.log_dict(fields, on_step=True, on_epoch=False, prog_bar=False, logger=True)
