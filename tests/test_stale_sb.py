@@ -11,7 +11,7 @@ import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
-from capskip_fx.data.stale import StaleBatchFilter, StaleBatchSampler
+from capskip_fx.rules.stale_sb_filter import StaleBatchFilter, StaleBatchSampler
 from capskip_fx.rules import HeadView, StaleSB
 from capskip_fx.rules.labels import per_example_ce
 from capskip_fx.rules.stale_sb import NEVER

@@ -4,7 +4,7 @@ forwards, by deciding on a cached loss while that loss is fresh enough.
 The rule keeps, per dataset index (``view.index``), the last loss it saw and the epoch it was seen
 in.  A cached loss is *fresh* at epoch ``e`` when ``0 <= e - cached_epoch < staleness``
 (``staleness=2``: a loss seen in epoch e is reused in epoch e+1 and refreshed in e+2; ``1``: never
-reused, i.e. plain SB).  The data side (:class:`capskip_fx.data.stale.StaleBatchFilter`) looks
+reused, i.e. plain SB).  The data side (:class:`capskip_fx.rules.stale_sb_filter.StaleBatchFilter`) looks
 at each incoming example BEFORE its forward:
   * stale or never seen: forward it; the rule decides on its fresh loss as SB does;
   * fresh: draw ``u < F_R(L_cached) ** beta`` (percentile against the history plus the batch's

@@ -8,7 +8,7 @@ import torch
 from torch.utils.data import DataLoader, RandomSampler
 
 from capskip_fx.data.datasets import DEFAULT_IMG_SIZE, DataBundle, load_dataset
-from capskip_fx.data.stale import StaleBatchFilter, StaleBatchSampler
+from capskip_fx.rules.stale_sb_filter import StaleBatchFilter, StaleBatchSampler
 from capskip_fx.rules import StaleSB
 
 from .config import TrainConfig

@@ -36,7 +36,7 @@ from typing import Any, Iterable, Iterator, Optional
 import torch
 from torch import Tensor
 
-from ..rules.stale_sb import StaleSB
+from .stale_sb import StaleSB
 
 
 class StaleBatchFilter:
