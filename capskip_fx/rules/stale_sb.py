@@ -127,6 +127,10 @@ class StaleSB(SelectiveBackprop):
         cached losses in the history and marks the fresh rows that drew "keep" as pre-selected
         for :meth:`select`.
         """
+        if self.presel is not None and self.data_epoch is not None and int(epoch) != self.data_epoch:
+            # the reference flushes its queues at each epoch's end (lib/trainer.py 175-182, 251-254):
+            # no pre-selection outlives its epoch, whatever a loader did with the rows
+            self.presel.zero_()
         self.data_epoch = int(epoch)
         if self.cache_loss is None:  # nothing cached yet: forward everything
             ones = torch.ones(index.shape, dtype=torch.bool, device=index.device)
@@ -144,6 +148,15 @@ class StaleSB(SelectiveBackprop):
         chosen = fresh & (u.to(cached.device) < self.keep_prob(cached))
         self.presel[safe] = chosen | self.presel[safe]
         return ~fresh | chosen, fresh
+
+    def unplan(self, index: Tensor) -> None:
+        """Rows planned for a forward that will not happen (a batch sampler's dropped tail): clear
+        their pre-selection, so a later scoring forward draws and restarts the clock.  Their clocks
+        and cached losses stay as they were (the rows were not forwarded)."""
+        if self.presel is None or not len(index):
+            return
+        idx = torch.as_tensor(index).to(self.presel.device).long()
+        self.presel[idx[(idx >= 0) & (idx < self.presel.shape[0])]] = False
 
     # -- rule -------------------------------------------------------------------------------
     def epoch_of(self, view: HeadView) -> int:
