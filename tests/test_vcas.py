@@ -464,6 +464,13 @@ def test_weight_variance_measured_in_the_activation_sampled_passes():
     original = r.ctrl.update
     r.ctrl.update = lambda res: seen.append(res.w_var)  # capture; the schedule stays put
     try:
+        # every rho 1: the reference's pass carries the whole batch unscaled, no draw: equal values
+        r.ctrl.rho, r.ctrl.nu, r.ctrl.step = [1.0, 1.0], [nu] * 8, 0
+        F.cross_entropy(cm(x), y).backward()
+        exact = ref_wvar_pass(ref, x, y, [1.0, 1.0], nu, torch.Generator().manual_seed(0))
+        for slot, name in slot_name.items():
+            assert seen[0][slot] == pytest.approx(exact[name], rel=1e-6), name  # its soft_topk adds 1e-9s
+        seen.clear()
         draws = 60
         for _ in range(draws):
             r.ctrl.rho, r.ctrl.nu, r.ctrl.step = list(rho_top_first), [nu] * 8, 0
