@@ -536,3 +536,29 @@ def _check_residual_stack(depth, tokens, dim, n, every):
     model.zero_grad(set_to_none=True)
     F.cross_entropy(cm(x), y).backward()
     assert _rel(_grads(model), _ref_grads(ref, x, y)) < 1e-10
+
+
+def test_bernoulli_cut_without_survivors_passes_the_exact_gradient():
+    """Issue 23: at k = 1 an independent draw keeps no row about a third of the time; that gave a zero
+    gradient below the cut.  The reference's ActSampler returns the gradient unchanged then
+    (act_sampler.py 32-33)."""
+    torch.manual_seed(0)
+    model = _Transformer().double()
+    ref = copy.deepcopy(model)
+    cm = capskip_fx.compile(model, rule="vcas", backend="aot_eager",
+                            vcas=VCAS(freq=NO_PROBE, sampler="bernoulli", sample_w=False))
+    x, y = torch.randn(16, 5, 6, dtype=torch.float64), torch.randint(0, 4, (16,))
+    F.cross_entropy(cm(x), y).backward()  # the probe step
+    r = _runner(cm)
+    exact = dict(zip([n for n, _ in ref.named_parameters()], _ref_grads(ref, x, y)))
+    empty = 0
+    for _ in range(25):
+        r.ctrl.rho = [1 / 16, 1 / 16]  # k = int(16 / 16) = 1 row at the top cut
+        model.zero_grad(set_to_none=True)
+        F.cross_entropy(cm(x), y).backward()
+        g = dict(model.named_parameters())["embed.weight"].grad
+        assert float(g.norm()) > 0
+        if capskip_fx.stats(cm).vcas["segment_rows"][-1] == 16:  # nobody survived: all rows, exact
+            empty += 1
+            torch.testing.assert_close(g, exact["embed.weight"], rtol=1e-10, atol=1e-12)
+    assert empty > 0

@@ -238,6 +238,8 @@ class VcasBackward:
                     keep = bernoulli_keep(p, gen)
                     rel = torch.argsort((~keep).to(torch.int8), stable=True)  # kept rows first
                     draw = rel, ht_scale(p, keep).index_select(0, rel), int(keep.sum())  # the host read of this cut
+                    if draw[2] == 0:  # no row survived: the exact gradient passes (act_sampler.py 32-33)
+                        draw = None
                 if draw is not None:
                     rel, scale, kept = draw
                     if kept > self.gather_below * b_n:  # gathers would cost more than they save: mask
