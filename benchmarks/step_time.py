@@ -32,7 +32,7 @@ import torch.nn.functional as F
 import capskip_fx
 from capskip_fx.cpu import retain_freed_memory
 from results_io import write_results
-from capskip_fx.data.stale import StaleBatchFilter
+from capskip_fx.rules.stale_sb_filter import StaleBatchFilter
 from capskip_fx.rules import CAPSkip, Forced, RandomSkip, StaleSB, make_rule
 
 

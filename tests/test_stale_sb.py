@@ -11,7 +11,7 @@ import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
-from capskip_fx.data.stale import StaleBatchFilter, StaleBatchSampler
+from capskip_fx.rules.stale_sb_filter import StaleBatchFilter, StaleBatchSampler
 from capskip_fx.rules import HeadView, StaleSB
 from capskip_fx.rules.labels import per_example_ce
 from capskip_fx.rules.stale_sb import NEVER
@@ -228,7 +228,7 @@ def test_batch_sampler_fixed_size_batches(drop_last):
         assert len(flat) == len(set(flat))  # each index at most once per epoch
         assert all(len(b) == 8 for b in batches[:-1]) and (not drop_last or len(batches[-1]) == 8)
         n_fwd = filt.n_forwarded - before
-        assert len(flat) == (n_fwd if not drop_last else 8 * (n_fwd // 8))
+        assert len(flat) == n_fwd  # a dropped tail is handed back: not counted as forwarded
     assert filt.n_saved > 0 and sampler.epoch == 3
 
 
@@ -242,3 +242,63 @@ def test_uses_data_side_epoch_when_filtered():
     rule.select(toy.view(idx, epoch=0))
     assert (rule.cache_epoch[idx] == 5).all()
     assert math.isfinite(float(rule.cache_loss[idx].sum()))
+
+
+@pytest.mark.parametrize("drop_last", [False, True])
+def test_no_preselection_outlives_its_epoch(drop_last):
+    """Issue 23: rows of a dropped tail kept their pre-selected flag, so a later scoring forward kept
+    them without a draw and did not restart their clock.  The reference flushes its queues every epoch
+    (lib/trainer.py 175-182, 251-254): every forwarded row is consumed, every pre-selected row is kept,
+    every row forwarded for scoring restarts its clock.  Without drop_last (the harness's setting),
+    with staleness 2 after the primed epoch 0, odd epochs hold only pre-selected rows and even epochs
+    none."""
+    toy = Toy(11, m=43)  # 43 rows, batch 8: a ragged tail every epoch
+    m = toy.z.shape[0]
+    rule = StaleSB(beta=1.0, staleness=2, num_examples=m)
+    filt = StaleBatchFilter(rule, seed=9)
+    sampler = StaleBatchSampler(torch.randperm(m, generator=torch.Generator().manual_seed(0)).tolist(), filt,
+                                batch_size=8, drop_last=drop_last)
+    for epoch in range(6):
+        before = filt.n_forwarded
+        old_clock = rule.cache_epoch.clone() if rule.cache_epoch is not None else None
+        batches = list(sampler)
+        assert filt.n_forwarded - before == sum(len(b) for b in batches)  # forwarded rows == consumed rows
+        for b in batches:
+            idx = torch.tensor(b)
+            sel = rule.select(toy.view(idx, epoch))
+            pre = sel.info["preselected"]
+            assert (sel.weight[pre] > 0).all()  # every pre-selected row is kept
+            assert (rule.cache_epoch[idx[~pre]] == epoch).all()  # scored rows restart their clock
+            if old_clock is not None:
+                assert torch.equal(rule.cache_epoch[idx[pre]], old_clock[idx[pre]])
+            if not drop_last and epoch > 0:
+                assert bool(pre.all()) if epoch % 2 == 1 else not pre.any()
+        assert not rule.presel.any()  # nothing pre-selected survives the epoch
+    assert filt.n_saved > 0
+
+
+def test_filter_clears_preselection_at_a_new_epoch():
+    """A row planned but never forwarded (e.g. a batch of 1 that the runtime runs dense, without the
+    rule) must not carry its pre-selection into the next epoch."""
+    toy = Toy(12)
+    rule = StaleSB(beta=0.0, staleness=3, num_examples=M)  # beta 0: every fresh row is kept
+    filt = StaleBatchFilter(rule, seed=1)
+    idx = torch.arange(M)
+    filt(idx, 0)
+    rule.select(toy.view(idx, 0))
+    assert filt(idx[:5], 1).all() and rule.presel[:5].all()
+    filt(idx[5:10], 2)  # the five rows pre-selected in epoch 1 were never forwarded
+    assert not rule.presel[:5].any() and rule.presel[5:10].all()
+
+
+def test_cli_stale_loader_drops_nothing():
+    from capskip_fx.train.config import TrainConfig
+    from capskip_fx.train.data import make_loaders
+
+    class Bundle:
+        train = torch.utils.data.TensorDataset(torch.arange(43))
+        test = train
+
+    rule = StaleSB(num_examples=43)
+    loader = make_loaders(TrainConfig(batch_size=8), Bundle(), torch.device("cpu"), stale_rule=rule)[0]
+    assert sum(len(b[0]) for b in loader) == 43 and not loader.batch_sampler.drop_last

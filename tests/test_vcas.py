@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import math
 import warnings
 
 import pytest
@@ -25,7 +26,8 @@ def _build(depth=2, dtype=torch.float64, backend="aot_eager", rule="vcas", **vca
     torch.manual_seed(0)
     model = make_deit(depth).to(dtype)
     ref = copy.deepcopy(model)
-    cm = capskip_fx.compile(model, rule=rule, backend=backend, vcas=VCAS(**{"freq": NO_PROBE, **vcas}))
+    # cut="fork": these tests exercise the segments at their finest (4 cuts on 2 blocks)
+    cm = capskip_fx.compile(model, rule=rule, backend=backend, vcas=VCAS(**{"freq": NO_PROBE, "cut": "fork", **vcas}))
     return ref, cm
 
 
@@ -266,6 +268,225 @@ def test_inductor_segments_exact_then_sampled_without_recompiles():
     assert capskip_fx.stats(cm).variants == 1
 
 
+class _Block(nn.Module):
+    """A pre-norm transformer block: attention (qkv, proj) and MLP (fc1, fc2), two residual forks."""
+
+    def __init__(self, dim, heads=2):
+        super().__init__()
+        self.heads = heads
+        self.norm1, self.norm2 = nn.LayerNorm(dim), nn.LayerNorm(dim)
+        self.qkv, self.proj = nn.Linear(dim, 3 * dim), nn.Linear(dim, dim)
+        self.fc1, self.fc2 = nn.Linear(dim, 2 * dim), nn.Linear(2 * dim, dim)
+
+    def forward(self, x):
+        n, t, d = x.shape
+        q, k, v = self.qkv(self.norm1(x)).view(n, t, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
+        a = F.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(n, t, d)
+        x = x + self.proj(a)
+        return x + self.fc2(F.gelu(self.fc1(self.norm2(x))))
+
+
+class _Transformer(nn.Module):
+    """An nn.Linear input projection (an embedding: the reference leaves it exact), blocks, a head."""
+
+    def __init__(self, depth=2, d_in=6, dim=8, classes=4):
+        super().__init__()
+        self.embed = nn.Linear(d_in, dim)
+        self.blocks = nn.ModuleList(_Block(dim) for _ in range(depth))
+        self.norm, self.head = nn.LayerNorm(dim), nn.Linear(dim, classes)
+
+    def forward(self, x):
+        x = self.embed(x)
+        for b in self.blocks:
+            x = b(x)
+        return self.head(self.norm(x).mean(1))
+
+
+def ref_vcas_counts(model, repetend):
+    """vcas/model_processor.py process(): (ActSamplers, VCAS Linears) it would register, transcribed on
+    the module tree (27-37: every nn.Linear inside a repetend; 41-49: a sampler after each repetend)."""
+    linears = samplers = 0
+
+    def linears_in(module, inside):
+        nonlocal linears
+        for child in module.children():
+            if isinstance(child, repetend):
+                linears_in(child, True)
+            elif isinstance(child, nn.Linear) and inside:
+                linears += 1
+            else:
+                linears_in(child, inside)
+
+    def samplers_in(module):
+        nonlocal samplers
+        for child in module.children():
+            if isinstance(child, repetend):
+                samplers += 1
+            else:
+                samplers_in(child)
+
+    linears_in(model, False)
+    samplers_in(model)
+    return samplers, linears
+
+
+@pytest.mark.parametrize("cut,cuts,slots", [("block", 2, 8), ("fork", 5, 8)])
+def test_samplers_and_sampled_matmuls_where_the_reference_has_them(cut, cuts, slots):
+    """Issue 23: cutting at every residual fork gave 5 cuts on 2 pre-norm blocks (4 forks + the input
+    projection's output), and the input projection's weight gradient was sampled (9 matmuls).  By
+    default one cut per block (the reference's ActSampler on each block's output) and only the blocks'
+    Linears sampled; ``cut="fork"`` keeps the finer cutting, still without sampling the embedding."""
+    torch.manual_seed(0)
+    model = _Transformer().double()
+    ref = copy.deepcopy(model)
+    want_samplers, want_linears = ref_vcas_counts(model, _Block)
+    assert (want_samplers, want_linears) == (2, 8)
+    cm = capskip_fx.compile(model, rule="vcas", backend="aot_eager", vcas=VCAS(freq=NO_PROBE, cut=cut))
+    x, y = torch.randn(8, 5, 6, dtype=torch.float64), torch.randint(0, 4, (8,))
+    F.cross_entropy(cm(x), y).backward()
+    r = _runner(cm)
+    assert len(r.plan.boundaries) == cuts and r.slots == want_linears == slots
+    if cut == "block":
+        assert len(r.plan.boundaries) == want_samplers
+    assert _rel(_grads(model), _ref_grads(ref, x, y)) < 1e-10  # the probe step: exact
+    # the sampled matmuls are the blocks' Linears: the embedding's weight gradient stays exact
+    r.ctrl.rho, r.ctrl.nu = [1.0] * len(r.ctrl.rho), [0.3] * r.slots
+    model.zero_grad(set_to_none=True)
+    F.cross_entropy(cm(x), y).backward()
+    g = dict(zip([n for n, _ in model.named_parameters()], _grads(model)))
+    want = dict(zip([n for n, _ in ref.named_parameters()], _ref_grads(ref, x, y)))
+    for name in ("embed.weight", "head.weight"):
+        torch.testing.assert_close(g[name], want[name], rtol=1e-10, atol=1e-12)
+    assert any(not torch.allclose(g[n], want[n]) for n in want if n.startswith("blocks."))
+
+
+def ref_soft_topk(x, k, gen):
+    """vcas/layers/utils.py 4-18 (rand_like drawn from ``gen``)."""
+    n = x.shape[0]
+    if k >= n:
+        return torch.ones_like(x), torch.ones_like(x, dtype=torch.bool)
+    x_sorted, _ = torch.sort(x, dim=0, descending=False)
+    prefix_sum = torch.cumsum(x_sorted, dim=0)
+    cmp = torch.arange(k + 1 - n, k + 1, 1, device=x.device) - prefix_sum / (x_sorted + 1e-9)
+    m = torch.searchsorted(cmp, torch.zeros((), dtype=cmp.dtype)).clamp(n - k + 1, n)
+    rand = torch.rand(x.shape, generator=gen, dtype=x.dtype)
+    denominator = prefix_sum.index_select(0, m - 1) + 1e-9
+    prob = (x * (k - n + m) / denominator).clamp(min=1e-9, max=1.0)
+    return prob, rand < prob
+
+
+def ref_cal_leverage_var(a, b, ratio, gen):
+    """vcas/layers/utils.py 32-39."""
+    k = int(a.shape[1] * ratio)
+    tmp = (a ** 2).sum(0) * (b ** 2).sum(1)
+    prob, _ = ref_soft_topk(tmp.sqrt(), k, gen)
+    return float(((1 / prob - 1) * tmp).sum())
+
+
+def ref_wvar_pass(model, x, y, rho_bottom_first, nu, gen):
+    """One of the reference's activation-sampled probe passes (vcas_trainer.py 58-62), transcribed
+    with hooks: act_sampler.py 19-38 on each block's output, linear.py 42-58 in each block Linear
+    (cal_leverage_var on the kept rows of the already-scaled gradient).  Returns {linear name: var}."""
+    state, out, handles = {"nonzero": None}, {}, []
+    last = len(rho_bottom_first) - 1
+
+    def sampler(idx):
+        def hook(g):
+            sched = rho_bottom_first
+            if idx == last or sched[idx] < sched[idx + 1]:
+                if idx == last:
+                    state["nonzero"] = torch.arange(g.shape[0])
+                prob = g.norm(dim=tuple(range(1, g.dim())), p=2)
+                prob, mask = ref_soft_topk(prob, int(g.shape[0] * sched[idx]), gen)
+                index = torch.nonzero(mask).squeeze(-1)
+                if index.shape[0] == 0:
+                    return g
+                state["nonzero"] = index
+                return g * (mask / prob).view(-1, *([1] * (g.dim() - 1)))
+            return g
+        return hook
+
+    def linear(name, idx):
+        def fwd(mod, inp, o):
+            xin = inp[0]
+
+            def bwd(g):
+                nz = state["nonzero"]
+                gk = g.index_select(0, nz).reshape(-1, g.shape[-1])
+                xk = xin.index_select(0, nz).reshape(-1, xin.shape[-1])
+                out[name] = ref_cal_leverage_var(gk.t(), xk, nu, gen)
+            o.register_hook(bwd)
+        return fwd
+
+    def on_block(idx):
+        def fwd(mod, inp, o):
+            o.register_hook(sampler(idx))
+        return fwd
+
+    for idx, blk in enumerate(model.blocks):
+        handles.append(blk.register_forward_hook(on_block(idx)))
+        for name, mod in blk.named_modules():
+            if isinstance(mod, nn.Linear):
+                handles.append(mod.register_forward_hook(linear(f"blocks.{idx}.{name}", idx)))
+    try:
+        F.cross_entropy(model(x), y).backward()
+    finally:
+        for h in handles:
+            h.remove()
+    model.zero_grad(set_to_none=True)
+    return out
+
+
+def test_weight_variance_measured_in_the_activation_sampled_passes():
+    """Issue 23: SampleW's variance was the closed form on exact half-batches; the reference measures
+    it during the activation-sampled passes, on the kept rows scaled by 1/p (linear.py 42-59,
+    vcas_trainer.py 58-62), which is larger the lower rho.  Per sampled Linear, the mean over probes
+    must match a transcription of the reference's pass on the same batch (independent draws on both
+    sides, Bernoulli as the reference; 4 standard errors).  Before the fix the library's value was
+    1/2 to 1/5 of the reference's here."""
+    torch.manual_seed(0)
+    model = _Transformer(dim=8).double()
+    ref = copy.deepcopy(model)
+    cm = capskip_fx.compile(model, rule="vcas", backend="aot_eager", vcas=VCAS(freq=1, sampler="bernoulli"))
+    g = torch.Generator().manual_seed(5)
+    x, y = torch.randn(16, 5, 6, generator=g, dtype=torch.float64), torch.randint(0, 4, (16,), generator=g)
+    F.cross_entropy(cm(x), y).backward()  # compiles; a probe at rho = 1
+    r = _runner(cm)
+    slot_name = {}
+    for seg in r.plan.segments:
+        for n in seg.gm.graph.nodes:
+            if n.target is torch.ops.capskip.sampled_wgrad.default:
+                st = n.meta["fwd_nn_module_stack"]
+                slot_name[n.args[3]] = list(st.values())[-1][0].split(".", 1)[1]
+    assert sorted(slot_name) == list(range(8))
+    rho_top_first, nu = [0.75, 0.5], 0.6
+    seen = []
+    original = r.ctrl.update
+    r.ctrl.update = lambda res: seen.append(res.w_var)  # capture; the schedule stays put
+    try:
+        # every rho 1: the reference's pass carries the whole batch unscaled, no draw: equal values
+        r.ctrl.rho, r.ctrl.nu, r.ctrl.step = [1.0, 1.0], [nu] * 8, 0
+        F.cross_entropy(cm(x), y).backward()
+        exact = ref_wvar_pass(ref, x, y, [1.0, 1.0], nu, torch.Generator().manual_seed(0))
+        for slot, name in slot_name.items():
+            assert seen[0][slot] == pytest.approx(exact[name], rel=1e-6), name  # its soft_topk adds 1e-9s
+        seen.clear()
+        draws = 60
+        for _ in range(draws):
+            r.ctrl.rho, r.ctrl.nu, r.ctrl.step = list(rho_top_first), [nu] * 8, 0
+            model.zero_grad(set_to_none=True)
+            F.cross_entropy(cm(x), y).backward()
+    finally:
+        r.ctrl.update = original
+    gen = torch.Generator().manual_seed(7)
+    want = [ref_wvar_pass(ref, x, y, rho_top_first[::-1], nu, gen) for _ in range(draws * 2)]
+    for slot, name in slot_name.items():
+        ours = torch.tensor([w[slot] for w in seen], dtype=torch.float64)
+        theirs = torch.tensor([w[name] for w in want], dtype=torch.float64)
+        se = math.sqrt(float(ours.var()) / len(ours) + float(theirs.var()) / len(theirs))
+        assert abs(float(ours.mean() - theirs.mean())) < 4 * se, (name, float(ours.mean()), float(theirs.mean()), se)
+
+
 class _ResMLP(nn.Module):
     """Pre-norm residual MLP blocks over tokens: one residual fork per block."""
 
@@ -315,3 +536,29 @@ def _check_residual_stack(depth, tokens, dim, n, every):
     model.zero_grad(set_to_none=True)
     F.cross_entropy(cm(x), y).backward()
     assert _rel(_grads(model), _ref_grads(ref, x, y)) < 1e-10
+
+
+def test_bernoulli_cut_without_survivors_passes_the_exact_gradient():
+    """Issue 23: at k = 1 an independent draw keeps no row about a third of the time; that gave a zero
+    gradient below the cut.  The reference's ActSampler returns the gradient unchanged then
+    (act_sampler.py 32-33)."""
+    torch.manual_seed(0)
+    model = _Transformer().double()
+    ref = copy.deepcopy(model)
+    cm = capskip_fx.compile(model, rule="vcas", backend="aot_eager",
+                            vcas=VCAS(freq=NO_PROBE, sampler="bernoulli", sample_w=False))
+    x, y = torch.randn(16, 5, 6, dtype=torch.float64), torch.randint(0, 4, (16,))
+    F.cross_entropy(cm(x), y).backward()  # the probe step
+    r = _runner(cm)
+    exact = dict(zip([n for n, _ in ref.named_parameters()], _ref_grads(ref, x, y)))
+    empty = 0
+    for _ in range(25):
+        r.ctrl.rho = [1 / 16, 1 / 16]  # k = int(16 / 16) = 1 row at the top cut
+        model.zero_grad(set_to_none=True)
+        F.cross_entropy(cm(x), y).backward()
+        g = dict(model.named_parameters())["embed.weight"].grad
+        assert float(g.norm()) > 0
+        if capskip_fx.stats(cm).vcas["segment_rows"][-1] == 16:  # nobody survived: all rows, exact
+            empty += 1
+            torch.testing.assert_close(g, exact["embed.weight"], rtol=1e-10, atol=1e-12)
+    assert empty > 0

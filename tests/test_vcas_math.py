@@ -365,6 +365,13 @@ def test_find_top_sum_share_one_all_positive(norms):
     assert find_top_sum(torch.tensor(norms), 1.0) == 1.0
 
 
+def test_find_top_sum_share_one_keeps_a_tiny_row():
+    """Issue 23: the relative tolerance (1e-12 of the total) dropped a row smaller than it at share 1;
+    the reference (vcas/layers/utils.py 42-48) counts every positive row there."""
+    assert find_top_sum(torch.tensor([1.0] * 9 + [1e-14], dtype=torch.float64), 1.0) == 1.0
+    assert find_top_sum(torch.tensor([1.0, 1e-13, 0.0], dtype=torch.float64), 1.0) == pytest.approx(2 / 3)
+
+
 def test_find_top_sum_examples():
     assert find_top_sum(torch.tensor([1.0, 1.0, 2.0]), 0.5) == pytest.approx(1 / 3)
     assert find_top_sum(torch.tensor([1.0, 1.0, 2.0]), 0.51) == pytest.approx(2 / 3)

@@ -7,8 +7,8 @@ from typing import Optional
 import torch
 from torch.utils.data import DataLoader, RandomSampler
 
+from capskip_fx.rules.stale_sb_filter import StaleBatchFilter, StaleBatchSampler
 from .datasets import DEFAULT_IMG_SIZE, DataBundle, load_dataset
-from capskip_fx.data.stale import StaleBatchFilter, StaleBatchSampler
 from capskip_fx.rules import StaleSB
 
 from .config import TrainConfig
@@ -35,16 +35,19 @@ def make_loaders(cfg: TrainConfig, data: DataBundle, device: torch.device, stale
     """(train loader, eval loader, the train sampler's generator): checkpoints carry the generator.
 
     ``stale_rule``: Stale-SB's data side.  The train loader's batch sampler is then a
-    :class:`StaleBatchSampler` (main process; fixed-size batches of the rows it forwards), its
-    filter drawing from that rule's cache with its own generator (seeded from ``cfg.seed``)."""
+    :class:`StaleBatchSampler` (main process; fixed-size batches of the rows it forwards, then the
+    short rest: nothing dropped), its filter drawing from that rule's cache with its own generator
+    (seeded from ``cfg.seed``)."""
     gen = torch.Generator().manual_seed(cfg.seed)
     pin = device.type == "cuda"
     # a ragged last batch would be one more shape to compile
     drop_last = len(data.train) >= cfg.batch_size
     workers = dict(num_workers=cfg.workers, pin_memory=pin, persistent_workers=cfg.workers > 0)
     if stale_rule is not None:
+        # never drops: the rows of a short last batch were planned (pre-selected, due a scoring
+        # forward); the reference flushes them too.  The ragged batch is one dynamic-batch shape.
         batches = StaleBatchSampler(RandomSampler(data.train, generator=gen), StaleBatchFilter(stale_rule, cfg.seed),
-                                    cfg.batch_size, drop_last=drop_last)
+                                    cfg.batch_size, drop_last=False)
         train_loader = DataLoader(data.train, batch_sampler=batches, **workers)
     else:
         train_loader = DataLoader(data.train, batch_size=cfg.batch_size, shuffle=True, generator=gen,

@@ -9,7 +9,7 @@ from ..records import GraphRecord, Refused
 from ..symbolic import check_not_specialised, spec_of
 from .runtime import VcasBackward
 from .sample_wgrad import sample_wgrad
-from .segment_backward import find_cuts, split_backward
+from .segment_backward import block_cuts, find_blocks, find_cuts, split_backward
 
 
 def build_backward(config, state, rec: GraphRecord, gm: fx.GraphModule, example_inputs: list, sym,
@@ -22,12 +22,16 @@ def build_backward(config, state, rec: GraphRecord, gm: fx.GraphModule, example_
     graph = fx.Graph()
     graph.output(graph.graph_copy(gm.graph, {}))  # rewritten below; gm stays the exact fallback
     vgm = fx.GraphModule(gm, graph)
-    cuts = find_cuts(vgm.graph, sym, cfg.every)
+    forks = find_cuts(vgm.graph, sym)
+    blocks = find_blocks(vgm.graph)
+    # the reference's sampler positions: one per repeated block (its output); "fork" (or no repeated
+    # block found): every residual fork
+    cuts = (block_cuts(vgm.graph, forks, blocks) if blocks and cfg.cut == "block" else forks)[::cfg.every]
     if not cuts:
         return _none(state, rec, "VCAS: no residual fork in this backward (no block structure): exact backward")
     runner = VcasBackward(cfg, state, rec, config.min_rows, config.gather_below)
     try:
-        slots = sample_wgrad(vgm, sym, runner.key, cuts[0]) if cfg.sample_w else 0
+        slots = sample_wgrad(vgm, sym, runner.key, cuts[0], set(blocks) if blocks else None) if cfg.sample_w else 0
         plan = split_backward(vgm, example_inputs, sym, cuts)
         kw = dict(kwargs, static_input_idxs=())
         compiled = [compile_graph(s.gm, s.examples, **kw) for s in plan.segments]

@@ -34,8 +34,11 @@ Kept deliberately (quirk fixes and constraints of running inside one backward):
   * the probe uses the current batch: the SGD variance comes from the difference of two random halves
     of it (the reference: M extra batches from a cycling loader), and the probe step's returned
     gradient is the exact one (the sum of the halves);
-  * SampleW's variance is the closed form on the exact gradients (as the reference's
-    ``cal_leverage_var``) and its SGD variance is per matmul from the same two halves;
+  * SampleW's variance is the reference's ``cal_leverage_var`` where it measures it (its
+    ``linear.py`` 42-59, ``vcas_trainer.py`` 58-62): during the activation-sampled passes, on the
+    rows they carry, kept rows scaled by ``1/p`` (so it grows as ``rho`` falls), the mean over the
+    passes; with every ``rho`` at 1 on the whole batch's exact rows.  Its SGD variance is per matmul
+    from the two halves (the reference: over M batches);
   * rho and nu count the rows that carry gradient (after the example-level rule), not all N;
   * the first probe is at step 0 (the reference's at step F; both start from rho = nu = 1);
   * ``sampler="systematic"`` (the default) draws exactly the budget ``k`` rows with the reference's
@@ -63,7 +66,9 @@ def find_top_sum(norms: Tensor, share: float) -> float:
     total = float(srt.sum())
     if total <= 0:
         return 1.0 / n
-    need = share * total * (1 - 1e-12)
+    # a rounding tolerance, but never as large as a row: at share 1 no positive row may be left out
+    tol = min(1e-12 * total, 0.5 * float(srt[srt > 0].min()))
+    need = share * total - tol
     m = int(torch.searchsorted(srt.cumsum(0), torch.tensor([need], dtype=torch.float64)).item()) + 1
     return min(n, max(1, m)) / n
 
@@ -76,8 +81,11 @@ class VCAS:
     backward steps (the first at step 0).  probes: M activation-sampled Monte-Carlo passes per probe.
     s_step, w_mul, rho_decay: controller steps.  sample_act / sample_w switch SampleA / SampleW.
     nu_min, nu_max: floor and cap of the weight ratios; the reference has neither (0, inf: the
-    defaults); ``nu_max=1`` is our earlier cap (no hysteresis).  every: cut at every k-th residual
-    fork (1 = each fork, i.e. attention and MLP sub-blocks of a pre-norm transformer).
+    defaults); ``nu_max=1`` is our earlier cap (no hysteresis).  cut: ``"block"`` (the
+    reference's samplers: one cut on each repeated block's output, blocks inferred from the module
+    stack; every residual fork when no repeated block is found) or ``"fork"`` (finer: every
+    residual fork, i.e. attention and MLP sub-blocks of a pre-norm transformer, and an input
+    projection's output).  every: keep every k-th of those cuts.
     sampler: ``"systematic"`` (exactly the budget's rows, no host read) or ``"bernoulli"`` (the
     reference's independent draws; one host read per resampling cut and per sampled matmul).
     """
@@ -95,6 +103,7 @@ class VCAS:
     nu_max: float = math.inf
     every: int = 1
     sampler: str = "systematic"
+    cut: str = "block"
 
     def __post_init__(self):
         for name in ("tau_act", "tau_w"):
@@ -115,6 +124,8 @@ class VCAS:
             raise ValueError(f"VCAS rho_decay must be in [0, 1], got {self.rho_decay!r}")
         if not 0 <= self.nu_min <= 1:
             raise ValueError(f"VCAS nu_min must be in [0, 1], got {self.nu_min!r}")
+        if self.cut not in ("block", "fork"):
+            raise ValueError(f"VCAS cut must be 'block' or 'fork', got {self.cut!r}")
         if self.sampler not in ("systematic", "bernoulli"):
             raise ValueError(f"VCAS sampler must be 'systematic' or 'bernoulli', got {self.sampler!r}")
         if not (isinstance(self.nu_max, (int, float)) and self.nu_max >= 1):  # also rejects NaN

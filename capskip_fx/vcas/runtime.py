@@ -10,7 +10,10 @@ Per step (``VcasBackward.__call__``, what the selected-row backward calls as its
   - each sampled weight-gradient matmul (``capskip::sampled_wgrad``) samples token rows (``nu``);
   - batch-shaped outputs (input gradients) are scattered back with zeros for dropped rows.
 Every ``freq`` steps the step is a probe instead (see controller.py): the returned gradient is the
-exact one (two halves), and the controller updates ``s``, ``rho``, ``nu``.
+exact one (two halves), and the controller updates ``s``, ``rho``, ``nu``.  SampleW's variance is
+measured as the reference's: in the probe's activation-sampled passes, on the rows each pass carries
+(kept rows scaled by ``1/p``), the mean over the passes; while every ``rho`` is 1 (no such pass) on
+the whole batch's exact rows.
 Host reads: none on a sampled step with ``sampler="systematic"`` (sizes are the budgets, known on the
 host); with ``"bernoulli"`` one per resampling cut and per sampled matmul.  A probe step reads once
 for its variances and once per boundary for the new schedule.
@@ -61,6 +64,7 @@ class VcasBackward:
         self.slots = 0
         self.wmode = "sample"  # "sample" | "exact" (plain matmul) | "probe" (exact + stash dW, variance)
         self._stash: dict[int, list] = {}
+        self._wvar: dict[int, Tensor] = {}  # per slot: SampleW's variance summed over a probe's sampled passes
         self.wrows: list[tuple[int, int, int, int]] = []  # (slot, kept, total, out*in) of the last pass
         self.seg_rows: list[int] = []  # rows each segment ran on in the last pass
         self._layouts: dict = {}
@@ -84,20 +88,27 @@ class VcasBackward:
         self.ctrl.ensure(len(plan.boundaries), slots)
 
     # -- SampleW (called from inside the compiled segments) ------------------------------------
+    def _nu(self, slot: int) -> float:
+        return self.ctrl.nu[slot] if self.cfg.sample_w else 1.0
+
     def wgrad(self, g: Tensor, x: Tensor, slot: int) -> Tensor:
-        nu = self.ctrl.nu[slot] if self.cfg.sample_w else 1.0
+        nu = self._nu(slot)
         mode = self.wmode
         t, oi = g.shape[0], g.shape[1] * x.shape[1]
         if mode == "exact" or (mode == "sample" and nu >= 1.0):
             self.wrows.append((slot, t, t, oi))
             return torch.mm(g.t(), x)
         q = _row_norms(g, Spec("batch"), t) * _row_norms(x, Spec("batch"), x.shape[0])
-        if mode == "probe":  # the variance at the integer budget; k = 0: huge (the reference's 1e-9 probs)
-            p = soft_topk(q, vcas_k(nu, (q > 0).sum()))
+        if mode == "probe":  # an exact half: its gradient (SGD variance) and its token-row scores
             out = torch.mm(g.t(), x)
-            self._stash.setdefault(slot, []).append((out.detach().clone(), closed_form_var(q, p)))
+            self._stash.setdefault(slot, []).append((out.detach().clone(), q))
             self.wrows.append((slot, t, t, oi))
             return out
+        if mode == "actvar":  # an activation-sampled probe pass: exact product, SampleW's variance on
+            # the rows this pass carries (kept rows scaled by 1/p), as the reference's linear.py 54-58
+            self._wvar[slot] = self._wvar.get(slot, 0.0) + _leverage_var(q, nu)
+            self.wrows.append((slot, t, t, oi))
+            return torch.mm(g.t(), x)
         gen = self.state.generator(g.device)
         if self.cfg.sampler == "systematic":
             # slots: the budget over the token rows that can carry gradient (host-known); the draw's
@@ -227,6 +238,8 @@ class VcasBackward:
                     keep = bernoulli_keep(p, gen)
                     rel = torch.argsort((~keep).to(torch.int8), stable=True)  # kept rows first
                     draw = rel, ht_scale(p, keep).index_select(0, rel), int(keep.sum())  # the host read of this cut
+                    if draw[2] == 0:  # no row survived: the exact gradient passes (act_sampler.py 32-33)
+                        draw = None
                 if draw is not None:
                     rel, scale, kept = draw
                     if kept > self.gather_below * b_n:  # gathers would cost more than they save: mask
@@ -289,15 +302,22 @@ class VcasBackward:
         w_var, w_sgd = [], []
         for slot in range(self.slots):
             st = self._stash.get(slot, [])
-            w_var.append(st[0][1] + st[1][1] if len(st) == 2 else zero)
+            # rho = 1 everywhere: the reference's sampled pass carries every row unscaled, i.e. the
+            # whole batch's exact token rows (both halves)
+            w_var.append(_leverage_var(torch.cat([st[0][1], st[1][1]]), self._nu(slot)) if len(st) == 2 else zero)
             w_sgd.append(sq(st[0][0] - st[1][0]) if len(st) == 2 else zero)
         self._stash = {}
         act_var = zero
         if self.cfg.sample_act and any(r < 1.0 for r in self.ctrl.rho):  # rho = 1: no draw, no variance
+            self._wvar = {}
             for _ in range(self.cfg.probes):  # distinct draws (the reference reseeded each pass identically)
-                outs, _ = self._run(a, n0, live, rows=None, act=True, wmode="exact")
+                outs, _ = self._run(a, n0, live, rows=None, act=True, wmode="actvar")
                 act_var = act_var + sum((sq(outs[j] - exact[j]) for j in sel if isinstance(outs[j], Tensor)),
                                         zero) / self.cfg.probes
+            # SampleW's variance where the reference measures it: in the activation-sampled passes
+            # (vcas_trainer.py 58-62), their mean (sample_scheme.py 64)
+            w_var = [self._wvar[slot] / self.cfg.probes if slot in self._wvar else zero for slot in range(self.slots)]
+            self._wvar = {}
         sgd, act_var, *w = torch.stack([sgd, act_var, *w_var, *w_sgd]).tolist()
         w_var, w_sgd = w[:self.slots], w[self.slots:]
         norms = []
@@ -309,6 +329,12 @@ class VcasBackward:
             self.ctrl.rho = [1.0] * len(self.ctrl.rho)
         self.wmode = "sample"
         return exact
+
+
+def _leverage_var(q: Tensor, nu: float) -> Tensor:
+    """SampleW's added variance at budget ``int(nu * rows)`` over token-row scores ``q`` (the
+    reference's ``cal_leverage_var``, vcas/layers/utils.py 32-39); budget 0: huge (its 1e-9 probs)."""
+    return closed_form_var(q, soft_topk(q, vcas_k(nu, (q > 0).sum())))
 
 
 def _pad(rel: Tensor, scale: Tensor, cb: int, n: int) -> tuple[Tensor, Tensor]:

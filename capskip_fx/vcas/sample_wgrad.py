@@ -2,15 +2,18 @@
 
 A Linear's weight gradient in the decomposed backward is ``mm(permute(G, [1, 0]), X)``: ``G``
 (R, out) the output gradient (a gradient node), ``X`` (R, in) the saved input (not a gradient),
-``R`` a batch row count (``a*s``).  Each such matmul below the first cut (inside the blocks; the
-head and embeddings stay exact, as in VCAS) becomes ``capskip::sampled_wgrad(G, X, key, slot)``:
-rows kept with probability soft-top-k of ``||g_t|| ||x_t||`` and scaled by ``1/p`` (unbiased).
+``R`` a batch row count (``a*s``).  Each such matmul inside the model's repeated blocks (below the
+first cut, and of a block's module when the blocks are known: an input projection or embedding
+below the blocks and the head stay exact, as in VCAS, ``vcas/model_processor.py`` 27-37) becomes
+``capskip::sampled_wgrad(G, X, key, slot)``: rows kept with probability soft-top-k of ``||g_t|| ||x_t||`` and scaled by ``1/p`` (unbiased).
 The bias gradient (a sum over rows) and the input gradient ``mm(G, W)`` are untouched (exact).
 
 Invariants: only matmuls contracting over the batch rows are rewritten (attention's bmm contract
 over tokens within a row: untouched); with ``nu = 1`` the op is the plain matmul (exact).
 """
 from __future__ import annotations
+
+from typing import Container, Optional
 
 import sympy
 import torch
@@ -39,13 +42,15 @@ def _rows_are_batch(v, sym) -> bool:
     return bd is not None and bd[0] == 0 and v.dim() == 2
 
 
-def find_wgrad_matmuls(graph: fx.Graph, sym: sympy.Symbol, below: fx.Node) -> list[tuple[fx.Node, fx.Node, fx.Node]]:
-    """(mm, G, X) for every weight-gradient matmul below the cut ``below``."""
+def find_wgrad_matmuls(graph: fx.Graph, sym: sympy.Symbol, below: fx.Node,
+                       inside: Optional[Container] = None) -> list[tuple[fx.Node, fx.Node, fx.Node]]:
+    """(mm, G, X) for every weight-gradient matmul below the cut ``below`` (and in ``inside``, the
+    matmuls of the model's repeated blocks, when given)."""
     flow = Flow.of(graph)
     grad = flow.grad
     found = []
     for mm in graph.find_nodes(op="call_function", target=aten.mm.default):
-        if not flow.below(below, mm):
+        if not flow.below(below, mm) or (inside is not None and mm not in inside):
             continue
         a, x = mm.args
         if not isinstance(a, fx.Node) or not isinstance(x, fx.Node):
@@ -61,10 +66,12 @@ def find_wgrad_matmuls(graph: fx.Graph, sym: sympy.Symbol, below: fx.Node) -> li
     return found
 
 
-def sample_wgrad(gm: fx.GraphModule, sym: sympy.Symbol, key: int, below: fx.Node) -> int:
-    """Rewrite the weight-gradient matmuls below the cut ``below`` in place; returns how many (= slots)."""
+def sample_wgrad(gm: fx.GraphModule, sym: sympy.Symbol, key: int, below: fx.Node,
+                 inside: Optional[Container] = None) -> int:
+    """Rewrite the weight-gradient matmuls below the cut ``below`` (and in ``inside``) in place;
+    returns how many (= slots)."""
     op = torch.ops.capskip.sampled_wgrad.default
-    found = find_wgrad_matmuls(gm.graph, sym, below)
+    found = find_wgrad_matmuls(gm.graph, sym, below, inside)
     for slot, (mm, g, x) in enumerate(found):
         with gm.graph.inserting_before(mm):
             new = gm.graph.call_function(op, (g, x, key, slot))

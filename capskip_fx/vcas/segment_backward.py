@@ -1,5 +1,8 @@
 """Backward-graph pass (VCAS SampleA): cut the backward at residual-stream forks into segments.
 
+Which forks: by default one per repeated block, on the block's output, where the reference's
+``ActSampler`` sits (:func:`find_blocks`, :func:`block_cuts`); ``VCAS(cut="fork")`` all of them.
+
 A *residual fork* is a gradient value ``b`` with the batch in one dim that feeds a skip ``add``
 directly while the add's other summand comes from ``b`` through a matmul (the branch's backward):
 a transformer block's residual stream, not the diamonds inside a norm's backward.  ``b`` is a valid cut
@@ -17,6 +20,7 @@ activations) sits in the first segment that reads it; multi-output nodes stay wi
 from __future__ import annotations
 
 import operator
+import re
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -84,7 +88,7 @@ class Flow:
         return bool((self.desc[b] >> self.idx[n]) & 1)
 
 
-def find_cuts(graph: fx.Graph, sym: sympy.Symbol, every: int = 1) -> list[fx.Node]:
+def find_cuts(graph: fx.Graph, sym: sympy.Symbol) -> list[fx.Node]:
     """The valid residual cuts, top (closest to the loss) first, a matmul between any two."""
     f = Flow.of(graph)
     nodes, idx, grad, desc = f.nodes, f.idx, f.grad, f.desc
@@ -106,7 +110,53 @@ def find_cuts(graph: fx.Graph, sym: sympy.Symbol, every: int = 1) -> list[fx.Nod
         if cuts and not any((desc[cuts[-1]] >> idx[h]) & 1 and not (lower >> idx[h]) & 1 for h in heavy):
             continue  # no matmul between this cut and the one above: one segment would be empty
         cuts.append(b)
-    return cuts[::every]
+    return cuts
+
+
+_INDEXED = re.compile(r"^(.*?)(?:\.|\[|, ')(\d+)(?:\]|'\))?$")  # "a.blocks.1", "a.blocks[1]", "getattr(a, '1')"
+
+
+def _module_stack(n: fx.Node) -> list[tuple[str, str]]:
+    """(path, class) of the forward modules a backward node came from, outermost first (AOTAutograd
+    copies the forward's ``nn_module_stack`` onto the backward as ``fwd_nn_module_stack``)."""
+    st = n.meta.get("fwd_nn_module_stack") or n.meta.get("nn_module_stack") or {}
+    return [(str(v[0]), str(v[1])) for v in st.values() if isinstance(v, tuple) and len(v) >= 2]
+
+
+def find_blocks(graph: fx.Graph) -> dict[fx.Node, str]:
+    """Matmul node -> the repeated block it sits in: the outermost module that is an indexed child
+    (``layers.3``) with a sibling of the same class (the reference's user-named "repetend", e.g.
+    ``BertLayer``, inferred).  Empty when the graph carries no module stack or nothing repeats."""
+    owner: dict[fx.Node, tuple[str, str, str]] = {}
+    for n in graph.nodes:
+        if n.target not in _HEAVY:
+            continue
+        for path, cls in _module_stack(n):
+            m = _INDEXED.match(path)
+            if m:
+                owner[n] = (path, m.group(1), cls)
+                break
+    members: dict[tuple[str, str], set] = {}
+    for path, parent, cls in owner.values():
+        members.setdefault((parent, cls), set()).add(path)
+    return {n: o[0] for n, o in owner.items() if len(members[(o[1], o[2])]) >= 2}
+
+
+def block_cuts(graph: fx.Graph, forks: list[fx.Node], blocks: dict[fx.Node, str]) -> list[fx.Node]:
+    """One cut per block, where the reference's ``ActSampler`` sits (on the block's output,
+    ``vcas/model_processor.py`` 41-47): the lowest residual fork with all the block's matmuls below
+    it.  ``forks`` top first (:func:`find_cuts`); the result too."""
+    f = Flow.of(graph)
+    by_block: dict[str, list[fx.Node]] = {}
+    for n, b in blocks.items():
+        by_block.setdefault(b, []).append(n)
+    chosen = set()
+    for nodes in by_block.values():
+        for c in reversed(forks):  # lowest first
+            if all(f.below(c, n) for n in nodes):
+                chosen.add(c)
+                break
+    return [c for c in forks if c in chosen]
 
 
 def _is_residual(b: fx.Node, desc: dict, idx: dict, heavy: list) -> bool:

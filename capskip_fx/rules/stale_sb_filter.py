@@ -36,7 +36,7 @@ from typing import Any, Iterable, Iterator, Optional
 import torch
 from torch import Tensor
 
-from ..rules.stale_sb import StaleSB
+from .stale_sb import StaleSB
 
 
 class StaleBatchFilter:
@@ -75,6 +75,13 @@ class StaleBatchFilter:
         self.n_forwarded += int(forward.sum())  # the loader needs the mask on the host anyway
         return forward
 
+    def unforward(self, index: Tensor) -> None:
+        """Rows this filter passed that will not be forwarded after all (a dropped tail): not counted
+        as forwarded, and their pre-selection cleared (see :meth:`StaleSB.unplan`)."""
+        index = torch.as_tensor(index)
+        self.rule.unplan(index)
+        self.n_forwarded -= int(index.shape[0])
+
     def state_dict(self) -> dict[str, Any]:
         g = self._generator
         return {"n_seen": self.n_seen, "n_forwarded": self.n_forwarded,
@@ -97,8 +104,13 @@ class StaleBatchFilter:
 
 class StaleBatchSampler:
     """Batch sampler: pulls indices from ``sampler`` in chunks of ``batch_size``, filters them, and
-    yields batches of exactly ``batch_size`` forwarded indices (the last one shorter unless
-    ``drop_last``).  ``epoch`` advances by one after each full pass; ``set_epoch`` sets it."""
+    yields batches of exactly ``batch_size`` forwarded indices, then the shorter rest (as the
+    reference flushes its queues at each epoch's end, ``lib/trainer.py`` 175-182, 251-254).  With
+    ``drop_last`` the rest is dropped instead and handed back to the filter
+    (:meth:`StaleBatchFilter.unforward`): not counted as forwarded, pre-selections cleared; those rows
+    miss this epoch's training and, if they were due a scoring forward, are scored the next time they
+    come up (a deviation from the reference; the harness does not drop).  ``epoch`` advances by one
+    after each full pass; ``set_epoch`` sets it."""
 
     def __init__(self, sampler: Iterable[int], filt: StaleBatchFilter, batch_size: int,
                  drop_last: bool = False, epoch: int = 0):
@@ -142,4 +154,6 @@ class StaleBatchSampler:
             out = out[self.batch_size:]
         if out and not self.drop_last:
             yield out
+        elif out:
+            self.filter.unforward(torch.tensor(out, dtype=torch.long))
         self.epoch += 1
