@@ -17,6 +17,7 @@ ideal = (F + f*B) / (F + B) with the dense F and B.
 from __future__ import annotations
 
 import argparse
+import copy
 import dataclasses
 import json
 import platform
@@ -30,6 +31,7 @@ import torch
 import torch.nn.functional as F
 
 import capskip_fx
+from capskip_fx.backend import backend_of
 from capskip_fx.cpu import retain_freed_memory
 from results_io import write_results
 from capskip_fx.rules.stale_sb_filter import StaleBatchFilter
@@ -55,6 +57,8 @@ def parse():
                    help="the capskip model's row gather (eager, the default; graph: ops of the compiled backward)")
     p.add_argument("--mode", default=None,
                    help="torch.compile mode for dense and capskip alike (reduce-overhead: CUDA graphs, capskip buckets=8)")
+    p.add_argument("--regional", action="store_true",
+                   help="also a regionally compiled copy (capskip_fx.compile_regions: blocks and head in place)")
     p.add_argument("--compare-gather", action="store_true",
                    help="also time the forced rows with the other gather, on a second compiled model")
     p.add_argument("--flop-draws", type=int, default=3, help="aot_eager backwards counted per VCAS setting")
@@ -103,6 +107,10 @@ def main():
     other = {"graph": "eager", "eager": "graph"}[a.gather]
     cm_g = capskip_fx.compile(model, rule="dense", gather=other, mode=a.mode) if a.compare_gather else None
     owner = {}  # variant -> the compiled model whose stats it reports (default cm)
+    reg = None
+    if a.regional:  # a copy: in-place compiles would change the model the other variants compile
+        reg = copy.deepcopy(model)
+        capskip_fx.compile_regions(reg, rule="dense", gather=a.gather, **({"mode": a.mode} if a.mode else {}))
 
     forwarded = {}  # variant -> fraction of the batch forwarded (Stale-SB drops rows before it)
 
@@ -145,6 +153,15 @@ def main():
             return fw + sel, bw
 
         variants[f"capskip forced f={f:g}"] = run_forced
+        if reg is not None:
+            def run_regional(keep=keep):
+                backend = backend_of(reg)  # made by its first (warm-up) step, with the dense rule
+                if backend is not None:
+                    backend.state.rule = Forced(keep=lambda _: keep)
+                reg.zero_grad(set_to_none=True)
+                return step(reg, mean_ce)
+            variants[f"capskip regional f={f:g}"] = run_regional
+            owner[f"capskip regional f={f:g}"] = reg
         if cm_g is not None:
             def run_other(keep=keep):
                 cm_g.rule = Forced(keep=lambda _: keep)

@@ -438,7 +438,7 @@ def capskip_backend(gm: fx.GraphModule, example_inputs, options: Optional[dict] 
         backend.options_key = key
     if owner is not None and key not in _BY_OWNER.get(owner, {}):
         _BY_OWNER.setdefault(owner, {})[key] = backend
-        owner.register_forward_hook(_BindLogits(backend))
+        owner.register_forward_hook(_BindLogits(backend, owner))
         for m in (owner, getattr(owner, "_orig_mod", None), getattr(owner, "module", None)):
             pending = _PENDING_STATE.pop(m, None) if m is not None else None
             if pending is not None:  # capskip_fx.load_state_dict before the first step: restore now
@@ -455,13 +455,13 @@ class _BindLogits:
     autograd node of the logits it returns (RuntimeState.end_forward), so only that graph runs the rule.
     Logits from eager code (a head left out of a regional compile) make the step dense, with the reason."""
 
-    def __init__(self, backend: "CapskipBackend"):
-        self.backend = weakref.ref(backend)
+    def __init__(self, backend: "CapskipBackend", owner: torch.nn.Module):
+        self.backend, self.owner = weakref.ref(backend), weakref.ref(owner)
 
     def __call__(self, module, args, out) -> None:
         backend = self.backend()
-        if backend is None or not torch.is_grad_enabled():
-            return
+        if backend is None or not torch.is_grad_enabled() or module is not self.owner():
+            return  # a deep copy of the model (an EMA, a reference) carries this hook too: not ours
         logits = logits_of(out, backend.logits_index)
         if not isinstance(logits, torch.Tensor) or not logits.requires_grad or logits.dim() != 2:
             return  # nothing to bind (token-shaped outputs): each graph records its own reason

@@ -110,10 +110,12 @@ def test_base_modules_import_only_what_lies_below(base, below):
 
 
 def test_rules_import_the_base_not_each_other():
-    """A rule file imports rules.base and rules.labels; only StaleSB extends a sibling (SB with a cache).
-    The package's registry is allowed (RandomSkip(match="sb") looks the name up)."""
+    """A rule file imports rules.base and rules.labels; only StaleSB extends a sibling (SB with a cache), and
+    Stale-SB's data-side filter sits beside its rule.  The package's registry is allowed
+    (RandomSkip(match="sb") looks the name up)."""
     shared = {"capskip_fx.rules", "capskip_fx.rules.base", "capskip_fx.rules.labels"}
-    extends = {("capskip_fx.rules.stale_sb", "capskip_fx.rules.selective_backprop")}
+    extends = {("capskip_fx.rules.stale_sb", "capskip_fx.rules.selective_backprop"),
+               ("capskip_fx.rules.stale_sb_filter", "capskip_fx.rules.stale_sb")}
     bad = [(src, dst) for src, dst, _, _ in _imports()
            if src.startswith("capskip_fx.rules.") and dst.startswith("capskip_fx.rules")
            and dst not in shared and (src, dst) not in extends]
@@ -182,3 +184,13 @@ def test_library_never_imports_the_harness():
     assert into, "no import of capskip_fx.train found at all: the test would pass vacuously"
     bad = [(src, dst) for src, dst in into if not _within(src, "capskip_fx.train")]
     assert not bad, f"the library imports the harness: {bad}"
+
+
+def test_integrations_sit_on_top():
+    """integrations/ (trainer callbacks) import the public API only, and nothing in the library imports them."""
+    into = [(src, dst) for src, dst, _, _ in _imports()
+            if dst.startswith("capskip_fx.integrations") and not src.startswith("capskip_fx.integrations")]
+    assert not into, f"library modules importing the integrations: {into}"
+    below = [(src, dst) for src, dst, _, _ in _imports() if src.startswith("capskip_fx.integrations.")
+             and dst.startswith("capskip_fx") and dst not in {"capskip_fx.api"}]
+    assert not below, f"integrations reaching past capskip_fx.api: {below}"

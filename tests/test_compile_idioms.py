@@ -424,3 +424,20 @@ def test_verify_runs_again_when_the_first_checked_step_kept_a_prefix():
         F.cross_entropy(cm(torch.randn(N, 6, dtype=torch.float64)), torch.randint(0, 3, (N,))).backward()
     head = next(r for r in cm.backend.records if r.selected)
     assert head.checks == 2 and head.verified and head.verified_unordered, (head.checks, head.verified_unordered)
+
+
+def test_a_deep_copy_of_an_in_place_compiled_model_leaves_its_stats_alone():
+    """Regression: the logits hook travels with ``copy.deepcopy`` (an EMA, a reference model); the copy's
+    forwards recorded dense steps into the original's stats."""
+    torch.manual_seed(12)
+    model = _mlp().double()
+    model.compile(backend="capskip", options=OPTS)
+    x, y = torch.randn(N, 6, dtype=torch.float64), torch.randint(0, 3, (N,))
+    F.cross_entropy(model(x), y).backward()
+    copy_ = copy.deepcopy(model)
+    for m in copy_.modules():
+        m._compiled_call_impl = None  # torch shares the original's compiled call with a deep copy
+    F.cross_entropy(copy_(x), y).backward()
+    F.cross_entropy(model(x), y).backward()
+    s = capskip_fx.stats(model)
+    assert (s.step, s.mode, s.kept) == (1, "selected", N // 2), s

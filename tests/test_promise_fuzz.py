@@ -117,12 +117,12 @@ def slow(n):
 
 ROWWISE = ("linear", "flat_linear", "reshape_linear", "ln", "gelu", "relu", "relu_inplace", "res_mlp", "glu",
            "attn", "einsum_attn", "tokmix", "conv1d", "groupnorm", "bn_eval", "l2norm", "dropout", "droppath",
-           "row_mask")
+           "row_mask", "fn_rowwise")
 # cross-example ops (true coupling; "center_detached" mixes the forward only) and row-wise math whose
 # batch is not batch-major inside (layout)
 MIXING = ("bn", "center", "center_detached", "bsoftmax", "bsum", "max0", "normalize0", "roll", "flip", "shift_cat",
           "sort", "cumsum", "index_select", "perm_index", "gram", "mha_over_batch",
-          "rolled_mask")
+          "rolled_mask", "row_index_value", "fn_mixing")
 LAYOUT = ("tokmajor", "mha_bf", "mha_tf")
 NMAX = 9  # batch sizes 2..9
 
@@ -268,6 +268,12 @@ def codegen(spec: Spec):
                 L.append("    h = h + h.sum(0) * 0.25")
             elif op == "roll":
                 L.append("    h = h + torch.roll(h, 1, 0)")
+            elif op == "row_index_value":  # the row index in arithmetic: a gathered backward would renumber it
+                L.append("    h = h * (1 + 0.05 * torch.arange(h.shape[0], dtype=h.dtype, device=h.device)[:, None, None])")
+            elif op == "fn_mixing":  # a custom autograd.Function whose backward mixes rows (not declared)
+                L.append("    h = CenterGrad.apply(h)")
+            elif op == "fn_rowwise":  # a custom autograd.Function declared row-wise (capskip_fx.rowwise)
+                L.append("    h = ScaleGrad.apply(h)")
             elif op == "sort":
                 L.append("    h = h + torch.sort(h, dim=0).values")
             elif op == "cumsum":
@@ -308,6 +314,31 @@ def codegen(spec: Spec):
     return "\n".join(L) + "\n", mods, bufs, params, evals
 
 
+class CenterGrad(torch.autograd.Function):
+    """Identity forward; the backward centres the gradient over the batch (mixes rows the proof can't see)."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x * 1.0
+
+    @staticmethod
+    def backward(ctx, g):
+        return g - g.mean(0, keepdim=True)
+
+
+@capskip_fx.rowwise
+class ScaleGrad(torch.autograd.Function):
+    """x -> 2x with its own (row-wise) backward."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x * 2.0
+
+    @staticmethod
+    def backward(ctx, g):
+        return g * 2.0
+
+
 class FuzzNet(nn.Module):
     src = ""
 
@@ -324,7 +355,7 @@ def build_model(spec: Spec, dtype=torch.float64) -> nn.Module:
     uid = next(_UID)
     fname = f"<capskip-fuzz-model-{uid}>"
     linecache.cache[fname] = (len(src), None, src.splitlines(True), fname)  # tracebacks / stack traces
-    ns = {"torch": torch, "F": F}
+    ns = {"torch": torch, "F": F, "CenterGrad": CenterGrad, "ScaleGrad": ScaleGrad}
     exec(compile(src, fname, "exec"), ns)
     cls = type(f"FuzzNet{uid}", (FuzzNet,), {"forward": ns["forward"], "src": src})
     torch.manual_seed(spec.seed)
@@ -469,10 +500,41 @@ def _grads(model) -> dict:
 
 
 def reason_recorded(cm) -> Optional[str]:
+    cm = cm.compiled if isinstance(cm, InPlace) else cm
     st_ = capskip_fx.stats(cm)
     if st_.fallback is not None:
         return st_.fallback
     return next((r["reason"] for r in capskip_fx.report(cm) if r.get("reason")), None)
+
+
+class InPlace:
+    """A model compiled in place (``m.compile()``, per layer, per block) as the fuzzer's compiled model:
+    called like it, with the recording rule its string backend was given."""
+
+    def __init__(self, compiled: nn.Module, rule: "RecordingRule"):
+        self.compiled, self.rule = compiled, rule
+
+    def __call__(self, *args, **kwargs):
+        return self.compiled(*args, **kwargs)
+
+
+IDIOMS = ("in_place", "per_layer", "per_child")
+
+
+def compile_idiom(model: nn.Module, plan, idiom: str, backend: str = "aot_eager") -> InPlace:
+    """Compile ``model`` in place with the string backend: the whole model, every leaf module with
+    parameters (per layer), or every direct child (per block)."""
+    rule = RecordingRule(plan)
+    opts = {"rule": rule, "backend": backend}
+    if idiom == "in_place":
+        targets = [model]
+    elif idiom == "per_layer":
+        targets = [m for m in model.modules() if not list(m.children()) and any(True for _ in m.parameters(False))]
+    else:
+        targets = [m for m in model.children() if any(True for _ in m.parameters())]
+    for m in targets:
+        m.compile(backend="capskip", options=opts)
+    return InPlace(model, rule)
 
 
 def max_rel_err(got: dict, ref: dict) -> tuple[float, str]:
@@ -492,15 +554,24 @@ def max_rel_err(got: dict, ref: dict) -> tuple[float, str]:
     return worst, name
 
 
+def _eager_copy(model: nn.Module) -> nn.Module:
+    """A deep copy that runs eagerly.  ``m.compile()`` stores a compiled bound method of the ORIGINAL module
+    (``_compiled_call_impl``), which deepcopy shares: the copy would run the original's parameters."""
+    ref = copy.deepcopy(model)
+    for m in ref.modules():
+        m._compiled_call_impl = None
+    return ref
+
+
 class Reference:
     """Float64 eager reference on a deep copy of the model taken before the step.  For a float32 model
     also an eager copy in its own dtype (``low``): how far eager float32 itself is from float64 sets the
     tolerance of ill-conditioned steps (e.g. BatchNorm over 2 rows)."""
 
     def __init__(self, model: nn.Module):
-        self.model = copy.deepcopy(model).double()
+        self.model = _eager_copy(model).double()
         low = next(model.parameters()).dtype != torch.float64
-        self.low = copy.deepcopy(model) if low else None
+        self.low = _eager_copy(model) if low else None
         self.cache: dict = {}
 
     def grad(self, fwd: Fwd, w: torch.Tensor, key, low: bool = False) -> tuple[dict, torch.Tensor]:
@@ -762,6 +833,23 @@ POOL_SPECS = {
                    pool="first", seed=3),
 }
 _POOL: dict = {}
+
+
+@fast(8)
+@given(spec=specs(max_depth=2, breaks=None, extra=("row_index_value", "fn_mixing")), plan=plans,
+       steps=single_steps(), idiom=st.sampled_from(IDIOMS))
+def test_fuzz_compile_idioms(spec, plan, steps, idiom):
+    """The promise when the model is compiled in place (``m.compile()``), per layer or per block with
+    ``backend="capskip"``: one rule run per backward, on the returned logits; every other graph drops
+    only rows without gradient; refused graphs (row index arithmetic, an undeclared autograd.Function)
+    run dense with the reason."""
+    _describe(spec, f"\nidiom: {idiom}")
+    model = build_model(spec)
+    cm = compile_idiom(model, plan, idiom)
+    for i, (n, seed) in enumerate(steps):
+        run_step(cm, model, [make_forward(spec, n, seed)], ("sum",), TOL[torch.float64],
+                 what=f"{idiom} step {i} (N={n})")
+    event(f"idiom {idiom}: {capskip_fx.stats(model).mode}")
 
 
 def pooled(name: str, plan):
