@@ -86,12 +86,15 @@ class CapskipModule(nn.Module):
             if not self._backend.records:
                 # Dynamo ran the model without handing us a graph (e.g. its recompile_limit was reached
                 # by earlier compiles of the same forward code): an eager, dense step; say so
-                self._state.warn_once(_NO_GRAPH_REASON)
-                self._state.record_dense_step(n, _NO_GRAPH_REASON)
+                reason = _no_graph_reason(self.model)
+                self._state.warn_once(reason)
+                self._state.record_dense_step(n, reason)
             elif not self._backend.any_selected:  # no graph found the head: every step is dense
-                reason = self._state.fallback or next((r.no_head for r in self._backend.records if r.no_head),
-                                                      "no graph holds the classifier head")
-                self._state.warn_once(f"{reason} -> dense backward")
+                reason = self._state.fallback  # a graph's refusal: warned once, for its graph
+                if reason is None:
+                    reason = next((r.no_head for r in self._backend.records if r.no_head),
+                                  "no graph holds the classifier head")
+                    self._state.warn_once(f"{reason} -> dense backward")
                 self._state.record_dense_step(n, reason)
             elif not bound and self._backend.any_selected:
                 self._state.warn_once(UNBOUND_REASON)
@@ -131,6 +134,15 @@ def _load_state_dict_pre_hook(module: "CapskipModule", state_dict, prefix: str, 
     inner = prefix + "model."
     for k in [k for k in state_dict if k.startswith(prefix) and not k.startswith(inner)]:
         state_dict[inner + k[len(prefix):]] = state_dict.pop(k)
+
+
+def _no_graph_reason(model: nn.Module) -> str:
+    """Why Dynamo handed us no graph: RNN modules it does not trace, else (most likely) its recompile_limit."""
+    rnns = sorted({type(m).__name__ for m in model.modules() if isinstance(m, nn.RNNBase)})
+    if rnns and not getattr(torch._dynamo.config, "allow_rnn", False):
+        return (f"Dynamo does not trace {'/'.join(rnns)} (torch._dynamo.config.allow_rnn is False), so torch.compile "
+                "ran the model eagerly: dense backward")
+    return _NO_GRAPH_REASON
 
 
 _NO_GRAPH_REASON = ("torch.compile produced no graph for this model (Dynamo's recompile_limit reached? see "
@@ -229,6 +241,8 @@ def _backend_of(model) -> CapskipBackend:
     if isinstance(model, CapskipBackend):
         return model
     backend = backend_of(model) if isinstance(model, nn.Module) else None
+    if backend is None and isinstance(model, nn.Module) and any(isinstance(m, nn.RNNBase) for m in model.modules()):
+        raise TypeError(f"capskip_fx.stats/report: no graph of this model reached capskip: {_no_graph_reason(model)}")
     if backend is None:
         raise TypeError("capskip_fx.stats/report expect the module returned by capskip_fx.compile, or one "
                         "compiled by torch.compile(backend='capskip') after its first step. If this one has run "

@@ -61,6 +61,7 @@ on a graph).
 from __future__ import annotations
 
 import operator
+import re
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Union
 
@@ -221,9 +222,19 @@ def backward_nodes(graph: fx.Graph) -> set[fx.Node]:
 
 
 def _where(n: fx.Node) -> str:
+    """`` (in <module path> (<class>), at: <source line>)``: the innermost module and the user's line (a
+    library module such as BatchNorm has no line of the user's own inside it)."""
     code = [ln.strip() for ln in n.meta.get("stack_trace", "").splitlines()
             if ln.strip() and set(ln.strip()) - set("^~")]
-    return f" (at: {code[-1]})" if code else ""
+    stack = list((n.meta.get("nn_module_stack") or {}).values())
+    parts = []
+    if stack:
+        path, cls = stack[-1]
+        path = re.sub(r"^L\['[^']*'\]\.?", "", str(path)) or "the model"
+        parts.append(f"in {path} ({getattr(cls, '__name__', str(cls).rsplit('.', 1)[-1])})")
+    if code:
+        parts.append(f"at: {code[-1]}")
+    return f" ({', '.join(parts)})" if parts else ""
 
 
 def _op(n: fx.Node) -> str:

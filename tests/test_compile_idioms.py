@@ -441,3 +441,47 @@ def test_a_deep_copy_of_an_in_place_compiled_model_leaves_its_stats_alone():
     F.cross_entropy(model(x), y).backward()
     s = capskip_fx.stats(model)
     assert (s.step, s.mode, s.kept) == (1, "selected", N // 2), s
+
+
+class WithBatchNorm(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.bn, self.head = nn.Linear(6, 8), nn.BatchNorm1d(8), nn.Linear(8, 3)
+
+    def forward(self, x):
+        return self.head(self.bn(self.a(x)))
+
+
+class Recurrent(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.rnn, self.head = nn.LSTM(6, 8, batch_first=True), nn.Linear(8, 3)
+
+    def forward(self, x):
+        return self.head(self.rnn(x)[0][:, -1])
+
+
+def test_a_refusal_names_the_library_module_and_warns_once():
+    """Regression: BatchNorm's refusal named only the aten op, and it was warned twice (graph and step)."""
+    cm = capskip_fx.compile(WithBatchNorm().double(), backend="aot_eager")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        F.cross_entropy(cm(torch.randn(N, 6, dtype=torch.float64)), torch.randint(0, 3, (N,))).backward()
+    reason = capskip_fx.stats(cm).fallback
+    assert "in bn (BatchNorm1d)" in reason and "at: return self.head(self.bn(self.a(x)))" in reason, reason
+    ours = [str(w.message) for w in caught if "capskip_fx" in str(w.message)]
+    assert len(ours) == 1, f"warned {len(ours)} times: {ours}"
+
+
+def test_an_rnn_gets_its_true_reason():
+    """Regression: an LSTM model read "no graph (recompile_limit reached?)"; Dynamo does not trace RNNs."""
+    cm = capskip_fx.compile(Recurrent().double(), backend="aot_eager")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        F.cross_entropy(cm(torch.randn(N, 5, 6, dtype=torch.float64)), torch.randint(0, 3, (N,))).backward()
+    s = capskip_fx.stats(cm)
+    assert s.mode == "dense" and "does not trace LSTM" in s.fallback, s
+    model = Recurrent().double()
+    torch.compile(model, backend="capskip", options=OPTS)(torch.randn(N, 5, 6, dtype=torch.float64)).sum().backward()
+    with pytest.raises(TypeError, match="does not trace LSTM"):
+        capskip_fx.stats(model)
