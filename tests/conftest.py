@@ -27,6 +27,15 @@ def pytest_collection_modifyitems(config, items):
 torch.set_num_threads(2)
 
 
+@pytest.fixture
+def many_compiles():
+    """Files whose tests each compile their own model (or one cache entry per instance: in-place and
+    per-block compiles) use this: past Dynamo's per-code recompile_limit (8) later compiles of the same
+    forward code would run eagerly."""
+    with torch._dynamo.config.patch(recompile_limit=64):
+        yield
+
+
 def make_mlp():
     return nn.Sequential(nn.Linear(12, 16), nn.GELU(), nn.Linear(16, 5))
 

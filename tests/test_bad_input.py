@@ -21,14 +21,9 @@ from capskip_fx.rules import CAPSkip, make_rule
 
 from conftest import max_rel_err, reference_grads
 
+pytestmark = pytest.mark.usefixtures("many_compiles")  # conftest: every test compiles its own model
+
 N, C = 8, 5
-
-
-@pytest.fixture(autouse=True)
-def _many_compiles():
-    # every test compiles its own model; keep Dynamo's per-code recompile_limit out of the way
-    with torch._dynamo.config.patch(recompile_limit=64):
-        yield
 
 
 class Net(nn.Module):

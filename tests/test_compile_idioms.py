@@ -11,13 +11,7 @@ from torch import nn
 
 import capskip_fx
 
-@pytest.fixture(autouse=True)
-def _many_compiles():
-    # every test compiles its own Linears / blocks (one cache entry per instance): past recompile_limit
-    # Dynamo would run them eagerly
-    with torch._dynamo.config.patch(recompile_limit=64):
-        yield
-
+pytestmark = pytest.mark.usefixtures("many_compiles")  # conftest: every test compiles its own model
 
 OPTS = {"rule": "random", "keep": 0.5, "backend": "aot_eager"}
 N = 8

@@ -18,13 +18,9 @@ from capskip_fx.debug import count_host_reads
 
 from conftest import max_rel_err
 
+pytestmark = pytest.mark.usefixtures("many_compiles")  # conftest: every test compiles its own model
+
 N, C, D = 16, 5, 6
-
-
-@pytest.fixture(autouse=True)
-def _many_compiles():
-    with torch._dynamo.config.patch(recompile_limit=64):
-        yield
 
 
 class Net(nn.Module):

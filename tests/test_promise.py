@@ -16,11 +16,7 @@ from capskip_fx.rules import Forced, Rule, Selection
 
 from conftest import max_rel_err
 
-
-@pytest.fixture(autouse=True)
-def _many_compiles():
-    with torch._dynamo.config.patch(recompile_limit=64):
-        yield
+pytestmark = pytest.mark.usefixtures("many_compiles")  # conftest: every test compiles its own model
 
 
 class Net(nn.Module):

@@ -20,15 +20,9 @@ from capskip_fx.rules import CAPSkip, Forced, Rule, Selection
 
 from conftest import make_deit, max_rel_err, reference_grads
 
+pytestmark = pytest.mark.usefixtures("many_compiles")  # conftest: every test compiles its own model
+
 N = 8
-
-
-@pytest.fixture(autouse=True)
-def _many_compiles():
-    # every test compiles its own model; Dynamo's per-code-object recompile_limit (8) would otherwise
-    # make later compiles of the same forward run eagerly (see test_bad_input: no graph -> reason)
-    with torch._dynamo.config.patch(recompile_limit=64):
-        yield
 
 
 class MLP(nn.Module):

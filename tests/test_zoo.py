@@ -14,6 +14,8 @@ import torch.nn.functional as F
 
 import capskip_fx
 
+pytestmark = pytest.mark.usefixtures("many_compiles")  # conftest: every test compiles its own model
+
 N = 6
 KEEP = (1, 4)  # forced keep set: 2 of 6 rows, gathered
 
@@ -108,12 +110,6 @@ def run_zoo_model(name: str, seed: int = 0) -> dict:
         "warnings": [str(m.message) for m in caught if "capskip_fx" in str(m.message)],
         "max_rel_err": _rel_err(grads, ref_grads),
     }
-
-
-@pytest.fixture(autouse=True)
-def _many_compiles():
-    with torch._dynamo.config.patch(recompile_limit=64):
-        yield
 
 
 @pytest.mark.parametrize("name", list(ZOO))
