@@ -7,6 +7,10 @@ from typing import Any, Optional, Union
 import torch
 from torch import Tensor, nn
 
+from . import compat
+
+compat.check()  # a moved torch internal fails here, loudly, never as a silently dense step
+
 from . import ops
 from .backend import CapskipBackend, backend_of, capskip_backend, load_pending_state
 from .config import CapskipConfig, split_options

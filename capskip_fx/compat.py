@@ -1,7 +1,8 @@
-"""The torch internals capskip_fx relies on, checked once at import.
+"""The torch internals capskip_fx relies on, checked once when the library loads (api.py and
+dynamo_entry.py, its two entry points; the package itself loads lazily).
 
 The pass hooks into private Inductor / AOTAutograd / Dynamo / autograd APIs.  If one has moved in the
-installed torch, importing capskip_fx fails here with the torch version and what is missing: it must
+installed torch, loading capskip_fx fails here with the torch version and what is missing: it must
 never degrade into a silently dense (or wrong) step.  Optional internals (the code has a documented
 fallback when they are absent) are not checked.
 """

@@ -5,7 +5,11 @@ Loading it (at ``torch.compile``, before the first frame is traced) also makes d
 frames' tensor arguments dynamic (``backend.make_batch_dynamic``), so that a static batch (a drop_last
 loader, no ``mark_dynamic``) still gets the selected-row backward.
 """
-from .backend import capskip_backend, make_batch_dynamic
+from . import compat
+
+compat.check()  # a moved torch internal fails here, loudly
+
+from .backend import capskip_backend, make_batch_dynamic  # noqa: E402
 
 make_batch_dynamic()
 

@@ -1,4 +1,4 @@
-"""A torch whose internals moved fails at import, naming the version and what is missing."""
+"""A torch whose internals moved fails when the library loads, naming the version and what is missing."""
 from __future__ import annotations
 
 import subprocess
@@ -21,8 +21,11 @@ def test_a_missing_internal_is_named_with_the_torch_version(monkeypatch):
     assert torch.__version__ in str(e.value)
 
 
-def test_import_fails_loudly_when_an_internal_moved():
+@pytest.mark.parametrize("entry", ["from capskip_fx import compile", "import capskip_fx.dynamo_entry"])
+def test_import_fails_loudly_when_an_internal_moved(entry):
+    """The package itself loads lazily (a torch-free ``--help``); its two entry points, the API and the
+    ``backend="capskip"`` entry point, check the internals when they load."""
     code = ("import torch; del torch._C._current_autograd_node\n"
-            "try:\n    import capskip_fx\nexcept ImportError as e:\n    print('IMPORT-ERROR', e)\n")
+            f"try:\n    {entry}\nexcept ImportError as e:\n    print('IMPORT-ERROR', e)\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120).stdout
     assert "IMPORT-ERROR" in out and "_current_autograd_node" in out and torch.__version__ in out, out

@@ -60,8 +60,6 @@ def test_help_loads_nothing_a_run_needs(help_run):
     assert not loaded, f"--help imported what only a run needs: {loaded}"
 
 
-@pytest.mark.xfail(strict=True, reason="capskip_fx/__init__.py imports the library (torch) eagerly; "
-                                       "`python -m capskip_fx.train` runs it first")
 def test_help_imports_no_torch(help_run):
     p, modules = help_run
     assert p.returncode == 0, f"capskip-train --help failed: {p.stderr[-3000:]}"
