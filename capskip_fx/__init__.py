@@ -20,7 +20,7 @@ _EXPORTS = {
     **{n: "api" for n in ("compile", "compile_regions", "stats", "report", "summary", "state_dict",
                           "load_state_dict", "CapskipModule")},
     "CapskipConfig": "config",
-    "rowwise": "rowwise",
+    "rowwise": "functions",
     **{n: "rules" for n in ("RULES", "Rule", "HeadView", "Selection", "make_rule")},
     "VCAS": "vcas.controller",
 }

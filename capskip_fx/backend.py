@@ -24,7 +24,7 @@ from .passes.gather_in_graph import check_full_rows_free, gather_in_graph
 from .passes.insert_select import SELECT, SELECTION_OPS, InsertSelectPass
 from .passes.selected_rows import BackwardPlan, plan_backward
 from .records import BackwardMode, GraphRecord, Refused, counters
-from .rowwise import undeclared_function
+from .functions import undeclared_function
 from .rules import build_rule
 from .runtime.backward import SelectedRowBackward
 from .runtime.state import UNBOUND_REASON, ForwardContext, RuntimeState, logits_of

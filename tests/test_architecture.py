@@ -194,3 +194,22 @@ def test_integrations_sit_on_top():
     below = [(src, dst) for src, dst, _, _ in _imports() if src.startswith("capskip_fx.integrations.")
              and dst.startswith("capskip_fx") and dst not in {"capskip_fx.api"}]
     assert not below, f"integrations reaching past capskip_fx.api: {below}"
+
+
+def test_public_names_are_not_shadowed_by_submodules():
+    """Importing a submodule binds its name on the package; a public name must not share a module's name
+    (``capskip_fx.rowwise`` once resolved to the module, not the decorator, after backend.py loaded)."""
+    import importlib
+    import pkgutil
+
+    import capskip_fx
+    for m in pkgutil.walk_packages(capskip_fx.__path__, "capskip_fx."):
+        if m.name.endswith("__main__"):
+            continue
+        try:
+            importlib.import_module(m.name)
+        except ModuleNotFoundError as e:  # an integration whose optional extra is not installed
+            assert not (e.name or "").startswith("capskip_fx"), e
+    for name in capskip_fx.__all__:
+        value = getattr(capskip_fx, name)
+        assert not isinstance(value, type(capskip_fx)), f"capskip_fx.{name} is the module {value.__name__}"
