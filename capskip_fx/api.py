@@ -99,6 +99,9 @@ class CapskipModule(nn.Module):
                     reason = next((r.no_head for r in self._backend.records if r.no_head),
                                   "no graph holds the classifier head")
                     self._state.warn_once(f"{reason} -> dense backward")
+                untraced = _untraced_rnns(self.model)
+                if untraced and untraced not in reason:  # the graphs after an RNN's break: the cause first
+                    reason = f"{untraced}; the graph after it: {reason}"
                 self._state.record_dense_step(n, reason)
             elif not bound and self._backend.any_selected:
                 self._state.warn_once(UNBOUND_REASON)
@@ -140,12 +143,20 @@ def _load_state_dict_pre_hook(module: "CapskipModule", state_dict, prefix: str, 
         state_dict[inner + k[len(prefix):]] = state_dict.pop(k)
 
 
-def _no_graph_reason(model: nn.Module) -> str:
-    """Why Dynamo handed us no graph: RNN modules it does not trace, else (most likely) its recompile_limit."""
+def _untraced_rnns(model: nn.Module) -> Optional[str]:
+    """RNN modules Dynamo does not trace: it runs them eagerly (no graph, or a graph break before the head
+    whose graph then sees a static batch, torch >= 2.15)."""
     rnns = sorted({type(m).__name__ for m in model.modules() if isinstance(m, nn.RNNBase)})
     if rnns and not getattr(torch._dynamo.config, "allow_rnn", False):
-        return (f"Dynamo does not trace {'/'.join(rnns)} (torch._dynamo.config.allow_rnn is False), so torch.compile "
-                "ran the model eagerly: dense backward")
+        return f"Dynamo does not trace {'/'.join(rnns)} (torch._dynamo.config.allow_rnn is False)"
+    return None
+
+
+def _no_graph_reason(model: nn.Module) -> str:
+    """Why Dynamo handed us no graph: RNN modules it does not trace, else (most likely) its recompile_limit."""
+    untraced = _untraced_rnns(model)
+    if untraced:
+        return f"{untraced}, so torch.compile ran the model eagerly: dense backward"
     return _NO_GRAPH_REASON
 
 

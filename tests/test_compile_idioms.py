@@ -477,5 +477,9 @@ def test_an_rnn_gets_its_true_reason():
     assert s.mode == "dense" and "does not trace LSTM" in s.fallback, s
     model = Recurrent().double()
     torch.compile(model, backend="capskip", options=OPTS)(torch.randn(N, 5, 6, dtype=torch.float64)).sum().backward()
-    with pytest.raises(TypeError, match="does not trace LSTM"):
-        capskip_fx.stats(model)
+    try:  # torch <= 2.14 skips the frame (no graph); 2.15 breaks the graph at the LSTM and compiles the rest
+        s = capskip_fx.stats(model)
+    except TypeError as e:
+        assert "does not trace LSTM" in str(e), e
+    else:  # the head's graph after the break selects; the eager LSTM gets the kept rows' gradient
+        assert s.mode == "selected" and s.rows < s.n, s
