@@ -74,7 +74,8 @@ def build_parser() -> argparse.ArgumentParser:
     add("--pretrained", action=argparse.BooleanOptionalAction, help="start from timm's pretrained weights "
                                                                    "(downloads; offline use --initial-checkpoint)")
     g = t.add_argument_group("selection")
-    add("--rule", str, "selection rule ('vcas': all rows, VCAS samples inside the backward)", choices=RULE_NAMES)
+    add("--rule", str, "selection rule ('vcas': all rows, VCAS samples inside the backward; 'infobatch': "
+                       "InfoBatch prunes samples at the sampler; 'capskip+infobatch': both)", choices=RULE_NAMES)
     add("--budget", float, "relative last-layer gradient budget b")
     add("--keep", _optional(float), "keep fraction (forced, random, sb)")
     add("--match", _optional(str), "rule whose per-step kept counts to match (random)")
@@ -83,6 +84,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--vcas-opt", dest="vcas_opt", type=_key_value, action="append",
                    help="VCAS option KEY=VALUE (capskip_fx.VCAS fields, e.g. freq=16); with a rule other "
                         "than vcas it turns VCAS on inside that rule's kept rows; repeatable")
+    add("--infobatch-ratio", float, "InfoBatch (rule infobatch, capskip+infobatch): share r of the samples whose "
+                                    "last loss is below the mean pruned each epoch (kept ones weigh 1/(1-r))")
+    add("--infobatch-delta", float, "InfoBatch: the first delta x epochs epochs prune, the rest use all data")
     add("--backend", str, choices=BACKENDS)
     g = t.add_argument_group("optimisation")
     add("--epochs", int)

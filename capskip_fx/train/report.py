@@ -29,7 +29,7 @@ def rule_takes_budget(rule: str) -> bool:
         from capskip_fx.rules import RULES
     except ImportError:  # pragma: no cover - rules package missing
         RULES = {}
-    cls = RULES.get(rule)
+    cls = RULES.get(rule.split("+")[0])  # capskip+infobatch: capskip's budget
     if cls is None:
         return rule == "capskip"
     return "budget" in inspect.signature(cls).parameters
@@ -47,6 +47,8 @@ def run_label(cfg: dict[str, Any]) -> str:
         parts.append(f"b={float(cfg.get('budget', 0.1)):g}")
     if cfg.get("keep") is not None:
         parts.append(f"keep={float(cfg['keep']):g}")
+    if "infobatch" in str(rule):
+        parts.append(f"r={float(cfg.get('infobatch_ratio', 0.5)):g} delta={float(cfg.get('infobatch_delta', 0.875)):g}")
     parts += [f"{k}={v}" for k, v in sorted((cfg.get("rule_options") or {}).items())]
     vcas = cfg.get("vcas_options")
     if vcas is not None and rule != "vcas":
