@@ -160,7 +160,8 @@ class InfoBatchSampler(torch.utils.data.Sampler):
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if tuple(state["scores"].shape) != (self.n,):
-            raise ValueError(f"InfoBatch state for {state['scores'].shape[0]} samples, this dataset has {self.n}")
+            raise ValueError(f"InfoBatch state for {state['scores'].shape[0]} samples, this dataset has {self.n}: "
+                             f"resume with the dataset and --train-subset of the run that saved it")
         self.scores = state["scores"].clone().float()
         self.weights = state["weights"].clone().float()
         self.epoch = int(state["epoch"])
