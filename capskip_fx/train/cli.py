@@ -113,6 +113,9 @@ def build_parser() -> argparse.ArgumentParser:
     c = sub.add_parser("compare", help="plots + Markdown table over run directories")
     c.add_argument("runs", nargs="+", help="run directories, or folders searched for them")
     c.add_argument("--out", default="runs/compare", help="output folder (default: runs/compare)")
+    c.add_argument("--load-drift", type=float, default=0.2,
+                   help="mark a wall-clock ratio when a run's median data-loading time per step differs from "
+                        "dense's by more than this fraction (the machine's load changed; default: 0.2)")
     return p
 
 
@@ -164,7 +167,7 @@ def run(argv: Optional[Sequence[str]] = None) -> Any:
         argv.insert(0, "train")
     ns = parser.parse_args(argv)
     if ns.command == "compare":
-        table = compare(ns.runs, ns.out)
+        table = compare(ns.runs, ns.out, drift=ns.load_drift)
         print(table + f"\nwritten to {ns.out}/compare.md")
         return table
     cfg = config_from_args(ns)
@@ -173,15 +176,19 @@ def run(argv: Optional[Sequence[str]] = None) -> Any:
     return train(cfg)
 
 
-def compare(paths: Sequence[str | Path], out_dir: str | Path) -> str:
+def compare(paths: Sequence[str | Path], out_dir: str | Path, drift: Optional[float] = None) -> str:
     """``capskip-train compare``: the figures and ``compare.md`` for the runs under ``paths``; returns the
-    Markdown table."""
+    Markdown table.  What the table marks (time budget not reached, machine load changed) is also
+    printed to stderr as warnings."""
     from . import plots, report
 
     runs = report.find_runs(paths)
     out_dir = Path(out_dir)
     plots.plot_runs(runs, out_dir)
-    table = report.compare_table(runs)
+    table = report.compare_table(runs, report.LOAD_DRIFT if drift is None else drift)
+    for line in table.splitlines():
+        if line.startswith((report.MISSED, report.LOADED)):
+            print(f"warning: {line}", file=sys.stderr)
     (out_dir / "compare.md").write_text(report.compare_page(runs, table, plots.PLOTS))
     return table
 
