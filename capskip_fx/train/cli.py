@@ -104,6 +104,10 @@ def build_parser() -> argparse.ArgumentParser:
     add("--out", _optional(str), "run directory; None: runs/<dataset>-<rule>-s<seed>")
     add("--label", _optional(str), "group label for compare; None: rule + budget/options")
     add("--time-budget", _optional(float), "stop once training wall-clock (s) reaches this")
+    add("--max-steps", _optional(int), "stop after this many steps; the warm-up + cosine schedule spans them")
+    add("--steps-of", _optional(str), "a finished run's directory: a step-matched baseline of round(--ratio x its "
+                                      "steps) steps (sets --max-steps), with its own complete schedule")
+    add("--ratio", _optional(float), "with --steps-of: that rule's step-time ratio to dense (benchmarks/interleaved.py)")
     add("--schedule-by-time", action=argparse.BooleanOptionalAction,
         help="with --time-budget, anneal the learning rate on time progress too")
     add("--check-every", int, "exact distortion check every K steps (0: never)")

@@ -72,6 +72,9 @@ class TrainConfig:
     out: Optional[str] = None
     label: Optional[str] = None
     time_budget: Optional[float] = None
+    max_steps: Optional[int] = None  # stop after this many steps; the warm-up + cosine schedule spans them
+    steps_of: Optional[str] = None  # a finished run's dir: max_steps = round(ratio x its steps) (step-matched)
+    ratio: Optional[float] = None  # with steps_of: that rule's step-time ratio to dense
     schedule_by_time: bool = True
     check_every: int = 100  # 0: no distortion checks
     check_tol: float = 1e-4
@@ -100,6 +103,10 @@ class TrainConfig:
         if not 0.0 <= self.infobatch_ratio < 1.0 or not 0.0 <= self.infobatch_delta <= 1.0:
             bad(f"infobatch_ratio must be in [0, 1) and infobatch_delta in [0, 1], got {self.infobatch_ratio}, "
                 f"{self.infobatch_delta} (the reference's defaults: 0.5, 0.875)")
+        if self.steps_of is not None:
+            self._resolve_steps_of(bad)
+        if self.max_steps is not None and self.max_steps < 1:
+            bad(f"max_steps must be >= 1, got {self.max_steps}")
         if self.check_every < 0 or self.warmup_epochs < 0:
             bad("check_every and warmup_epochs must be >= 0")
         if not isinstance(self.model_kwargs, dict) or not isinstance(self.rule_options, dict):
@@ -118,6 +125,23 @@ class TrainConfig:
                 build_rule(model_rule(self), self.budget, rule_options(self))
         except (TypeError, ValueError) as e:
             bad(f"rule {self.rule!r}: {e}")
+
+
+    def _resolve_steps_of(self, bad) -> None:
+        """``steps_of`` + ``ratio`` -> ``max_steps`` (a step-matched baseline), from that run's result.json."""
+        import json
+
+        if self.ratio is None or not self.ratio > 0 or not self.ratio < float("inf"):
+            bad(f"steps_of needs --ratio r > 0 (the rule's step-time ratio to dense, e.g. from "
+                f"benchmarks/interleaved.py), got {self.ratio!r}")
+        result = Path(self.steps_of) / "result.json"
+        if not result.is_file():
+            bad(f"steps_of {self.steps_of!r}: no result.json there (--steps-of names a finished run's directory)")
+        steps = json.loads(result.read_text())["steps"]
+        want = max(1, round(self.ratio * steps))
+        if self.max_steps is not None and self.max_steps != want:
+            bad(f"max_steps {self.max_steps} contradicts steps_of: round({self.ratio} x {steps}) = {want}")
+        object.__setattr__(self, "max_steps", want)
 
 
 FIELDS = {f.name: f for f in dataclasses.fields(TrainConfig)}

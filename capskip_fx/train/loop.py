@@ -124,7 +124,9 @@ def _preflight(cfg: TrainConfig) -> tuple[Optional[dict], Optional[dict], bool]:
     """(checkpoint to resume, initial weights, fetch pretrained?): everything that can fail on a path or
     the network does so before the data is loaded."""
     ck = checkpoint.load_for_resume(cfg.resume) if cfg.resume else None
-    if ck is not None and ck["epoch"] >= cfg.epochs:
+    if ck is not None and cfg.max_steps and ck["counters"]["step"] >= cfg.max_steps:
+        raise SystemExit(f"--resume {cfg.resume}: the run already made its {cfg.max_steps} steps (--max-steps)")
+    if ck is not None and not cfg.max_steps and ck["epoch"] >= cfg.epochs:
         raise SystemExit(f"--resume {cfg.resume}: the run already finished epoch {ck['epoch']} of {cfg.epochs}; "
                          f"pass --epochs N > {ck['epoch']} to train on")
     init_sd = checkpoint.read_weights(cfg.initial_checkpoint) if cfg.initial_checkpoint and ck is None else None
@@ -164,6 +166,7 @@ class RunState:
         self.prev_variants: Optional[int] = None
         self.first_step = True  # this process's first step compiles, also when it resumes mid-run
         self.hit_budget = False
+        self.hit_steps = False
         self.log_mode = "w"
         if ck is not None:
             self._resume(ck)
@@ -198,6 +201,10 @@ class RunState:
         self.infobatch = self.train_loader.sampler if uses_infobatch(cfg) else None
         self.steps_per_epoch = len(self.train_loader)  # under Stale-SB an upper bound: dropped rows shorten epochs
         self.total_steps = cfg.epochs * self.steps_per_epoch
+        self.n_epochs = cfg.epochs  # epochs to iterate; a step-matched run takes as many as its steps need
+        if cfg.max_steps:
+            self.total_steps = cfg.max_steps
+            self.n_epochs = max(1, -(-cfg.max_steps // max(self.steps_per_epoch, 1)))
         self.cm = capskip_fx.compile(model, rule=stale or model_rule(cfg), budget=cfg.budget, backend=cfg.backend,
                                      seed=cfg.seed, vcas=vcas, **({} if stale else rule_options(cfg, self.total_steps)))
         self.cm.train()
@@ -264,7 +271,7 @@ class RunState:
             self.train_loader.batch_sampler.set_epoch(epoch - 1)
         if self.infobatch is not None:
             self.infobatch.set_epoch(epoch - 1)
-        self.bar = tqdm(self.train_loader, desc=f"epoch {epoch}/{cfg.epochs}", disable=None, leave=True,
+        self.bar = tqdm(self.train_loader, desc=f"epoch {epoch}/{self.n_epochs}", disable=None, leave=True,
                         dynamic_ncols=True)
         self.t_prev = time.perf_counter()
         return self.bar
@@ -344,6 +351,9 @@ class RunState:
         if cfg.time_budget and self.clock.wall_s >= cfg.time_budget:
             self.hit_budget = True
             return False
+        if cfg.max_steps and c.step >= cfg.max_steps:
+            self.hit_steps = True
+            return False
         self.t_prev = time.perf_counter()
         return True
 
@@ -400,6 +410,9 @@ class RunState:
         if self.hit_budget:
             print(f"[run] time budget {cfg.time_budget:.1f}s reached after {c.step} steps (epoch {epoch})")
             return False
+        if self.hit_steps:
+            print(f"[run] {cfg.max_steps} steps made (--max-steps), epoch {epoch}")
+            return False
         return True
 
     def checkpoint_state(self) -> dict[str, Any]:
@@ -424,6 +437,7 @@ class RunState:
                   "kept_frac": c.backward_rows / max(c.rows, 1), "backward_rows": c.backward_rows,
                   "forward_frac": c.rows / max(self.rows_seen, 1), "checks": c.checks,
                   "violations": c.violations, "fallbacks": c.fallbacks, "time_budget_hit": self.hit_budget,
+                  "max_steps": cfg.max_steps, "steps_of": cfg.steps_of, "ratio": cfg.ratio,
                   "data_source": self.data.source, "n_params": self.n_params, "torch": torch.__version__,
                   "resumed_from": cfg.resume}
         (out / "result.json").write_text(json.dumps(result, indent=2) + "\n")
@@ -435,7 +449,7 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
     """One run.  Returns the final result (also written to ``result.json``)."""
     run = RunState(cfg)
     with run:
-        for epoch in range(run.epochs_done + 1, run.cfg.epochs + 1):
+        for epoch in range(run.epochs_done + 1, run.n_epochs + 1):
             for batch in run.begin_epoch(epoch):
                 if not run.step(batch):
                     break

@@ -60,7 +60,19 @@ def run_label(cfg: dict[str, Any]) -> str:
         parts += [f"vcas.{k}={v}" for k, v in sorted(vcas.items())]
     if cfg.get("time_budget"):
         parts.append("time-matched")
+    if cfg.get("steps_of"):
+        parts.append(f"step-matched ×{float(cfg.get('ratio') or math.nan):g} to {_label_of(cfg['steps_of'])}")
+    elif cfg.get("max_steps"):
+        parts.append(f"{int(cfg['max_steps'])} steps")
     return " ".join(parts)
+
+
+def _label_of(run_dir: str) -> str:
+    """The label of the run in ``run_dir`` (a step-matched run names the rule run it matches)."""
+    try:
+        return run_label(yaml.safe_load((Path(run_dir) / "config.yaml").read_text()) or {})
+    except (OSError, yaml.YAMLError):
+        return Path(run_dir).name
 
 
 def _num(v: str) -> Any:
@@ -100,7 +112,8 @@ class Run:
 
     @property
     def is_dense_reference(self) -> bool:
-        return self.config.get("rule") == "dense" and not self.config.get("time_budget")
+        c = self.config
+        return c.get("rule") == "dense" and not (c.get("time_budget") or c.get("max_steps") or c.get("steps_of"))
 
     @property
     def final(self) -> dict[str, Any]:
@@ -339,10 +352,11 @@ def _table(runs: Sequence[Run], drift: float = LOAD_DRIFT) -> str:
     target = _mean([r.final.get("eval_top1") for r in dense]) if dense else math.nan
     by_seed = lambda g: {r.seed: r.final.get("eval_top1") for r in g}  # noqa: E731
     lines = [
-        "| run | seeds | final top-1 (%) [95% CI] | Δ vs time-matched dense (pp, paired) [95% CI] "
+        "| run | seeds | final top-1 (%) [95% CI] | Δ vs own step-matched dense (pp, paired) [95% CI] "
+        "| Δ vs time-matched dense (pp, paired) [95% CI] "
         "| wall-clock (s) | × dense wall-clock | time to dense's final top-1 (× dense) | to 99% of it "
         "| mean kept | forwarded | backward rows | check violations | data ms/step |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     matched_missed = matched is not None and any(r.budget_missed for r in matched)
     for label, members in groups.items():
@@ -365,7 +379,8 @@ def _table(runs: Sequence[Run], drift: float = LOAD_DRIFT) -> str:
             if dense and not math.isnan(target) else ("n/a", "n/a")
         data_ms = _mean_std([1e3 * r.data_s for r in members], ".1f")
         lines.append(
-            f"| {label}{f' {MISSED}' if missed else ''} | {len(members)} | {fmt_interval([r.final.get('eval_top1') for r in members])} | {diff} "
+            f"| {label}{f' {MISSED}' if missed else ''} | {len(members)} | {fmt_interval([r.final.get('eval_top1') for r in members])} "
+            f"| {_step_matched_diff(members, runs)} | {diff} "
             f"| {_mean_std([r.final.get('wall_clock_s') for r in members], '.1f')} | {ratio} "
             f"| {reach[0]} | {reach[1]} | {_mean_std([r.kept_frac for r in members], '.3f')} "
             f"| {_mean_std([r.forward_frac for r in members], '.3f')} "
@@ -373,6 +388,26 @@ def _table(runs: Sequence[Run], drift: float = LOAD_DRIFT) -> str:
         )
     notes = table_warnings(runs, drift)
     return "\n".join(lines) + "\n" + "".join(f"\n{n}\n" for n in notes)
+
+
+def step_matched_pairs(members: Sequence[Run], runs: Sequence[Run]) -> list[tuple[Run, Run]]:
+    """(rule run, its step-matched dense run) for each member some run names with ``steps_of``, same seed."""
+    by_path = {}
+    for r in runs:
+        if r.config.get("steps_of"):
+            by_path.setdefault(Path(r.config["steps_of"]).resolve(), []).append(r)
+    pairs = []
+    for m in members:
+        for d in by_path.get(m.path.resolve(), []):
+            if d.seed == m.seed:
+                pairs.append((m, d))
+    return pairs
+
+
+def _step_matched_diff(members: Sequence[Run], runs: Sequence[Run]) -> str:
+    diffs = [m.final.get("eval_top1") - d.final.get("eval_top1") for m, d in step_matched_pairs(members, runs)
+             if m.final.get("eval_top1") is not None and d.final.get("eval_top1") is not None]
+    return f"{fmt_interval(diffs, '.2f', signed=True)} (n={len(diffs)})" if diffs else "n/a"
 
 
 def compare_page(runs: Sequence[Run], table: str, figures: Sequence[str]) -> str:
@@ -383,7 +418,10 @@ def compare_page(runs: Sequence[Run], table: str, figures: Sequence[str]) -> str
             "evaluation excluded. It is measured on whatever else the machine was doing: a row marked "
             f"{LOADED} ran while the load differed from dense's (its median data-loading time per step, which "
             f"no rule changes, drifted by more than {LOAD_DRIFT:.0%}); a row marked {MISSED} is a time-matched "
-            "run that finished before its budget. Top-1 is the last evaluation of each run. Intervals: 95% Student-t over "
+            "run that finished before its budget. Δ vs own step-matched dense pairs each seed of a rule with the "
+            "dense run of the same seed made with `--steps-of` that rule run's directory (round(r × its steps) "
+            "steps, its own warm-up and cosine; r its step-time ratio from benchmarks/interleaved.py): free of "
+            "machine load. Top-1 is the last evaluation of each run. Intervals: 95% Student-t over "
             "seeds; Δ pairs each seed with the time-matched dense run of the same seed; time to an accuracy is "
             "read off each run's per-epoch evaluations (linear between them), median over seeds / dense's "
             "median, with the number of seeds that reached it. Wall-clock ± is the sample std. Forwarded: rows "
