@@ -54,7 +54,7 @@ from results_io import write_results
 
 DEFAULT_TRAIN = ["--config", "configs/fashion_mnist_tiny.yaml", "--dataset", "digits", "--train-subset", "none",
                  "--batch-size", "128", "--check-every", "0"]
-DEFAULT_ARMS = ["dense", "forced:keep=0.5", "random:keep=0.5", "sb:keep=0.5", "capskip:budget=0.5", "kabena",
+DEFAULT_ARMS = ["dense", "forced:keep=0.5", "random:keep=0.5", "sb:keep=0.5,start=0,end=1,interrupt=0", "capskip:budget=0.5", "kabena",
                 "infobatch"]
 
 

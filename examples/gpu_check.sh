@@ -55,7 +55,7 @@ interleaved() {  # section 3
       || echo "interleaved benchmark failed or timed out: $?"
   else
     timeout 150 "$PY" benchmarks/interleaved.py --device cuda --blocks 10 --rounds 10 --warmup 5 \
-      --arms dense forced:keep=0.5 forced:keep=0.38 random:keep=0.5 sb:keep=0.5 capskip:budget=0.3 infobatch \
+      --arms dense forced:keep=0.5 forced:keep=0.38 random:keep=0.5 sb:keep=0.5,start=0,end=1,interrupt=0 capskip:budget=0.3 infobatch \
       --out "$OUT/interleaved_cuda_fashion_mnist_tiny" -- --dataset fashion-mnist --data-dir "$DATA_DIR" \
       --train-subset 10000 --workers 4 || echo "interleaved benchmark failed or timed out: $?"
   fi
