@@ -354,7 +354,7 @@ def _table(runs: Sequence[Run], drift: float = LOAD_DRIFT) -> str:
     lines = [
         "| run | seeds | final top-1 (%) [95% CI] | Δ vs own step-matched dense (pp, paired) [95% CI] "
         "| Δ vs time-matched dense (pp, paired) [95% CI] "
-        "| wall-clock (s) | × dense wall-clock | time to dense's final top-1 (× dense) | to 99% of it "
+        "| wall-clock (s) | × dense wall-clock (paired) [95% CI] | time to dense's final top-1 (× dense) | to 99% of it "
         "| mean kept | forwarded | backward rows | check violations | data ms/step |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
@@ -362,6 +362,10 @@ def _table(runs: Sequence[Run], drift: float = LOAD_DRIFT) -> str:
     for label, members in groups.items():
         wall = _mean([r.final.get("wall_clock_s") for r in members])
         ratio = f"{wall / dense_wall:.2f}" if dense_wall and not math.isnan(dense_wall) and not math.isnan(wall) else "n/a"
+        paired = [(r.final.get("wall_clock_s"), _dense_ref(dense, r.seed)) for r in members]
+        paired = [w / d.final["wall_clock_s"] for w, d in paired if w and d is not None and d.final.get("wall_clock_s")]
+        if paired:  # per-seed ratios to the same seed's dense, with their interval
+            ratio = fmt_interval(paired, ".2f")
         drifts = [load_drift(r, dense) for r in members] if dense and members is not dense else []
         if any(not math.isnan(d) and abs(d) > drift for d in drifts):
             ratio += f" {LOADED}"
@@ -424,7 +428,8 @@ def compare_page(runs: Sequence[Run], table: str, figures: Sequence[str]) -> str
             "machine load. Top-1 is the last evaluation of each run. Intervals: 95% Student-t over "
             "seeds; Δ pairs each seed with the time-matched dense run of the same seed; time to an accuracy is "
             "read off each run's per-epoch evaluations (linear between them), median over seeds / dense's "
-            "median, with the number of seeds that reached it. Wall-clock ± is the sample std. Forwarded: rows "
-            "forwarded / rows drawn from the data (below 1 only under Stale-SB's data-side filter); mean kept is "
+            "median, with the number of seeds that reached it. Wall-clock ± is the sample std; × dense "
+            "wall-clock is each seed's ratio to the same seed's dense run, mean [95% t interval]. Forwarded: rows "
+            "forwarded / rows drawn from the data (below 1 only under Stale-SB's data-side filter or InfoBatch's sampler); mean kept is "
             "of the forwarded rows.\n\n"
             + "".join(f"![{p}]({p})\n" for p in figures) + "\nRuns:\n" + dirs + "\n")
