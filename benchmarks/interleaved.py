@@ -80,6 +80,7 @@ def parse(argv=None):
         train_argv += ["--amp", a.amp]
     if a.blocks < 2:
         p.error("--blocks must be >= 2 (the interval is over blocks)")
+    a.specs = [(spec, *arm_spec(spec)) for spec in a.arms]  # bad arms fail before any data is loaded
     return a, parse_config(train_argv), train_argv
 
 
@@ -154,8 +155,8 @@ def main(argv=None) -> dict:
     arms: dict[str, Callable] = {}
     plain = copy.deepcopy(model)
     arms["torch.compile"] = make_step(torch.compile(plain, backend=cfg.backend), plain, plain_ce, stats=False)
-    for spec in a.arms:
-        name, opts = arm_spec(spec)
+    for spec, name, opts in a.specs:
+        opts = dict(opts)
         m = copy.deepcopy(model)
         if name == "infobatch":
             ib = InfoBatchSampler(len(data.train), cfg.epochs, cfg.infobatch_ratio, cfg.infobatch_delta, seed=cfg.seed)
@@ -229,7 +230,8 @@ def main(argv=None) -> dict:
            "backend": cfg.backend, "blocks": a.blocks, "rounds": a.rounds, "warmup": a.warmup,
            "data_ms_median": 1e3 * statistics.median(data_s), "train_argv": train_argv,
            "wall_s": time.perf_counter() - t_start}
-    md = [f"# Interleaved step time: {cfg.model} on {cfg.dataset}, N={cfg.batch_size}, {device}",
+    cmd = "python benchmarks/interleaved.py " + " ".join(sys.argv[1:] if argv is None else argv)
+    md = [f"`{cmd}`", "", f"# Interleaved step time: {cfg.model} on {cfg.dataset}, N={cfg.batch_size}, {device}",
           "",
           f"{env['gpu'] or platform.machine()}, torch {torch.__version__}, {env['threads']} threads, amp {cfg.amp}, "
           f"backend {cfg.backend}; {a.blocks} blocks x {a.rounds} rounds after {a.warmup} warm-up rounds, every arm "
@@ -244,8 +246,7 @@ def main(argv=None) -> dict:
         md.append(f"| {r['arm']} | {r['kept_frac']:.3f} | {r['step_ms']:.1f} | {r['ratio']:.3f} "
                   f"[{r['ratio_lo']:.3f}, {r['ratio_hi']:.3f}] | {r['ratio_median']:.3f} | {r['vs_dense']:.3f} |")
     md += ["", "infobatch: per-step cost; its saving is fewer steps per epoch (multiply r by the run's forwarded "
-               "fraction). Command: `python benchmarks/interleaved.py " + " ".join(sys.argv[1:] if argv is None else argv)
-           + "`"]
+               "fraction)."]
     text = "\n".join(md)
     print(text)
     stem = Path(a.out) if a.out else Path(__file__).parent / "results" / f"interleaved_{device.type}_{cfg.model}"
