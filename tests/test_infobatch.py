@@ -211,6 +211,22 @@ def test_ddp_shards_match_the_reference_wrapper(replicas):
             s.update(idx, loss)
 
 
+@settings(max_examples=60, deadline=None)
+@given(n=st.integers(1, 200), replicas=st.integers(1, 5), epoch=st.integers(0, 50), seed=st.integers(0, 99))
+def test_shards_partition_the_plan_property(n, replicas, epoch, seed):
+    """Any plan length and replica count: equal shard sizes, disjoint, their union the plan cut to a
+    multiple of the replicas, each the reference wrapper's (seed + epoch permutation)."""
+    plan = torch.randperm(1000, generator=torch.Generator().manual_seed(seed))[:n].tolist()
+    shards = []
+    for k in range(replicas):
+        s = InfoBatchSampler(1000, 4, seed=seed, num_replicas=replicas, rank=k)
+        shards.append(s._shard(plan, epoch))
+        assert shards[-1] == (ref_shard(plan, replicas, k, epoch, seed=seed) if replicas > 1 else plan)
+    flat = [i for sh in shards for i in sh]
+    assert len({len(sh) for sh in shards}) == 1 and len(set(flat)) == len(flat)
+    assert set(flat) <= set(plan) and len(flat) == n - n % replicas
+
+
 def test_weighted_loss_and_scores_match_update():
     """The harness's loss ``mean(weights_for(idx) * per)`` and score update are the reference's update()."""
     for e, ours, ref, plan, _ in _run_both(50, 4, 0.5, 0.875):
