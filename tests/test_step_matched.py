@@ -56,6 +56,8 @@ def test_steps_of_errors_name_the_fix(tmp_path):
         train.run([*TINY, "--rule", "dense", "--steps-of", str(tmp_path), "--ratio", "0.7", "--max-steps", "5"])
     with pytest.raises(SystemExit, match="max_steps must be >= 1"):
         train.run([*TINY, "--max-steps", "0"])
+    with pytest.raises(SystemExit, match="step-match a dense run instead"):
+        train.run([*TINY, "--rule", "infobatch", "--max-steps", "4"])
 
 
 def _run(root, name, seed, acc, **cfg):

@@ -107,6 +107,9 @@ class TrainConfig:
             self._resolve_steps_of(bad)
         if self.max_steps is not None and self.max_steps < 1:
             bad(f"max_steps must be >= 1, got {self.max_steps}")
+        if self.max_steps is not None and (self.rule in DATA_RULES or self.rule == "stale_sb"):
+            bad(f"max_steps (a step-matched baseline) with rule {self.rule!r}: its epochs shrink with the data it "
+                f"drops and its schedule follows the data, not a step count; step-match a dense run instead")
         if self.check_every < 0 or self.warmup_epochs < 0:
             bad("check_every and warmup_epochs must be >= 0")
         if not isinstance(self.model_kwargs, dict) or not isinstance(self.rule_options, dict):
