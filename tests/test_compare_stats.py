@@ -37,13 +37,13 @@ def test_intervals_paired_differences_and_time_to_accuracy(tmp_path):
     assert rows["dense"][1] == f"91.00 [{91 - half:.2f}, {91 + half:.2f}]"
     d = [a - b for a, b in zip(finals["capskip"], finals["tm"])]  # +2.5, +0.5, +1.5
     m, sd = sum(d) / 3, math.sqrt(sum((x - sum(d) / 3) ** 2 for x in d) / 2)
-    assert rows["capskip b=0.3"][2] == f"{m:+.2f} [{m - T975_DF2 * sd / math.sqrt(3):+.2f}, {m + T975_DF2 * sd / math.sqrt(3):+.2f}]"
-    assert rows["dense time-matched"][2] == "n/a"
+    assert rows["capskip b=0.3"][3] == f"{m:+.2f} [{m - T975_DF2 * sd / math.sqrt(3):+.2f}, {m + T975_DF2 * sd / math.sqrt(3):+.2f}]"
+    assert rows["dense time-matched"][3] == "n/a" and rows["capskip b=0.3"][2] == "n/a"
     # time to 91: dense seeds 1, 2 reach it at 20 and 10 + 10 * (91 - 80) / (92 - 80); median of those two
     dense_t = sorted([20.0, 10 + 10 * 11 / 12])
     cap_t = sorted([5 + 6 * (91 - 81) / (91.5 - 81), 5 + 6 * (91 - 81) / (92.5 - 81)])
-    assert rows["capskip b=0.3"][5] == f"{(sum(cap_t) / 2) / (sum(dense_t) / 2):.2f} (2/3)"
-    assert rows["dense time-matched"][5] == f"{12 / (sum(dense_t) / 2):.2f} (1/3)"  # only seed 2: 91.0 at 12 s
+    assert rows["capskip b=0.3"][6] == f"{(sum(cap_t) / 2) / (sum(dense_t) / 2):.2f} (2/3)"
+    assert rows["dense time-matched"][6] == f"{12 / (sum(dense_t) / 2):.2f} (1/3)"  # only seed 2: 91.0 at 12 s
 
 
 def test_one_seed_has_no_interval_and_plots_draw_bands(tmp_path):
@@ -57,3 +57,53 @@ def test_one_seed_has_no_interval_and_plots_draw_bands(tmp_path):
     mean, half = report.band([[1.0, 2.0], [3.0, 4.0]])
     assert mean.tolist() == [2.0, 3.0]
     assert half == pytest.approx([12.706204736174698 * math.sqrt(2) / math.sqrt(2)] * 2)  # t(0.975, 1) * sd / sqrt(n)
+
+
+def _logged(d, data_ms, n=20, hit=None):
+    """Steps with ``data_ms`` of data loading each (a compile step with a huge one, left out), and result.json."""
+    import json
+
+    with open(d / "steps.jsonl", "w") as f:
+        f.write(json.dumps({"step": 0, "data_time_s": 5.0, "compile_step": True}) + "\n")
+        for i in range(1, n):
+            f.write(json.dumps({"step": i, "data_time_s": data_ms / 1e3 * (1 + 0.01 * (i % 3)),
+                                "compile_step": False}) + "\n")
+    if hit is not None:
+        (d / "result.json").write_text(json.dumps({"time_budget_hit": hit}))
+
+
+def test_table_marks_missed_budgets_and_loaded_machines(tmp_path, capsys):
+    """The README's busy-machine case: the time-matched run finished its epochs before capskip's clock
+    (budget not hit) and capskip's data time per step drifted from dense's by a third."""
+    for s in range(2):
+        _run(tmp_path, f"dense-s{s}", s, [(10, 80.0), (20, 90.0)], rule="dense")
+        _logged(tmp_path / f"dense-s{s}", 27.3)
+        _run(tmp_path, f"tm-s{s}", s, [(10, 80.0), (20, 90.0)], rule="dense", time_budget=26.6)
+        _logged(tmp_path / f"tm-s{s}", 27.0, hit=s == 1)  # seed 0 ran out of epochs first
+        _run(tmp_path, f"capskip-s{s}", s, [(8, 81.0), (15, 90.5)], rule="capskip", budget=0.3)
+        _logged(tmp_path / f"capskip-s{s}", 18.3 if s == 1 else 27.5)  # seed 1 on a quieter machine
+        _run(tmp_path, f"sb-s{s}", s, [(8, 81.0), (15, 90.5)], rule="sb", keep=0.5)
+        _logged(tmp_path / f"sb-s{s}", 27.3 * (1 + 0.19))  # drifted, but within the threshold
+    runs = report.find_runs([tmp_path])
+    assert [r.budget_missed for r in runs if r.config.get("time_budget")] == [True, False]
+    assert report.load_drift(runs[0], None) != report.load_drift(runs[0], None)  # NaN without dense
+    table = cli.compare([tmp_path], tmp_path / "cmp")
+    rows = {line.split("|")[1].strip(): [c.strip() for c in line.split("|")[2:-1]]
+            for line in table.splitlines()[2:] if line.startswith("| ")}
+    assert "dense time-matched †" in rows  # the row itself
+    assert rows["capskip b=0.3"][3].endswith("†")  # its Δ is against a run that was not time-matched
+    assert rows["capskip b=0.3"][5].endswith("‡") and not rows["sb keep=0.5"][5].endswith("‡")
+    # data ms/step: the steady steps' median (27.3 x 1.01), the compile step's 5 s left out
+    assert rows["dense"][12] == "27.6 ± 0.0"
+    missed, = [l for l in table.splitlines() if l.startswith("†")]
+    loaded, = [l for l in table.splitlines() if l.startswith("‡")]
+    assert "seed(s) 0 finished all epochs before the time budget (20 s < 27 s)" in missed
+    assert loaded.startswith("‡ capskip b=0.3") and "-33% (seed 1: 18.5 vs 27.6 ms)" in loaded
+    err = capsys.readouterr().err
+    assert err.count("warning: ") == 2 and "benchmarks/interleaved.py" in err
+    assert "‡" in (tmp_path / "cmp" / "compare.md").read_text() and "distortion checks" in \
+        (tmp_path / "cmp" / "compare.md").read_text()
+    # a looser threshold takes the load mark off; nothing is marked on clean runs
+    assert "‡" not in report.compare_table(runs, drift=0.5).split("\n\n")[0]
+    clean = [r for r in runs if r.seed == 1 and r.config.get("rule") != "capskip"]
+    assert not report.table_warnings(clean)

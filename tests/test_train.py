@@ -180,10 +180,10 @@ def test_compare_renders_table_and_plots(tmp_path):
     table = train.run(["compare", str(runs / "cap-s0"), str(runs / "cap-s1"), str(runs / "dense-s0"),
                        str(runs / "dense-s1"), str(runs / "dense-tm-s0"), "--out", str(out)])
     lines = table.strip().splitlines()
-    assert lines[2].startswith("| dense | 2 | 86.00 [73.29, 98.71] | +10.00 | 20.0 ± 0.0 | 1.00 |")  # dense first
+    assert lines[2].startswith("| dense | 2 | 86.00 [73.29, 98.71] | n/a | +10.00 | 20.0 ± 0.0 | 1.00 [1.00, 1.00] |")  # dense first
     cap = next(l for l in lines if l.startswith("| capskip b=0.1 "))
-    assert "| 2 | 85.00 [72.29, 97.71] | +11.00 |" in cap and "| 0.50 |" in cap and "0.400" in cap
-    assert any(l.startswith("| dense time-matched | 1 | 75.00 | n/a |") for l in lines)
+    assert "| 2 | 85.00 [72.29, 97.71] | n/a | +11.00 |" in cap and "| 0.50 [0.50, 0.50] |" in cap and "0.400" in cap
+    assert any(l.startswith("| dense time-matched | 1 | 75.00 | n/a | n/a |") for l in lines)
     assert (out / "compare.md").read_text().count("\n|---") == 1  # one table
     for p in plots.PLOTS:
         assert (out / p).stat().st_size > 0

@@ -24,7 +24,7 @@ time-matched run anneals fully instead of being cut off at a high learning rate.
 
 Modules: :mod:`.config` (TrainConfig, YAML), :mod:`.cli` (flags, ``run``, ``main``, ``compare``),
 :mod:`.loop` (``RunState``, ``train``, evaluation, LR schedule), :mod:`.data` (loaders) and
-:mod:`.datasets` (the datasets), :mod:`.model`, :mod:`.checks` (distortion check, CompileClock),
+:mod:`.datasets` (the datasets), :mod:`.infobatch` (InfoBatch's sampler, ``--rule infobatch``), :mod:`.model`, :mod:`.checks` (distortion check, CompileClock),
 :mod:`.checkpoint`, :mod:`.report` (run directories, statistics, tables), :mod:`.plots` (figures).
 
 Only the command line and the config are imported here; the rest loads on first use, so that

@@ -52,9 +52,11 @@ def _norms(a: list[torch.Tensor], b: list[torch.Tensor]) -> dict[str, float]:
             "rel_l2": nd / nb if nb > 0 else math.nan, "norm_selected": na, "norm_dense": nb}
 
 
-def distortion_check(model: nn.Module, head: nn.Module, x, y, autocast, rng_state) -> dict[str, float]:
+def distortion_check(model: nn.Module, head: nn.Module, x, y, autocast, rng_state,
+                     weights=None) -> dict[str, float]:
     """Dense backward of the full loss on the same batch through the eager model; compare with the
-    selected gradients currently in ``.grad``, then put those back."""
+    selected gradients currently in ``.grad``, then put those back.  ``weights``: per-sample loss
+    weights (InfoBatch's), the loss then being ``mean(weights * per-sample loss)`` as in training."""
     params = [p for p in model.parameters() if p.requires_grad]
     head_ids = {id(p) for p in head.parameters()}
     selected = [p.grad for p in params]
@@ -65,7 +67,9 @@ def distortion_check(model: nn.Module, head: nn.Module, x, y, autocast, rng_stat
     if cuda_state is not None:
         torch.cuda.set_rng_state(cuda_state, x.device)
     with autocast():
-        loss = F.cross_entropy(model(x), y)
+        z = model(x)
+        loss = F.cross_entropy(z, y) if weights is None else \
+            (F.cross_entropy(z.float(), y, reduction="none") * weights).mean()
     loss.backward()
     dense = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
     sel = [g if g is not None else torch.zeros_like(p) for g, p in zip(selected, params)]

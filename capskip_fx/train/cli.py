@@ -74,7 +74,8 @@ def build_parser() -> argparse.ArgumentParser:
     add("--pretrained", action=argparse.BooleanOptionalAction, help="start from timm's pretrained weights "
                                                                    "(downloads; offline use --initial-checkpoint)")
     g = t.add_argument_group("selection")
-    add("--rule", str, "selection rule ('vcas': all rows, VCAS samples inside the backward)", choices=RULE_NAMES)
+    add("--rule", str, "selection rule ('vcas': all rows, VCAS samples inside the backward; 'infobatch': "
+                       "InfoBatch prunes samples at the sampler; 'capskip+infobatch': both)", choices=RULE_NAMES)
     add("--budget", float, "relative last-layer gradient budget b")
     add("--keep", _optional(float), "keep fraction (forced, random, sb)")
     add("--match", _optional(str), "rule whose per-step kept counts to match (random)")
@@ -83,6 +84,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--vcas-opt", dest="vcas_opt", type=_key_value, action="append",
                    help="VCAS option KEY=VALUE (capskip_fx.VCAS fields, e.g. freq=16); with a rule other "
                         "than vcas it turns VCAS on inside that rule's kept rows; repeatable")
+    add("--infobatch-ratio", float, "InfoBatch (rule infobatch, capskip+infobatch): share r of the samples whose "
+                                    "last loss is below the mean pruned each epoch (kept ones weigh 1/(1-r))")
+    add("--infobatch-delta", float, "InfoBatch: the first delta x epochs epochs prune, the rest use all data")
     add("--backend", str, choices=BACKENDS)
     g = t.add_argument_group("optimisation")
     add("--epochs", int)
@@ -100,6 +104,10 @@ def build_parser() -> argparse.ArgumentParser:
     add("--out", _optional(str), "run directory; None: runs/<dataset>-<rule>-s<seed>")
     add("--label", _optional(str), "group label for compare; None: rule + budget/options")
     add("--time-budget", _optional(float), "stop once training wall-clock (s) reaches this")
+    add("--max-steps", _optional(int), "stop after this many steps; the warm-up + cosine schedule spans them")
+    add("--steps-of", _optional(str), "a finished run's directory: a step-matched baseline of round(--ratio x its "
+                                      "steps) steps (sets --max-steps), with its own complete schedule")
+    add("--ratio", _optional(float), "with --steps-of: that rule's step-time ratio to dense (benchmarks/interleaved.py)")
     add("--schedule-by-time", action=argparse.BooleanOptionalAction,
         help="with --time-budget, anneal the learning rate on time progress too")
     add("--check-every", int, "exact distortion check every K steps (0: never)")
@@ -109,6 +117,9 @@ def build_parser() -> argparse.ArgumentParser:
     c = sub.add_parser("compare", help="plots + Markdown table over run directories")
     c.add_argument("runs", nargs="+", help="run directories, or folders searched for them")
     c.add_argument("--out", default="runs/compare", help="output folder (default: runs/compare)")
+    c.add_argument("--load-drift", type=float, default=0.2,
+                   help="mark a wall-clock ratio when a run's median data-loading time per step differs from "
+                        "dense's by more than this fraction (the machine's load changed; default: 0.2)")
     return p
 
 
@@ -160,7 +171,7 @@ def run(argv: Optional[Sequence[str]] = None) -> Any:
         argv.insert(0, "train")
     ns = parser.parse_args(argv)
     if ns.command == "compare":
-        table = compare(ns.runs, ns.out)
+        table = compare(ns.runs, ns.out, drift=ns.load_drift)
         print(table + f"\nwritten to {ns.out}/compare.md")
         return table
     cfg = config_from_args(ns)
@@ -169,15 +180,19 @@ def run(argv: Optional[Sequence[str]] = None) -> Any:
     return train(cfg)
 
 
-def compare(paths: Sequence[str | Path], out_dir: str | Path) -> str:
+def compare(paths: Sequence[str | Path], out_dir: str | Path, drift: Optional[float] = None) -> str:
     """``capskip-train compare``: the figures and ``compare.md`` for the runs under ``paths``; returns the
-    Markdown table."""
+    Markdown table.  What the table marks (time budget not reached, machine load changed) is also
+    printed to stderr as warnings."""
     from . import plots, report
 
     runs = report.find_runs(paths)
     out_dir = Path(out_dir)
     plots.plot_runs(runs, out_dir)
-    table = report.compare_table(runs)
+    table = report.compare_table(runs, report.LOAD_DRIFT if drift is None else drift)
+    for line in table.splitlines():
+        if line.startswith((report.MISSED, report.LOADED)):
+            print(f"warning: {line}", file=sys.stderr)
     (out_dir / "compare.md").write_text(report.compare_page(runs, table, plots.PLOTS))
     return table
 

@@ -17,6 +17,9 @@ from capskip_fx.config import BACKENDS
 DATASETS = ("fashion-mnist", "mnist", "cifar10", "cifar100", "digits")  # loaded by .datasets
 # capskip_fx.RULES' names, and VCAS (all rows, sampled inside the backward)
 RULE_NAMES = ["capskip", "dense", "forced", "kabena", "random", "sb", "stale_sb", "ub", "vcas"]
+# the harness's data-side rules: InfoBatch prunes at the sampler, the model runs the named rule
+DATA_RULES = {"infobatch": "dense", "capskip+infobatch": "capskip"}
+RULE_NAMES += list(DATA_RULES)
 
 AMP = ("none", "bf16")
 
@@ -50,6 +53,8 @@ class TrainConfig:
     match: Optional[str] = None
     rule_options: dict = field(default_factory=dict)
     vcas_options: Optional[dict] = None  # VCAS inside the backward (rule "vcas", or with another rule)
+    infobatch_ratio: float = 0.5  # InfoBatch's r: share of the below-mean-loss samples pruned per epoch
+    infobatch_delta: float = 0.875  # InfoBatch's delta: the first delta * epochs epochs prune
     backend: str = "inductor"
     # optimisation: AdamW, linear warm-up then cosine to min_lr
     epochs: int = 10
@@ -67,6 +72,9 @@ class TrainConfig:
     out: Optional[str] = None
     label: Optional[str] = None
     time_budget: Optional[float] = None
+    max_steps: Optional[int] = None  # stop after this many steps; the warm-up + cosine schedule spans them
+    steps_of: Optional[str] = None  # a finished run's dir: max_steps = round(ratio x its steps) (step-matched)
+    ratio: Optional[float] = None  # with steps_of: that rule's step-time ratio to dense
     schedule_by_time: bool = True
     check_every: int = 100  # 0: no distortion checks
     check_tol: float = 1e-4
@@ -92,6 +100,16 @@ class TrainConfig:
             bad("epochs, batch_size and eval_batch_size must be >= 1")
         if self.time_budget is not None and self.time_budget <= 0:
             bad(f"time_budget must be positive seconds, got {self.time_budget}")
+        if not 0.0 <= self.infobatch_ratio < 1.0 or not 0.0 <= self.infobatch_delta <= 1.0:
+            bad(f"infobatch_ratio must be in [0, 1) and infobatch_delta in [0, 1], got {self.infobatch_ratio}, "
+                f"{self.infobatch_delta} (the reference's defaults: 0.5, 0.875)")
+        if self.steps_of is not None:
+            self._resolve_steps_of(bad)
+        if self.max_steps is not None and self.max_steps < 1:
+            bad(f"max_steps must be >= 1, got {self.max_steps}")
+        if self.max_steps is not None and (self.rule in DATA_RULES or self.rule == "stale_sb"):
+            bad(f"max_steps (a step-matched baseline) with rule {self.rule!r}: its epochs shrink with the data it "
+                f"drops and its schedule follows the data, not a step count; step-match a dense run instead")
         if self.check_every < 0 or self.warmup_epochs < 0:
             bad("check_every and warmup_epochs must be >= 0")
         if not isinstance(self.model_kwargs, dict) or not isinstance(self.rule_options, dict):
@@ -107,9 +125,26 @@ class TrainConfig:
 
         try:
             if self.rule != "vcas":
-                build_rule(self.rule, self.budget, rule_options(self))
+                build_rule(model_rule(self), self.budget, rule_options(self))
         except (TypeError, ValueError) as e:
             bad(f"rule {self.rule!r}: {e}")
+
+
+    def _resolve_steps_of(self, bad) -> None:
+        """``steps_of`` + ``ratio`` -> ``max_steps`` (a step-matched baseline), from that run's result.json."""
+        import json
+
+        if self.ratio is None or not self.ratio > 0 or not self.ratio < float("inf"):
+            bad(f"steps_of needs --ratio r > 0 (the rule's step-time ratio to dense, e.g. from "
+                f"benchmarks/interleaved.py), got {self.ratio!r}")
+        result = Path(self.steps_of) / "result.json"
+        if not result.is_file():
+            bad(f"steps_of {self.steps_of!r}: no result.json there (--steps-of names a finished run's directory)")
+        steps = json.loads(result.read_text())["steps"]
+        want = max(1, round(self.ratio * steps))
+        if self.max_steps is not None and self.max_steps != want:
+            bad(f"max_steps {self.max_steps} contradicts steps_of: round({self.ratio} x {steps}) = {want}")
+        object.__setattr__(self, "max_steps", want)
 
 
 FIELDS = {f.name: f for f in dataclasses.fields(TrainConfig)}
@@ -148,12 +183,21 @@ def _coerce(name: str, tp: Any, value: Any) -> Any:
     return value
 
 
+def model_rule(cfg: TrainConfig) -> str:
+    """The rule the compiled model runs: a data-side rule's model half (``capskip+infobatch``: capskip)."""
+    return DATA_RULES.get(cfg.rule, cfg.rule)
+
+
+def uses_infobatch(cfg: TrainConfig) -> bool:
+    return cfg.rule in DATA_RULES
+
+
 def rule_options(cfg: TrainConfig, total_steps: Optional[int] = None) -> dict[str, Any]:
     """The rule's keyword options; ``total_steps`` places Composer's [start, end) window for sb keep=."""
     opts = dict(cfg.rule_options)
     if cfg.keep is not None:
         opts["keep"] = cfg.keep
-        if cfg.rule == "sb" and total_steps and "total_steps" not in opts and "total_epochs" not in opts:
+        if model_rule(cfg) == "sb" and total_steps and "total_steps" not in opts and "total_epochs" not in opts:
             opts["total_steps"] = total_steps
     if cfg.match is not None:
         opts["match"] = cfg.match  # compile() hands the budget on to a matched rule

@@ -11,7 +11,8 @@ from capskip_fx.rules.stale_sb_filter import StaleBatchFilter, StaleBatchSampler
 from .datasets import DEFAULT_IMG_SIZE, DataBundle, load_dataset
 from capskip_fx.rules import StaleSB
 
-from .config import TrainConfig
+from .config import TrainConfig, uses_infobatch
+from .infobatch import InfoBatchSampler
 
 
 def resolve_device(name: str) -> torch.device:
@@ -49,6 +50,9 @@ def make_loaders(cfg: TrainConfig, data: DataBundle, device: torch.device, stale
         batches = StaleBatchSampler(RandomSampler(data.train, generator=gen), StaleBatchFilter(stale_rule, cfg.seed),
                                     cfg.batch_size, drop_last=False)
         train_loader = DataLoader(data.train, batch_sampler=batches, **workers)
+    elif uses_infobatch(cfg):
+        ib = InfoBatchSampler(len(data.train), cfg.epochs, cfg.infobatch_ratio, cfg.infobatch_delta, seed=cfg.seed)
+        train_loader = DataLoader(data.train, batch_size=cfg.batch_size, sampler=ib, drop_last=drop_last, **workers)
     else:
         train_loader = DataLoader(data.train, batch_size=cfg.batch_size, shuffle=True, generator=gen,
                                   drop_last=drop_last, **workers)

@@ -27,7 +27,7 @@ from capskip_fx.cpu import retain_freed_memory
 
 from . import checkpoint, plots, report
 from .checks import CompileClock, distortion_check
-from .config import TrainConfig, rule_options, write_yaml
+from .config import TrainConfig, model_rule, rule_options, uses_infobatch, write_yaml
 from .data import load_data, make_loaders, resolve_device
 from .model import build_model, check_pretrained, find_head
 
@@ -124,7 +124,9 @@ def _preflight(cfg: TrainConfig) -> tuple[Optional[dict], Optional[dict], bool]:
     """(checkpoint to resume, initial weights, fetch pretrained?): everything that can fail on a path or
     the network does so before the data is loaded."""
     ck = checkpoint.load_for_resume(cfg.resume) if cfg.resume else None
-    if ck is not None and ck["epoch"] >= cfg.epochs:
+    if ck is not None and cfg.max_steps and ck["counters"]["step"] >= cfg.max_steps:
+        raise SystemExit(f"--resume {cfg.resume}: the run already made its {cfg.max_steps} steps (--max-steps)")
+    if ck is not None and not cfg.max_steps and ck["epoch"] >= cfg.epochs:
         raise SystemExit(f"--resume {cfg.resume}: the run already finished epoch {ck['epoch']} of {cfg.epochs}; "
                          f"pass --epochs N > {ck['epoch']} to train on")
     init_sd = checkpoint.read_weights(cfg.initial_checkpoint) if cfg.initial_checkpoint and ck is None else None
@@ -164,6 +166,7 @@ class RunState:
         self.prev_variants: Optional[int] = None
         self.first_step = True  # this process's first step compiles, also when it resumes mid-run
         self.hit_budget = False
+        self.hit_steps = False
         self.log_mode = "w"
         if ck is not None:
             self._resume(ck)
@@ -195,9 +198,14 @@ class RunState:
             stale = build_rule("stale_sb", cfg.budget, {"num_examples": len(data.train), **rule_options(cfg)})
         self.train_loader, self.eval_loader, self.gen = make_loaders(cfg, data, device, stale_rule=stale)
         self.stale_filter = self.train_loader.batch_sampler.filter if stale is not None else None
+        self.infobatch = self.train_loader.sampler if uses_infobatch(cfg) else None
         self.steps_per_epoch = len(self.train_loader)  # under Stale-SB an upper bound: dropped rows shorten epochs
         self.total_steps = cfg.epochs * self.steps_per_epoch
-        self.cm = capskip_fx.compile(model, rule=stale or cfg.rule, budget=cfg.budget, backend=cfg.backend,
+        self.n_epochs = cfg.epochs  # epochs to iterate; a step-matched run takes as many as its steps need
+        if cfg.max_steps:
+            self.total_steps = cfg.max_steps
+            self.n_epochs = max(1, -(-cfg.max_steps // max(self.steps_per_epoch, 1)))
+        self.cm = capskip_fx.compile(model, rule=stale or model_rule(cfg), budget=cfg.budget, backend=cfg.backend,
                                      seed=cfg.seed, vcas=vcas, **({} if stale else rule_options(cfg, self.total_steps)))
         self.cm.train()
         from timm.optim import create_optimizer_v2  # AdamW without decay on biases/norms/tokens
@@ -213,6 +221,8 @@ class RunState:
         self.counters = Counters(**{k: ck["counters"][k] for k in COUNTERS})
         if self.stale_filter is not None:
             self.stale_filter.load_state_dict(ck["stale_filter"])
+        if self.infobatch is not None:
+            self.infobatch.load_state_dict(ck["infobatch"])
         self.summary = list(ck["summary"])
         self.epochs_done = ck["epoch"]
         src = Path(cfg.resume).parent
@@ -245,6 +255,8 @@ class RunState:
 
     @property
     def rows_seen(self) -> int:
+        if self.infobatch is not None:
+            return self.infobatch.n_seen
         return self.stale_filter.n_seen if self.stale_filter is not None else self.counters.rows
 
     def begin_epoch(self, epoch: int):
@@ -257,7 +269,9 @@ class RunState:
         self.cm.set_epoch(epoch - 1)
         if self.stale_filter is not None:
             self.train_loader.batch_sampler.set_epoch(epoch - 1)
-        self.bar = tqdm(self.train_loader, desc=f"epoch {epoch}/{cfg.epochs}", disable=None, leave=True,
+        if self.infobatch is not None:
+            self.infobatch.set_epoch(epoch - 1)
+        self.bar = tqdm(self.train_loader, desc=f"epoch {epoch}/{self.n_epochs}", disable=None, leave=True,
                         dynamic_ncols=True)
         self.t_prev = time.perf_counter()
         return self.bar
@@ -268,6 +282,8 @@ class RunState:
         progress = (step + 1) / self.total_steps
         if self.stale_filter is not None:  # epochs shrink as rows are dropped: progress through the data
             progress = self.stale_filter.n_seen / (cfg.epochs * len(self.data.train))
+        if self.infobatch is not None:  # pruned epochs are shorter: each epoch is 1/epochs of the schedule
+            progress = (self.epoch - 1 + (self.ep.steps + 1) / max(len(self.train_loader), 1)) / cfg.epochs
         if cfg.time_budget and cfg.schedule_by_time:
             progress = max(progress, self.clock.wall_s / cfg.time_budget)
         return progress
@@ -285,12 +301,21 @@ class RunState:
         rng = (torch.get_rng_state(), torch.cuda.get_rng_state(device) if device.type == "cuda" else None) \
             if do_check else None
         self.opt.zero_grad(set_to_none=True)
+        # InfoBatch's weights and scores live on the host: index them with the loader's CPU indices
+        weights = self.infobatch.weights_for(batch[2]).to(device) if self.infobatch is not None else None
         with self.autocast():
             logits = self.cm(x, capskip_targets=y, capskip_index=idx)
-            loss = F.cross_entropy(logits, y)
+            if weights is None:
+                loss = F.cross_entropy(logits, y)
+            else:  # InfoBatch: kept low-loss samples weigh 1/(1-r); scores from the unweighted losses
+                per = F.cross_entropy(logits.float(), y, reduction="none")
+                self.infobatch.update(batch[2], per.detach())
+                loss = (per * weights).mean()
         loss.backward()
         st = capskip_fx.stats(self.cm)
-        loss_v = loss.item()
+        # the logged loss is the unweighted mean, comparable with the other rules' (InfoBatch's weights
+        # are up to 1/(1-r))
+        loss_v = (loss if weights is None else per.detach().mean()).item()
         self._sync()
         t1 = time.perf_counter()
         if not math.isfinite(loss_v):
@@ -298,7 +323,7 @@ class RunState:
         kept, n = int(st.kept), int(st.n)
         bound = _finite(st.bound)
         if do_check:
-            self._check(x, y, rng, kept, n, bound)
+            self._check(x, y, rng, kept, n, bound, weights)
         t2 = time.perf_counter()
         self.opt.step()
         self._sync()
@@ -326,15 +351,18 @@ class RunState:
         if cfg.time_budget and self.clock.wall_s >= cfg.time_budget:
             self.hit_budget = True
             return False
+        if cfg.max_steps and c.step >= cfg.max_steps:
+            self.hit_steps = True
+            return False
         self.t_prev = time.perf_counter()
         return True
 
-    def _check(self, x, y, rng, kept: int, n: int, bound) -> None:
+    def _check(self, x, y, rng, kept: int, n: int, bound, weights=None) -> None:
         """The exact distortion check of this step's batch, logged to ``checks.jsonl``."""
         cfg, c = self.cfg, self.counters
-        chk = distortion_check(self.model, self.head, x, y, self.autocast, rng)
+        chk = distortion_check(self.model, self.head, x, y, self.autocast, rng, weights)
         c.checks += 1
-        violation = bool(cfg.rule == "capskip" and chk["rel_l2_head"] > self.tol_limit)
+        violation = bool(model_rule(cfg) == "capskip" and chk["rel_l2_head"] > self.tol_limit)
         c.violations += violation
         if violation:
             print(f"[check] step {c.step}: capskip head rel-L2 {chk['rel_l2_head']:.6g} > budget "
@@ -382,6 +410,9 @@ class RunState:
         if self.hit_budget:
             print(f"[run] time budget {cfg.time_budget:.1f}s reached after {c.step} steps (epoch {epoch})")
             return False
+        if self.hit_steps:
+            print(f"[run] {cfg.max_steps} steps made (--max-steps), epoch {epoch}")
+            return False
         return True
 
     def checkpoint_state(self) -> dict[str, Any]:
@@ -395,6 +426,7 @@ class RunState:
             "counters": dataclasses.asdict(c),
             "clock": self.clock.state_dict(), "summary": self.summary, "rng": checkpoint.rng_state(self.gen),
             "stale_filter": self.stale_filter.state_dict() if self.stale_filter is not None else None,
+            "infobatch": self.infobatch.state_dict() if self.infobatch is not None else None,
             "config": dataclasses.asdict(self.cfg)}
 
     def finish(self) -> dict[str, Any]:
@@ -405,6 +437,7 @@ class RunState:
                   "kept_frac": c.backward_rows / max(c.rows, 1), "backward_rows": c.backward_rows,
                   "forward_frac": c.rows / max(self.rows_seen, 1), "checks": c.checks,
                   "violations": c.violations, "fallbacks": c.fallbacks, "time_budget_hit": self.hit_budget,
+                  "max_steps": cfg.max_steps, "steps_of": cfg.steps_of, "ratio": cfg.ratio,
                   "data_source": self.data.source, "n_params": self.n_params, "torch": torch.__version__,
                   "resumed_from": cfg.resume}
         (out / "result.json").write_text(json.dumps(result, indent=2) + "\n")
@@ -416,7 +449,7 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
     """One run.  Returns the final result (also written to ``result.json``)."""
     run = RunState(cfg)
     with run:
-        for epoch in range(run.epochs_done + 1, run.cfg.epochs + 1):
+        for epoch in range(run.epochs_done + 1, run.n_epochs + 1):
             for batch in run.begin_epoch(epoch):
                 if not run.step(batch):
                     break

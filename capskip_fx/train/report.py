@@ -5,7 +5,10 @@ epoch) and ``steps.jsonl`` (one line per step).  Runs are grouped by their label
 budget/options, see :func:`run_label`); seeds of one configuration share a label.
 
 The table gives 95% t intervals over seeds, the paired (same-seed) difference to the time-matched
-dense runs, and the wall-clock to reach dense's final top-1 (and 99% of it).  The figures are
+dense runs, and the wall-clock to reach dense's final top-1 (and 99% of it).  It marks what the
+numbers cannot carry (:func:`table_warnings`): a time-matched run that finished before its budget
+(not time-matched), and a wall-clock ratio measured while the machine's load changed (the per-step
+data-loading time, which no rule changes, drifting from dense's by more than ``LOAD_DRIFT``).  The figures are
 :mod:`.plots`; ``capskip-train compare`` (:func:`capskip_fx.train.cli.compare`) writes both.
 """
 from __future__ import annotations
@@ -29,7 +32,7 @@ def rule_takes_budget(rule: str) -> bool:
         from capskip_fx.rules import RULES
     except ImportError:  # pragma: no cover - rules package missing
         RULES = {}
-    cls = RULES.get(rule)
+    cls = RULES.get(rule.split("+")[0])  # capskip+infobatch: capskip's budget
     if cls is None:
         return rule == "capskip"
     return "budget" in inspect.signature(cls).parameters
@@ -47,6 +50,8 @@ def run_label(cfg: dict[str, Any]) -> str:
         parts.append(f"b={float(cfg.get('budget', 0.1)):g}")
     if cfg.get("keep") is not None:
         parts.append(f"keep={float(cfg['keep']):g}")
+    if "infobatch" in str(rule):
+        parts.append(f"r={float(cfg.get('infobatch_ratio', 0.5)):g} delta={float(cfg.get('infobatch_delta', 0.875)):g}")
     parts += [f"{k}={v}" for k, v in sorted((cfg.get("rule_options") or {}).items())]
     vcas = cfg.get("vcas_options")
     if vcas is not None and rule != "vcas":
@@ -55,7 +60,19 @@ def run_label(cfg: dict[str, Any]) -> str:
         parts += [f"vcas.{k}={v}" for k, v in sorted(vcas.items())]
     if cfg.get("time_budget"):
         parts.append("time-matched")
+    if cfg.get("steps_of"):
+        parts.append(f"step-matched ×{float(cfg.get('ratio') or math.nan):g} to {_label_of(cfg['steps_of'])}")
+    elif cfg.get("max_steps"):
+        parts.append(f"{int(cfg['max_steps'])} steps")
     return " ".join(parts)
+
+
+def _label_of(run_dir: str) -> str:
+    """The label of the run in ``run_dir`` (a step-matched run names the rule run it matches)."""
+    try:
+        return run_label(yaml.safe_load((Path(run_dir) / "config.yaml").read_text()) or {})
+    except (OSError, yaml.YAMLError):
+        return Path(run_dir).name
 
 
 def _num(v: str) -> Any:
@@ -70,12 +87,20 @@ def _num(v: str) -> Any:
             return v
 
 
+#: relative drift of the median per-step data-loading time from dense's (same seed) above which a
+#: wall-clock ratio is marked as measured under another machine load
+LOAD_DRIFT = 0.2
+MISSED = "†"  # time budget not reached
+LOADED = "‡"  # machine load changed between the runs
+
+
 @dataclass
 class Run:
     path: Path
     config: dict[str, Any]
     summary: list[dict[str, Any]]
     steps: list[dict[str, Any]] = field(default_factory=list)
+    result: dict[str, Any] = field(default_factory=dict)  # result.json, once the run finished
 
     @property
     def label(self) -> str:
@@ -87,7 +112,8 @@ class Run:
 
     @property
     def is_dense_reference(self) -> bool:
-        return self.config.get("rule") == "dense" and not self.config.get("time_budget")
+        c = self.config
+        return c.get("rule") == "dense" and not (c.get("time_budget") or c.get("max_steps") or c.get("steps_of"))
 
     @property
     def final(self) -> dict[str, Any]:
@@ -109,6 +135,21 @@ class Run:
         seen = f.get("rows_seen") or rows
         return rows / seen if rows is not None and seen else math.nan
 
+    @property
+    def budget_missed(self) -> bool:
+        """A time-matched run (``time_budget`` set) that ended before reaching it: not time-matched."""
+        if not self.config.get("time_budget"):
+            return False
+        hit = self.result.get("time_budget_hit", self.final.get("time_budget_hit"))
+        return hit is not None and not bool(hit)
+
+    @property
+    def data_s(self) -> float:
+        """Median data-loading time per step (s) over the steady steps; NaN without step logs."""
+        xs = [s["data_time_s"] for s in self.steps
+              if s.get("data_time_s") is not None and not s.get("compile_step")]
+        return statistics.median(xs) if xs else math.nan
+
 
 def load_run(path: str | Path, with_steps: bool = True) -> Run:
     path = Path(path)
@@ -124,7 +165,13 @@ def load_run(path: str | Path, with_steps: bool = True) -> Run:
     if with_steps and (path / "steps.jsonl").is_file():
         with open(path / "steps.jsonl") as f:
             steps = [json.loads(line) for line in f if line.strip()]
-    return Run(path, config, summary, steps)
+    result = {}
+    if (path / "result.json").is_file():
+        try:
+            result = json.loads((path / "result.json").read_text())
+        except ValueError:  # a run killed while writing it
+            result = {}
+    return Run(path, config, summary, steps, result)
 
 
 def find_runs(paths: Iterable[str | Path]) -> list[Run]:
@@ -236,20 +283,67 @@ def _ratio_to(members: Sequence[Run], dense: Sequence[Run], target: float) -> st
 
 # ---------------------------------------------------------------- tables
 
-def compare_table(runs: Sequence[Run]) -> str:
+def _dense_ref(dense: Optional[Sequence[Run]], seed: Any) -> Optional[Run]:
+    return next((d for d in dense or () if d.seed == seed), None)
+
+
+def load_drift(r: Run, dense: Optional[Sequence[Run]]) -> float:
+    """Relative change of ``r``'s median per-step data time from its dense reference's (same seed, else
+    the dense runs' median); NaN when either has no step log."""
+    ref = _dense_ref(dense, r.seed)
+    base = ref.data_s if ref is not None else _median([d.data_s for d in dense or ()])
+    mine = r.data_s
+    if math.isnan(mine) or math.isnan(base) or base <= 0:
+        return math.nan
+    return mine / base - 1
+
+
+def _median(xs: Sequence[float]) -> float:
+    xs = [x for x in xs if not math.isnan(x)]
+    return statistics.median(xs) if xs else math.nan
+
+
+def table_warnings(runs: Sequence[Run], drift: float = LOAD_DRIFT) -> list[str]:
+    """What the table marks, one sentence each: time budgets not reached (†), wall-clock ratios measured
+    under another machine load (‡)."""
+    groups = group_runs(runs)
+    dense = next((g for g in groups.values() if all(r.is_dense_reference for r in g)), None)
+    out = []
+    for label, members in groups.items():
+        missed = [r for r in members if r.budget_missed]
+        if missed:
+            walls = ", ".join(f"{float(r.final.get('wall_clock_s') or math.nan):.0f}" for r in missed)
+            out.append(f"{MISSED} {label}: seed(s) {', '.join(str(r.seed) for r in missed)} finished all epochs "
+                       f"before the time budget ({walls} s < {float(missed[0].config['time_budget']):.0f} s): not "
+                       f"time-matched, so a Δ against it compares with a longer run than the rule's")
+        if dense is None or members is dense:
+            continue
+        loaded = [(r, load_drift(r, dense)) for r in members]
+        loaded = [(r, d) for r, d in loaded if not math.isnan(d) and abs(d) > drift]
+        if loaded:
+            out.append(f"{LOADED} {label}: data loading per step (no rule changes it) differs from dense's by "
+                       + ", ".join(f"{d:+.0%} (seed {r.seed}: {1e3 * r.data_s:.1f} vs "
+                                   f"{1e3 * (_dense_ref(dense, r.seed) or r).data_s:.1f} ms)" for r, d in loaded)
+                       + f", above {drift:.0%}: the machine's load changed between the runs and the wall-clock "
+                         f"ratio reflects it; measure speed with benchmarks/interleaved.py instead")
+    return out
+
+
+def compare_table(runs: Sequence[Run], drift: float = LOAD_DRIFT) -> str:
     """Markdown table, one row per label: final top-1 mean ± std (sample std over seeds), etc.
-    Runs on different datasets (or subsets) are never compared in one table: one table each."""
+    Runs on different datasets (or subsets) are never compared in one table: one table each.
+    Marks (†, ‡) and their notes below each table: :func:`table_warnings`."""
     by_data: dict[str, list[Run]] = {}
     for r in runs:
         c = r.config
         key = f"{c.get('dataset')} (train subset {c.get('train_subset')}, eval subset {c.get('eval_subset')})"
         by_data.setdefault(key, []).append(r)
     if len(by_data) > 1:
-        return "\n".join(f"### {key}\n\n{_table(members)}" for key, members in by_data.items())
-    return _table(runs)
+        return "\n".join(f"### {key}\n\n{_table(members, drift)}" for key, members in by_data.items())
+    return _table(runs, drift)
 
 
-def _table(runs: Sequence[Run]) -> str:
+def _table(runs: Sequence[Run], drift: float = LOAD_DRIFT) -> str:
     groups = group_runs(runs)
     dense = next((g for g in groups.values() if all(r.is_dense_reference for r in g)), None)
     matched = next((g for g in groups.values()
@@ -258,14 +352,24 @@ def _table(runs: Sequence[Run]) -> str:
     target = _mean([r.final.get("eval_top1") for r in dense]) if dense else math.nan
     by_seed = lambda g: {r.seed: r.final.get("eval_top1") for r in g}  # noqa: E731
     lines = [
-        "| run | seeds | final top-1 (%) [95% CI] | Δ vs time-matched dense (pp, paired) [95% CI] "
-        "| wall-clock (s) | × dense wall-clock | time to dense's final top-1 (× dense) | to 99% of it "
-        "| mean kept | forwarded | backward rows | check violations |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| run | seeds | final top-1 (%) [95% CI] | Δ vs own step-matched dense (pp, paired) [95% CI] "
+        "| Δ vs time-matched dense (pp, paired) [95% CI] "
+        "| wall-clock (s) | × dense wall-clock (paired) [95% CI] | time to dense's final top-1 (× dense) | to 99% of it "
+        "| mean kept | forwarded | backward rows | check violations | data ms/step |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
+    matched_missed = matched is not None and any(r.budget_missed for r in matched)
     for label, members in groups.items():
         wall = _mean([r.final.get("wall_clock_s") for r in members])
         ratio = f"{wall / dense_wall:.2f}" if dense_wall and not math.isnan(dense_wall) and not math.isnan(wall) else "n/a"
+        paired = [(r.final.get("wall_clock_s"), _dense_ref(dense, r.seed)) for r in members]
+        paired = [w / d.final["wall_clock_s"] for w, d in paired if w and d is not None and d.final.get("wall_clock_s")]
+        if paired:  # per-seed ratios to the same seed's dense, with their interval
+            ratio = fmt_interval(paired, ".2f")
+        drifts = [load_drift(r, dense) for r in members] if dense and members is not dense else []
+        if any(not math.isnan(d) and abs(d) > drift for d in drifts):
+            ratio += f" {LOADED}"
+        missed = any(r.budget_missed for r in members)
         rows = _mean([r.final.get("backward_rows") for r in members])
         viol = sum(int(r.final.get("violations") or 0) for r in members)
         diff = "n/a"
@@ -273,26 +377,59 @@ def _table(runs: Sequence[Run]) -> str:
             a, b = by_seed(members), by_seed(matched)
             diffs = [a[s] - b[s] for s in a if s in b and a[s] is not None and b[s] is not None]
             diff = fmt_interval(diffs, ".2f", signed=True) if diffs else "n/a"
+            if diffs and matched_missed:
+                diff += f" {MISSED}"
         reach = (_ratio_to(members, dense, target), _ratio_to(members, dense, 0.99 * target)) \
             if dense and not math.isnan(target) else ("n/a", "n/a")
+        data_ms = _mean_std([1e3 * r.data_s for r in members], ".1f")
         lines.append(
-            f"| {label} | {len(members)} | {fmt_interval([r.final.get('eval_top1') for r in members])} | {diff} "
+            f"| {label}{f' {MISSED}' if missed else ''} | {len(members)} | {fmt_interval([r.final.get('eval_top1') for r in members])} "
+            f"| {_step_matched_diff(members, runs)} | {diff} "
             f"| {_mean_std([r.final.get('wall_clock_s') for r in members], '.1f')} | {ratio} "
             f"| {reach[0]} | {reach[1]} | {_mean_std([r.kept_frac for r in members], '.3f')} "
             f"| {_mean_std([r.forward_frac for r in members], '.3f')} "
-            f"| {'n/a' if math.isnan(rows) else f'{rows:.0f}'} | {viol} |"
+            f"| {'n/a' if math.isnan(rows) else f'{rows:.0f}'} | {viol} | {data_ms} |"
         )
-    return "\n".join(lines) + "\n"
+    notes = table_warnings(runs, drift)
+    return "\n".join(lines) + "\n" + "".join(f"\n{n}\n" for n in notes)
+
+
+def step_matched_pairs(members: Sequence[Run], runs: Sequence[Run]) -> list[tuple[Run, Run]]:
+    """(rule run, its step-matched dense run) for each member some run names with ``steps_of``, same seed."""
+    by_path = {}
+    for r in runs:
+        if r.config.get("steps_of"):
+            by_path.setdefault(Path(r.config["steps_of"]).resolve(), []).append(r)
+    pairs = []
+    for m in members:
+        for d in by_path.get(m.path.resolve(), []):
+            if d.seed == m.seed:
+                pairs.append((m, d))
+    return pairs
+
+
+def _step_matched_diff(members: Sequence[Run], runs: Sequence[Run]) -> str:
+    diffs = [m.final.get("eval_top1") - d.final.get("eval_top1") for m, d in step_matched_pairs(members, runs)
+             if m.final.get("eval_top1") is not None and d.final.get("eval_top1") is not None]
+    return f"{fmt_interval(diffs, '.2f', signed=True)} (n={len(diffs)})" if diffs else "n/a"
 
 
 def compare_page(runs: Sequence[Run], table: str, figures: Sequence[str]) -> str:
     """The text of ``compare.md``: the table, how to read it, the figures and the run directories."""
     dirs = "\n".join(f"- `{r.path}` ({r.label}, seed {r.seed})" for r in runs)
-    return ("# Comparison\n\n" + table + "\nWall-clock is training time only (compile warm-up and "
-            "evaluation excluded); top-1 is the last evaluation of each run. Intervals: 95% Student-t over "
+    return ("# Comparison\n\n" + table + "\nWall-clock is the training loop's time: data loading and "
+            "augmentation on the training thread included; compile warm-up, distortion checks and "
+            "evaluation excluded. It is measured on whatever else the machine was doing: a row marked "
+            f"{LOADED} ran while the load differed from dense's (its median data-loading time per step, which "
+            f"no rule changes, drifted by more than {LOAD_DRIFT:.0%}); a row marked {MISSED} is a time-matched "
+            "run that finished before its budget. Δ vs own step-matched dense pairs each seed of a rule with the "
+            "dense run of the same seed made with `--steps-of` that rule run's directory (round(r × its steps) "
+            "steps, its own warm-up and cosine; r its step-time ratio from benchmarks/interleaved.py): free of "
+            "machine load. Top-1 is the last evaluation of each run. Intervals: 95% Student-t over "
             "seeds; Δ pairs each seed with the time-matched dense run of the same seed; time to an accuracy is "
             "read off each run's per-epoch evaluations (linear between them), median over seeds / dense's "
-            "median, with the number of seeds that reached it. Wall-clock ± is the sample std. Forwarded: rows "
-            "forwarded / rows drawn from the data (below 1 only under Stale-SB's data-side filter); mean kept is "
+            "median, with the number of seeds that reached it. Wall-clock ± is the sample std; × dense "
+            "wall-clock is each seed's ratio to the same seed's dense run, mean [95% t interval]. Forwarded: rows "
+            "forwarded / rows drawn from the data (below 1 only under Stale-SB's data-side filter or InfoBatch's sampler); mean kept is "
             "of the forwarded rows.\n\n"
             + "".join(f"![{p}]({p})\n" for p in figures) + "\nRuns:\n" + dirs + "\n")

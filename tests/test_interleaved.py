@@ -1,0 +1,47 @@
+"""benchmarks/interleaved.py runs on the harness's model and data and reports per-arm ratios with intervals."""
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = ["--", "--depth", "1", "--embed-dim", "16", "--num-heads", "2", "--img-size", "16", "--patch-size", "4",
+        "--train-subset", "256", "--batch-size", "32", "--backend", "eager"]
+
+
+def _bench(*argv):
+    return subprocess.run([sys.executable, "benchmarks/interleaved.py", *argv], cwd=ROOT, capture_output=True,
+                          text=True, timeout=600, env={**os.environ, "PYTHONPATH": str(ROOT)})
+
+
+def test_tiny_run_reports_ratios_with_intervals(tmp_path):
+    p = _bench("--threads", "1", "--blocks", "3", "--rounds", "2", "--warmup", "1", "--arms", "dense",
+               "forced:keep=0.5", "infobatch", "--out", str(tmp_path / "r"), *TINY)
+    assert p.returncode == 0, p.stderr[-3000:]
+    data = json.loads((tmp_path / "r.json").read_text())
+    rows = {r["arm"]: r for r in data["rows"]}
+    assert list(rows) == ["torch.compile", "dense", "forced:keep=0.5", "infobatch"]
+    assert rows["forced:keep=0.5"]["kept_frac"] == 0.5 and rows["dense"]["kept_frac"] == 1.0
+    assert rows["torch.compile"]["ratio"] == 1.0
+    for r in rows.values():
+        assert len(r["block_ratios"]) == 3 and all(x > 0 for x in r["block_ratios"])
+        assert r["ratio_lo"] <= r["ratio"] <= r["ratio_hi"] and math.isfinite(r["ratio_hi"])
+        assert r["ratio"] == pytest.approx(sum(r["block_ratios"]) / 3, rel=1e-12)
+    assert data["env"]["dataset"] == "digits" and data["env"]["blocks"] == 3
+    md = (tmp_path / "r.md").read_text()
+    assert "| forced:keep=0.5 | 0.500 |" in md and "r vs torch.compile [95% CI]" in md
+
+
+def test_bad_arms_fail_naming_the_fix(tmp_path):
+    p = _bench("--arms", "stale_sb", "--out", str(tmp_path / "x"), *TINY)
+    assert p.returncode != 0 and "benchmarks/step_time.py" in p.stderr
+    p = _bench("--arms", "sb:keep", "--out", str(tmp_path / "x"), *TINY)
+    assert p.returncode != 0 and "KEY=VALUE" in p.stderr
+    p = _bench("--blocks", "1", *TINY)
+    assert p.returncode != 0 and "--blocks must be >= 2" in p.stderr

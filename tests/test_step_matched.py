@@ -1,0 +1,98 @@
+"""Step-matched baselines: ``--steps-of RUN --ratio r`` gives a dense run round(r x RUN's steps) steps with
+its own complete warm-up + cosine, and compare pairs each rule run with it per seed."""
+from __future__ import annotations
+
+import csv
+import json
+import math
+
+import pytest
+import torch
+import yaml
+
+from capskip_fx import train
+from capskip_fx.train import loop, report
+
+torch.set_num_threads(1)
+
+TINY = ["--dataset", "digits", "--img-size", "16", "--patch-size", "4", "--depth", "1", "--embed-dim", "16",
+        "--num-heads", "2", "--batch-size", "32", "--train-subset", "96", "--eval-subset", "64",
+        "--backend", "eager", "--threads", "1", "--check-every", "0", "--lr", "1e-2", "--min-lr", "1e-4"]
+
+
+def _lrs(out):
+    return [json.loads(l)["lr"] for l in (out / "steps.jsonl").read_text().splitlines()]
+
+
+def test_step_matched_run_has_its_own_complete_schedule(tmp_path):
+    rule = tmp_path / "rule"
+    res = train.run([*TINY, "--rule", "forced", "--keep", "0.5", "--epochs", "2", "--warmup-epochs", "1",
+                     "--out", str(rule)])
+    assert res["steps"] == 6  # 2 epochs of 3 steps
+    for ratio, steps, epochs in ((0.5, 3, 1), (0.74, 4, 2), (1.5, 9, 3)):
+        out = tmp_path / f"dense-{ratio}"
+        r = train.run([*TINY, "--rule", "dense", "--epochs", "2", "--warmup-epochs", "1", "--steps-of", str(rule),
+                       "--ratio", str(ratio), "--out", str(out)])
+        assert r["steps"] == steps == round(ratio * 6) and r["max_steps"] == steps
+        with open(out / "summary.csv", newline="") as f:
+            assert len(list(csv.DictReader(f))) == epochs  # as many epochs as its steps need
+        lrs = _lrs(out)
+        # warm-up over the first half (1 of 2 epochs' worth), then cosine down to min_lr at the last step
+        cfg = train.parse_config([*TINY, "--epochs", "2", "--warmup-epochs", "1", "--max-steps", str(steps)])
+        assert lrs == pytest.approx([loop.lr_at(cfg, (i + 1) / steps) for i in range(steps)])
+        assert lrs[-1] == pytest.approx(1e-4) and max(lrs) == pytest.approx(1e-2, rel=0.3)
+    # resumed: a finished step-matched run says so
+    with pytest.raises(SystemExit, match="already made its 3 steps"):
+        train.run(["--resume", str(tmp_path / "dense-0.5" / "checkpoint.pt")])
+
+
+def test_steps_of_errors_name_the_fix(tmp_path):
+    with pytest.raises(SystemExit, match="steps_of needs --ratio"):
+        train.run([*TINY, "--rule", "dense", "--steps-of", str(tmp_path)])
+    with pytest.raises(SystemExit, match="no result.json there"):
+        train.run([*TINY, "--rule", "dense", "--steps-of", str(tmp_path), "--ratio", "0.7"])
+    (tmp_path / "result.json").write_text(json.dumps({"steps": 10}))
+    with pytest.raises(SystemExit, match=r"contradicts steps_of: round\(0.7 x 10\) = 7"):
+        train.run([*TINY, "--rule", "dense", "--steps-of", str(tmp_path), "--ratio", "0.7", "--max-steps", "5"])
+    with pytest.raises(SystemExit, match="max_steps must be >= 1"):
+        train.run([*TINY, "--max-steps", "0"])
+    with pytest.raises(SystemExit, match="step-match a dense run instead"):
+        train.run([*TINY, "--rule", "infobatch", "--max-steps", "4"])
+
+
+def _run(root, name, seed, acc, **cfg):
+    d = root / name
+    d.mkdir(parents=True)
+    (d / "config.yaml").write_text(yaml.safe_dump({"dataset": "mnist", "seed": seed, **cfg}))
+    with open(d / "summary.csv", "w", newline="") as f:
+        w = csv.DictWriter(f, ["epoch", "eval_top1", "wall_clock_s", "backward_rows", "rows"])
+        w.writeheader()
+        w.writerow({"epoch": 1, "eval_top1": acc, "wall_clock_s": 10, "backward_rows": 5, "rows": 10})
+    return d
+
+
+def test_compare_pairs_each_rule_with_its_own_step_matched_dense(tmp_path):
+    T975_DF2 = 4.302652729911275
+    cap = {0: 90.0, 1: 91.0, 2: 93.0}
+    kab = {0: 89.0, 1: 90.0, 2: 90.5}
+    for s in range(3):
+        _run(tmp_path, f"dense-s{s}", s, 92.0, rule="dense")
+        c = _run(tmp_path, f"capskip-s{s}", s, cap[s], rule="capskip", budget=0.3)
+        k = _run(tmp_path, f"kabena-s{s}", s, kab[s], rule="kabena")
+        # step-matched dense, each to its own rule run, with that rule's own ratio
+        _run(tmp_path, f"dense-cap-s{s}", s, 89.0 + s / 2, rule="dense", steps_of=str(c), ratio=0.74, max_steps=74)
+        _run(tmp_path, f"dense-kab-s{s}", s, 88.0, rule="dense", steps_of=str(k), ratio=0.9, max_steps=90)
+    runs = report.find_runs([tmp_path])
+    assert sum(r.is_dense_reference for r in runs) == 3  # step-matched runs are not the dense reference
+    table = report.compare_table(runs)
+    rows = {line.split("|")[1].strip(): [c.strip() for c in line.split("|")[2:-1]]
+            for line in table.splitlines()[2:] if line.startswith("| ")}
+    assert set(rows) == {"dense", "capskip b=0.3", "kabena", "dense step-matched ×0.74 to capskip b=0.3",
+                         "dense step-matched ×0.9 to kabena"}
+    d = [cap[s] - (89.0 + s / 2) for s in range(3)]  # +1.0, +1.5, +3.0
+    m = sum(d) / 3
+    sd = math.sqrt(sum((x - m) ** 2 for x in d) / 2)
+    h = T975_DF2 * sd / math.sqrt(3)
+    assert rows["capskip b=0.3"][2] == f"{m:+.2f} [{m - h:+.2f}, {m + h:+.2f}] (n=3)"
+    assert rows["kabena"][2].startswith("+1.83 [")  # its own matched dense (88.0), not capskip's
+    assert rows["dense"][2] == "n/a" and rows["dense step-matched ×0.74 to capskip b=0.3"][2] == "n/a"
