@@ -1,4 +1,5 @@
-"""Selection rules: one file per rule, all behind :class:`~capskip_fx.rules.base.Rule`."""
+"""Selection rules: one file per rule, all behind :class:`~capskip_fx.rules.base.Rule`, and the names
+compile() takes, registered below (:func:`~capskip_fx.rules.registry.register_rule`)."""
 from __future__ import annotations
 
 import inspect
