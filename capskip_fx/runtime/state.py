@@ -81,25 +81,9 @@ class RuntimeState:
         self._pending_runners: list = []  # their states from a checkpoint loaded before they compiled
 
     # the clock's numbers and the step in progress, where the API, the backwards and checkpoints read them
-    @property
-    def step(self) -> int:
-        return self.clock.step
-
-    @step.setter
-    def step(self, value: int) -> None:
-        self.clock.step = value
-
-    @property
-    def epoch(self) -> int:
-        return self.clock.epoch
-
-    @epoch.setter
-    def epoch(self, value: int) -> None:
-        self.clock.epoch = value
-
-    @property
-    def last(self) -> StepStats:
-        return self.clock.last
+    step = property(lambda self: self.clock.step, lambda self, v: setattr(self.clock, "step", v))
+    epoch = property(lambda self: self.clock.epoch, lambda self, v: setattr(self.clock, "epoch", v))
+    last = property(lambda self: self.clock.last, doc="the step in progress (StepStats)")
 
     # -- forwards ----------------------------------------------------------------------
     def end_forward(self, fwd: ForwardContext, logits: Any, by_hook: bool = False) -> bool:
