@@ -33,7 +33,7 @@ from .checks import bad_targets_error, check_not_compiled_autograd, deferred_rea
 from .clock import StepClock
 from .forwards import NO_HEAD_REASON, UNBOUND_REASON, ForwardContext, logits_of
 from .stats import RunSummary, StepStats
-from .view import head_view
+from .view import global_view
 
 # names the backend and the API take from here
 __all__ = ["RuntimeState", "ForwardContext", "StepStats", "RunSummary", "logits_of", "UNBOUND_REASON",
@@ -132,7 +132,7 @@ class RuntimeState:
         fwd = fwd if fwd is not None else ForwardContext()
         if fwd.targets is not None and fwd.targets.shape[0] != n:
             raise ValueError(f"capskip_targets has {fwd.targets.shape[0]} rows but the batch has {n}")
-        view = head_view(self.scope, h.detach(), z.detach(), g.detach(), fwd.targets, fwd.index)
+        view = global_view(self.scope, h.detach(), z.detach(), g.detach(), fwd.targets, fwd.index)
         h, z, g, targets = view.h, view.z, view.g, view.targets
         names, flags, safe_targets = head_checks(h, z, g, targets, self.rule.needs_labels)
         # The rule runs before the checks are read, so that one read serves both.  A step that falls back

@@ -13,8 +13,8 @@ from torch import Tensor
 from ..rules.labels import infer_targets
 
 
-class HeadTensors(NamedTuple):
-    """What the rule runs on; ``lo``: this rank's first row in the gathered batch (None: local view)."""
+class GlobalView(NamedTuple):
+    """What the rule runs on; ``lo``: this rank's first row in the gathered batch (None: only this rank's rows)."""
 
     h: Tensor
     z: Tensor
@@ -28,13 +28,13 @@ class HeadTensors(NamedTuple):
         return weight if self.lo is None else weight[self.lo:self.lo + n]
 
 
-def head_view(scope: str, h: Tensor, z: Tensor, g: Tensor, targets: Optional[Tensor],
-              index: Optional[Tensor]) -> HeadTensors:
+def global_view(scope: str, h: Tensor, z: Tensor, g: Tensor, targets: Optional[Tensor],
+              index: Optional[Tensor]) -> GlobalView:
     """The tensors the rule runs on: this rank's, or (``scope="global"``) every rank's, in rank order."""
     import torch.distributed as dist
 
     if scope != "global" or not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
-        return HeadTensors(h, z, g, targets, index)
+        return GlobalView(h, z, g, targets, index)
     world, rank, n = dist.get_world_size(), dist.get_rank(), g.shape[0]
     sizes = [torch.zeros(1, dtype=torch.long, device=g.device) for _ in range(world)]
     dist.all_gather(sizes, torch.tensor([n], device=g.device))
@@ -50,4 +50,4 @@ def head_view(scope: str, h: Tensor, z: Tensor, g: Tensor, targets: Optional[Ten
     y = targets if targets is not None else infer_targets(g)
     y = cat(y.to(g.device).long())
     idx = cat(index.to(g.device)) if index is not None else None
-    return HeadTensors(cat(h), cat(z), cat(g), y, idx, rank * n)
+    return GlobalView(cat(h), cat(z), cat(g), y, idx, rank * n)
