@@ -48,7 +48,8 @@ class CapskipConfig:
     on_coupling: "dense" (warn once, run the exact dense backward, record why) or "error".
     vcas:       a :class:`~capskip_fx.VCAS` (or True / a dict of its options): sample inside
                 the backward (activation rows at residual forks, token rows of weight gradients) on
-                the rows the rule kept.  ``rule="vcas"`` is the dense rule with ``vcas=VCAS()``.
+                the rows the rule kept.  ``rule="vcas"`` is the dense rule with ``vcas=VCAS()`` (the rule
+                registry sets it).
     scope:      under torch.distributed, "per_rank" (each rank selects among its own rows; no
                 communication) or "global" (the head's h, z, dL/dz are all-gathered once per step and
                 every rank makes the same decision over the global batch; equal per-rank N required).
@@ -126,14 +127,21 @@ CONFIG_FIELDS = tuple(CapskipConfig.__dataclass_fields__)
 
 
 def split_options(rule, options: dict) -> tuple["CapskipConfig", Any, dict]:
-    """(config, rule, rule options) from compile()'s keywords.  ``rule="vcas"`` is the dense rule with
-    VCAS inside the backward."""
+    """(config, rule, rule options) from compile()'s keywords.  A rule name is looked up in the registry
+    (``rules/registry.py``) and comes back as its :class:`~capskip_fx.rules.RuleSpec`, its compile
+    options set where the user left them unset (``rule="vcas"``: ``vcas=True``, the dense rule with VCAS
+    inside the backward)."""
+    from .rules import rule_spec
+
     options = dict(options)
     cfg_opts = {k: options.pop(k) for k in list(options) if k in CONFIG_FIELDS}
-    if isinstance(rule, str) and rule == "vcas":
-        if cfg_opts.get("vcas") in (None, False):
-            cfg_opts["vcas"] = True
-        rule = "dense"
+    if isinstance(rule, str):
+        rule = rule_spec(rule)
+        for key, value in rule.compile_options.items():
+            if cfg_opts.get(key) is False:
+                raise ValueError(f"rule={rule.name!r} turns {key} on; drop {key}=False or pick another rule")
+            if cfg_opts.get(key) is None:
+                cfg_opts[key] = value
     return CapskipConfig(**cfg_opts), rule, options
 
 
@@ -142,7 +150,7 @@ def options_from_env(environ: Optional[Mapping[str, str]] = None) -> dict:
     (comma-separated ``key=value``, e.g. ``keep=0.5,backend=aot_eager,gather_below=0.9``), the way
     Inductor reads ``TORCHINDUCTOR_*``.  Values are Python literals (numbers, True/False/None) or plain
     strings; names are checked against compile()'s; a bad one raises naming the variable."""
-    from .rules import RULES, rule_options
+    from .rules import rule_names, rule_options
 
     env = os.environ if environ is None else environ
     out: dict[str, Any] = {}
@@ -154,10 +162,9 @@ def options_from_env(environ: Optional[Mapping[str, str]] = None) -> dict:
         except ValueError:
             raise ValueError(f"{ENV_BUDGET}={env[ENV_BUDGET]!r}: expected a number in [0, 1]") from None
     rule = out.get("rule", "capskip")
-    if rule not in RULES and rule != "vcas":
-        raise ValueError(f"{ENV_RULE}={rule!r}: unknown rule; valid names: {', '.join(sorted(RULES))}, vcas")
-    known = set(CONFIG_FIELDS) | {"seed", "logits_index", "budget"} | set(rule_options(
-        "dense" if rule == "vcas" else rule))
+    if rule not in rule_names():
+        raise ValueError(f"{ENV_RULE}={rule!r}: unknown rule; valid names: {', '.join(rule_names())}")
+    known = set(CONFIG_FIELDS) | {"seed", "logits_index", "budget"} | set(rule_options(rule))
     for item in filter(None, (p.strip() for p in env.get(ENV_OPTIONS, "").split(","))):
         key, sep, raw = item.partition("=")
         key = key.strip()

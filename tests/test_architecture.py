@@ -135,6 +135,48 @@ def test_every_rule_declares_whether_it_reads_labels():
     assert RandomSkip(match="capskip").needs_labels, "random matching capskip reads labels through it"
 
 
+# runtime/'s parts, bottom first: each imports only parts before it (state.py composes them; backward.py
+# is called by AOTAutograd and reads the state it is given)
+RUNTIME_PARTS = ["stats", "forwards", "clock", "view", "checks", "state", "backward"]
+
+
+def test_runtime_parts_import_downward_only():
+    """A new runtime module gets a place in RUNTIME_PARTS; no part imports one above it or the passes."""
+    mods = {_module_name(p) for p in (PKG / "runtime").glob("*.py") if p.name != "__init__.py"}
+    placed = {f"capskip_fx.runtime.{m}" for m in RUNTIME_PARTS}
+    assert mods == placed, f"runtime modules not in RUNTIME_PARTS (or listed but gone): {sorted(mods ^ placed)}"
+    rank = {f"capskip_fx.runtime.{m}": i for i, m in enumerate(RUNTIME_PARTS)}
+    inner = [(src, dst) for src, dst, _, _ in _imports() if src in rank and dst in rank]
+    assert ("capskip_fx.runtime.state", "capskip_fx.runtime.clock") in inner, f"edges not collected: {inner}"
+    bad = [(src, dst) for src, dst in inner if rank[dst] >= rank[src]]
+    assert not bad, f"runtime parts importing upward: {bad}"
+    passes = [(src, dst) for src, dst, _, _ in _imports()
+              if _within(src, "capskip_fx.runtime") and _within(dst, "capskip_fx.passes")]
+    assert not passes, f"the runtime imports the passes (at module or function level): {passes}"
+
+
+def test_library_compares_no_rule_names():
+    """Rules declare what they need (``needs_labels``, a registered name's ``compile_options``): outside the
+    harness no code compares a rule name (``rule == "vcas"``)."""
+    from capskip_fx.rules import rule_names
+
+    names = set(rule_names())
+    bad = []
+    for path in PKG.rglob("*.py"):
+        if _within(_module_name(path), "capskip_fx.train"):
+            continue
+        src = path.read_text()
+        for node in ast.walk(ast.parse(src)):
+            if not isinstance(node, ast.Compare):
+                continue
+            sides = [node.left, *node.comparators]
+            consts = [c.value for x in sides for c in (x.elts if isinstance(x, (ast.Tuple, ast.List, ast.Set)) else [x])
+                      if isinstance(c, ast.Constant) and c.value in names]
+            if consts and "rule" in ast.get_source_segment(src, node):
+                bad.append(f"{_module_name(path)}:{node.lineno}: {ast.get_source_segment(src, node)}")
+    assert not bad, f"rule names special-cased: {bad}"
+
+
 def test_environment_is_read_in_config_only():
     """CAPSKIP_* (and any other) environment variables are read through config.py's helpers."""
     bad = []

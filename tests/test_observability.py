@@ -12,7 +12,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import capskip_fx
-from capskip_fx.runtime import state as state_mod
+from capskip_fx.runtime import stats as stats_mod
 
 
 def _step(cm, n=8, seed=0):
@@ -39,7 +39,7 @@ def test_stats_repr_and_report_table():
 
 
 def test_info_line_rate_limited(caplog, monkeypatch):
-    monkeypatch.setattr(state_mod, "LOG_EVERY_S", 3600.0)
+    monkeypatch.setattr(stats_mod, "LOG_EVERY_S", 3600.0)
     cm = capskip_fx.compile(_model(), rule="forced", keep=0.5, backend="aot_eager")
     with caplog.at_level(logging.INFO, logger="capskip_fx"):
         for s in range(4):

@@ -1,4 +1,6 @@
-"""Runtime side: per-model selection state and step statistics."""
-from .state import RuntimeState, StepStats
+"""Runtime side: what runs at step time.  ``state.py`` composes the parts (forwards, clock, view,
+checks, stats); ``backward.py`` is the selected-row backward AOTAutograd calls."""
+from .state import RuntimeState
+from .stats import RunSummary, StepStats
 
-__all__ = ["RuntimeState", "StepStats"]
+__all__ = ["RuntimeState", "RunSummary", "StepStats"]

@@ -1,7 +1,7 @@
 """The selected-row backward at run time: what AOTAutograd calls as a rewritten graph's backward.
 
 Per call (one backward of one forward):
-  - head graph of the returned logits (its autograd node carries its forward, runtime/state.py):
+  - head graph of the returned logits (its autograd node carries its forward, runtime/forwards.py):
     run the rule on that forward's h, z, dL/dz and labels (one host read, none for a fixed count;
     the kept-row index below is built on the device either way);
   - any other graph (graph breaks, DDP splits, a Linear output that is not the logits): drop the

@@ -1,0 +1,72 @@
+"""Each forward of a compiled model is a :class:`ForwardContext`, attached to the autograd node of the
+logits it returned (the head graph's compiled function).  The head graph's backward reads it from the
+running node, so it always uses *its own* forward's labels and indices, whatever the order of forwards
+and backwards (several forwards per backward, retain_graph, metrics forwards never back-propagated, two
+models interleaved).  The context lives exactly as long as that node: no registry to evict.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+from torch import Tensor
+
+from .stats import StepStats
+
+_ATTR = "_capskip_forward"  # the attribute on the logits' autograd node that holds its ForwardContext
+
+NO_HEAD_REASON = ("no graph of this backward ran the rule (the first step of a model compiled in place or "
+                  "per block binds its logits from the second step on; or the logits come from eager code): "
+                  "dense backward")
+UNBOUND_REASON = ("the returned logits are not the output of a compiled graph (eager code after a graph "
+                  "break, or a head left out of a regional compile?): no rule runs, dense backward")
+
+
+@dataclass(eq=False)
+class ForwardContext:
+    """One forward of a CapskipModule: its side inputs, and its stats once its head backward ran."""
+
+    targets: Optional[Tensor] = None
+    index: Optional[Tensor] = None
+    stats: Optional[StepStats] = None
+
+
+def bind(fwd: ForwardContext, logits: Any) -> bool:
+    """Attach ``fwd`` to the compiled function that produced ``logits``; False if there is none (eager
+    logits after the compiled graphs) or it takes no attributes."""
+    node = _compiled_node(getattr(logits, "grad_fn", None))
+    if node is None:
+        return False
+    try:
+        setattr(node, _ATTR, fwd)
+    except (AttributeError, TypeError):
+        return False
+    return True
+
+
+def running_forward() -> Optional[ForwardContext]:
+    """The forward bound to the autograd node whose backward is running, if any."""
+    current = getattr(torch._C, "_current_autograd_node", lambda: None)()
+    return getattr(current, _ATTR, None) if current is not None else None
+
+
+def logits_of(out: Any, index: Optional[int]) -> Optional[Tensor]:
+    """The logits among a model's outputs: the tensor itself, the ``index``-th value of a tuple/list/dict,
+    else the first 2-D tensor (a Hugging Face ModelOutput's ``logits`` after its 0-d ``loss``)."""
+    if isinstance(out, Tensor):
+        return out
+    vals = list(out.values()) if isinstance(out, dict) else list(out) if isinstance(out, (tuple, list)) else []
+    if index is not None and index < len(vals):
+        return vals[index]
+    return next((v for v in vals if isinstance(v, Tensor) and v.dim() == 2), None)
+
+
+def _compiled_node(node):
+    """The compiled function's autograd node under the views AOTAutograd replays on its outputs."""
+    for _ in range(4):
+        if node is None or "CompiledFunction" in type(node).__name__:
+            break
+        nxt = [f for f, _ in node.next_functions if f is not None]
+        node = nxt[0] if len(nxt) == 1 else None
+    return node

@@ -1,0 +1,171 @@
+"""What a step and a run report: :class:`StepStats` (one backward), :class:`RunSummary` (the run so far)
+and :class:`RunLog` (completed steps summed, with the rate-limited INFO line).
+
+Stats are kept as tensors where reading them would sync the device; ``StepStats.bound`` (and
+``fallback`` after a fixed-count step) syncs lazily, only when read.
+"""
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Callable, Optional
+
+from torch import Tensor
+
+log = logging.getLogger("capskip_fx")
+LOG_EVERY_S = 60.0  # the INFO line for scripts that never call stats(): at most once a minute
+
+
+@dataclass(repr=False)
+class StepStats:
+    step: int = 0
+    n: int = 0
+    kept: int = 0
+    rows: int = 0  # rows the backward actually ran on (kept + zero-weight padding)
+    _fallback: Optional[str] = None  # see the ``fallback`` property
+    variants: int = 0
+    selection_ms: float = 0.0
+    weight: Optional[Tensor] = None
+    vcas: Optional[dict] = None  # with VCAS: probe?, rows per segment, s, rho, nu, (kept, total) per sampled matmul
+    forwards: list = field(default_factory=list, repr=False)  # per-forward StepStats when a step had several
+    dense: bool = False  # no rule applied this step (every row ran with weight 1)
+    provisional: bool = False  # a dense record a head selection of the same backward replaces
+    _bound: Optional[Tensor] = field(default=None, repr=False)
+    _pending: Optional[Callable[[], Optional[str]]] = field(default=None, repr=False)  # reads the device
+
+    @property
+    def fallback(self) -> Optional[str]:
+        """Why the step (or part of it) did not run the rule's selection as usual; None if it did.
+        After a fixed-count step this reads the device once (its checks were not read at the step)."""
+        if self._pending is not None:
+            pending, self._pending = self._pending, None
+            self._fallback = self._fallback or pending()
+        if self._fallback is not None:
+            return self._fallback
+        return next((f.fallback for f in self.forwards if f.fallback), None)
+
+    @fallback.setter
+    def fallback(self, reason: Optional[str]) -> None:
+        self._fallback = reason
+
+    def add(self, fwd: "StepStats") -> None:
+        """Fold one forward's stats into this step's (n, kept, rows add up; weight/bound per forward)."""
+        self.forwards.append(fwd)
+        self.refresh()
+
+    def refresh(self) -> None:
+        fs = self.forwards
+        self.n, self.kept, self.rows = (sum(f.n for f in fs), sum(f.kept for f in fs), sum(f.rows for f in fs))
+        self.selection_ms = sum(f.selection_ms for f in fs)
+        one = fs[0] if len(fs) == 1 else None
+        self.weight = one.weight if one else None
+        self._bound = one._bound if one else None
+
+    @property
+    def mode(self) -> str:
+        """``selected`` (the backward ran on the kept rows), ``dense-masked`` (all rows ran, the rule's
+        gradient: skipped rows weighted 0) or ``dense`` (the rule was not applied); ``fallback`` says why
+        a step was not ``selected``.  ``none``: no backward yet."""
+        if self.dense or (self.forwards and all(f.dense for f in self.forwards)):
+            return "dense"
+        if not self.n:
+            return "none"
+        return "selected" if self.rows < self.n else "dense-masked"
+
+    @property
+    def bound(self) -> float:
+        """||S_k|| / ||G|| for capskip (reads the device once); NaN for rules without a bound."""
+        return float(self._bound) if self._bound is not None else math.nan
+
+    @property
+    def kept_fraction(self) -> float:
+        return self.kept / self.n if self.n else math.nan
+
+    def __repr__(self) -> str:
+        """The numbers a user looks at (the weight tensor elided; ``.weight`` has it)."""
+        parts = [f"step={self.step}", f"mode={self.mode}", f"n={self.n}", f"kept={self.kept}", f"rows={self.rows}"]
+        if self._bound is not None:
+            parts.append(f"bound={self.bound:.4g}")
+        parts += [f"fallback={self.fallback!r}", f"variants={self.variants}"]
+        if len(self.forwards) > 1:
+            parts.append(f"forwards={len(self.forwards)}")
+        return f"StepStats({', '.join(parts)})"
+
+    def as_dict(self) -> dict:
+        d = {"step": self.step, "mode": self.mode, "n": self.n, "kept": self.kept, "rows": self.rows,
+             "bound": self.bound, "fallback": self.fallback, "variants": self.variants,
+             "selection_ms": self.selection_ms}
+        if len(self.forwards) > 1:
+            d["forwards"] = [f.as_dict() for f in self.forwards]
+        return d
+
+
+@dataclass
+class RunSummary:
+    """The run so far, step by step (``capskip_fx.summary(model)``): how many rows were forwarded, kept
+    and run by the backward, the steps by mode, and why steps were not ``selected`` (no device read:
+    a fixed-count step's deferred non-finite check counts only once ``stats().fallback`` read it)."""
+
+    steps: int = 0
+    n: int = 0  # rows forwarded (with a backward)
+    kept: int = 0  # rows the rule kept
+    rows: int = 0  # rows the backward ran on
+    modes: Counter = field(default_factory=Counter)
+    fallbacks: Counter = field(default_factory=Counter)  # reason -> steps
+
+    def add(self, st: "StepStats") -> None:
+        if not st.n:
+            return
+        self.steps += 1
+        self.n, self.kept, self.rows = self.n + st.n, self.kept + st.kept, self.rows + st.rows
+        self.modes[st.mode] += 1
+        reason = st._fallback or next((f._fallback for f in st.forwards if f._fallback), None)
+        if reason is not None:
+            self.fallbacks[reason] += 1
+
+    def __add__(self, other: "RunSummary") -> "RunSummary":
+        return RunSummary(self.steps + other.steps, self.n + other.n, self.kept + other.kept, self.rows + other.rows,
+                          self.modes + other.modes, self.fallbacks + other.fallbacks)
+
+    @property
+    def kept_pct(self) -> float:
+        return 100.0 * self.kept / self.n if self.n else math.nan
+
+    @property
+    def rows_pct(self) -> float:
+        return 100.0 * self.rows / self.n if self.n else math.nan
+
+    def as_dict(self) -> dict:
+        """Flat, for a trainer's logger."""
+        d = {"capskip/steps": self.steps, "capskip/kept_pct": self.kept_pct, "capskip/rows_pct": self.rows_pct}
+        d.update({f"capskip/steps_{m.replace('-', '_')}": c for m, c in sorted(self.modes.items())})
+        return d
+
+    def __str__(self) -> str:
+        modes = ", ".join(f"{m} {c}" for m, c in self.modes.most_common())
+        out = (f"capskip_fx: {self.steps} steps, kept {self.kept_pct:.1f}% of {self.n} rows, backward ran on "
+               f"{self.rows_pct:.1f}% ({modes or 'no steps'})")
+        for reason, c in self.fallbacks.most_common(3):
+            out += f"\n  {c} steps: {reason}"
+        return out
+
+
+class RunLog:
+    """Completed steps: summed into ``totals``, and one INFO line per :data:`LOG_EVERY_S` (no device read)."""
+
+    def __init__(self):
+        self.totals = RunSummary()
+        self._logged_at = -math.inf
+
+    def add(self, st: StepStats) -> None:
+        self.totals.add(st)
+        now = time.monotonic()
+        if st.n and log.isEnabledFor(logging.INFO) and now - self._logged_at >= LOG_EVERY_S:
+            self._logged_at = now
+            run = self.totals
+            log.info("capskip_fx step %d (%s): kept %d/%d rows, backward ran on %d; run: kept %.1f%%, ran %.1f%% "
+                     "of rows over %d steps%s", st.step, st.mode, st.kept, st.n, st.rows, run.kept_pct, run.rows_pct,
+                     run.steps, f"; this step: {st._fallback}" if st._fallback else "")
