@@ -93,14 +93,14 @@ class CapskipModule(nn.Module):
                 reason = _no_graph_reason(self.model)
                 self._state.warn_once(reason)
                 self._state.record_dense_step(n, reason)
-            elif not self._backend.any_selected:  # no graph found the head: every step is dense
+            elif not self._backend.any_head:  # no graph found the head: every step is dense
                 reason = self._state.fallback  # a graph's refusal: warned once, for its graph
                 if reason is None:
                     reason = next((r.no_head for r in self._backend.records if r.no_head),
                                   "no graph holds the classifier head")
                     self._state.warn_once(f"{reason} -> dense backward")
                 self._state.record_dense_step(n, reason)
-            elif not bound and self._backend.any_selected:
+            elif not bound and self._backend.any_head:
                 self._state.warn_once(UNBOUND_REASON)
                 self._state.record_dense_step(n, UNBOUND_REASON)
         return out

@@ -25,7 +25,7 @@ import sympy
 import torch
 from torch import fx
 
-from ..records import Refused
+from ..records import RefusalKind, Refused
 from ..symbolic import Spec, batch_symbol_of, spec_of, stride_symbols
 from .insert_select import SELECTION_OPS
 
@@ -69,7 +69,7 @@ def plan_backward(gm: fx.GraphModule, example_inputs, layouts: dict) -> tuple[fx
     saved activation batch-major, in the dim and with the factor its sizes show."""
     sel = [n for n in gm.graph.nodes if n.target in SELECTION_OPS]
     if len(sel) != 1:
-        raise Refused(f"expected one selection node in the backward, found {len(sel)}")
+        raise Refused(f"expected one selection node in the backward, found {len(sel)}", RefusalKind.SELECTION)
     sel = sel[0]
     prefix = None
     if sel.args[-2].op != "placeholder":  # dL/dz computed in the backward: an in-graph loss
@@ -82,13 +82,13 @@ def plan_backward(gm: fx.GraphModule, example_inputs, layouts: dict) -> tuple[fx
     pos = {n: i for i, n in enumerate(placeholders)}
     tensors = sel.args[:-1]  # (h, z, g) or (g,); the last arg is the state key
     if not all(a in pos for a in tensors):
-        raise Refused("the selection's inputs are computed inside the backward (not saved activations)")
+        raise Refused("the selection's inputs are computed inside the backward (not saved activations)", RefusalKind.SELECTION)
     sym = batch_symbol_of(example_inputs[pos[tensors[-1]]])
     strides = stride_symbols(example_inputs, sym)
     specs = [spec_of(v, sym, strides) for v in example_inputs]
     for a in tensors:
         if specs[pos[a]].kind != "batch" or specs[pos[a]].factor != 1 or specs[pos[a]].dim != 0:
-            raise Refused(f"selection input {a.name} does not carry the batch in dim 0")
+            raise Refused(f"selection input {a.name} does not carry the batch in dim 0", RefusalKind.SELECTION)
     computed = {n.name for n in placeholders[len(placeholders) - len(prefix.gm.graph.output_node().args[0]):]} \
         if prefix is not None else set()
     for node, spec in zip(placeholders, specs):
@@ -163,8 +163,9 @@ def _split_prefix(gm: fx.GraphModule, example_inputs: list, g: fx.Node, sel: fx.
 def _check_proven(name: str, spec: Spec, layout) -> None:
     """A saved activation is gathered along ``spec`` only where the dataflow proved that layout."""
     if layout is None:
-        raise Refused(f"saved activation {name} has no proven batch layout (not a forward value of the joint graph)")
+        raise Refused(f"saved activation {name} has no proven batch layout (not a forward value of the joint graph)",
+                      RefusalKind.UNPROVEN)
     if not (layout.kind == "batch" and layout.outer == 1 and layout.dim == spec.dim and layout.inner == spec.factor):
         raise Refused(f"saved activation {name}: its sizes suggest batch dim {spec.dim} x{spec.factor}, but the "
-                      f"dataflow says {layout}{': ' + layout.why if layout.why else ''}")
+                      f"dataflow says {layout}{': ' + layout.why if layout.why else ''}", RefusalKind.UNPROVEN)
 
