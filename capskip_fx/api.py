@@ -94,7 +94,8 @@ class CapskipModule(nn.Module):
                 self._state.warn_once(reason)
                 self._state.record_dense_step(n, reason)
             elif not self._backend.any_head:  # no graph found the head: every step is dense
-                reason = self._state.fallback  # a graph's refusal: warned once, for its graph
+                refusal = self._backend.refusal  # a graph's refusal: warned once, for its graph
+                reason = refusal.detail if refusal is not None else None
                 if reason is None:
                     reason = next((r.no_head for r in self._backend.records if r.no_head),
                                   "no graph holds the classifier head")

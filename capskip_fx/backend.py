@@ -206,12 +206,16 @@ class CapskipBackend:
     def any_head(self) -> bool:
         return any(r.head for r in self.records)
 
+    @property
+    def refusal(self) -> Optional[Refusal]:
+        """The first graph's compile-time refusal: why a model none of whose graphs selects runs dense."""
+        return next((r.compiled.refusal for r in self.records if r.compiled.refusal is not None), None)
+
     def _settle(self, rec: GraphRecord, fields: dict) -> None:
-        """A pipeline result into the graph's record; its refusal, if the graph's first, warned once and
-        kept as the model's (a model whose every step is dense reports it)."""
+        """A pipeline result into the graph's record (the one path a compile-time refusal takes): the
+        graph's first refusal is counted (GraphRecord.settle) and warned once."""
         refusal = rec.settle(**fields)
         if refusal is not None:
-            self.state.fallback = self.state.fallback or refusal.detail
             self.state.warn_once(f"{refusal.detail} -> dense backward for this graph")
 
     def __call__(self, gm: fx.GraphModule, example_inputs, **kwargs):

@@ -216,7 +216,6 @@ class RuntimeState:
         self._logged_at = -math.inf
         self.last = StepStats()
         self.variants = 0  # compiled selected-row backward variants
-        self.fallback: Optional[str] = None  # the first graph's refusal (a model whose every step is dense)
         self.masked_reason: Optional[str] = None  # why the head graph's backward runs dense-masked
         self._warned: set[str] = set()
         self.head_bias = True  # set by the graph pass from the head it found
