@@ -344,7 +344,8 @@ class CapskipBackend:
                f"inputs, reason: {rec.reason}\n" + res.graph.print_readable(print_output=False))
         if res.prefix is None and not res.segmented:
             return res.compiled, Built("rows", in_graph=res.in_graph)
-        return SelectedRowBackward(res.compiled, res.plan, self.state, self.config, rec,  # several graphs: not described
+        # several graphs (a prefix, VCAS's segments): not described
+        return SelectedRowBackward(res.compiled, res.plan, self.state, self.config, rec,
                                    dense_only=rec.backward != BackwardMode.SELECTED, prefix=res.prefix,
                                    in_graph=res.in_graph), None
 

@@ -153,7 +153,8 @@ def find_in_graph_loss(graph: fx.Graph, head: Head, backward: set) -> Optional[I
                  and isinstance(u.args[0], fx.Node) and u.args[0].target in (aten.permute.default, aten.t.default)),
                 None)
     if grad is None or tuple(grad.meta["val"].shape) != tuple(head.z.meta["val"].shape):
-        raise Refused("in-graph loss: the gradient into the logits was not found (a frozen head?)", RefusalKind.IN_GRAPH_LOSS)
+        raise Refused("in-graph loss: the gradient into the logits was not found (a frozen head?)",
+                      RefusalKind.IN_GRAPH_LOSS)
     return InGraphLoss(frozenset(region), grad)
 
 

@@ -3,18 +3,20 @@
 Given the partitioned backward (symbolic batch ``s``) that contains ``w = capskip::select(h, z, g)``
 (head graph) or ``w = capskip::shared(g)`` (body graph):
   1. the node's tensor inputs must be backward inputs (saved activations / tangents); the node
-     is replaced by a new last input ``capskip_w``.  At run time the head graph runs the rule
-     and publishes its kept rows; body graphs (whose backward runs later) use them.
+     is replaced by a new last input ``capskip_w``.  At run time (runtime/backward.py) the head
+     graph's ``w`` is the rule's weight; a body graph's is the mask of rows whose incoming gradient
+     is nonzero, computed from its own tangents (the head's kept rows are not reused).
   2. Every input is classified from its *example input* (real strides from the compiled
      forward, not node meta): no batch / SymInt expression of ``s`` / tensor with one batch dim
      of size ``a*s`` (flattened batch-major when a > 1).  Anything else is refused.
-  3. The rewritten graph is compiled ONCE (symbolic batch).  At run time the rule picks the rows,
-     the kept rows are moved to the front, ``kb = bucket(k)`` rows are gathered (the pad rows are
-     skipped rows with weight 0: exact), SymInt inputs are evaluated at ``kb``, and batch-shaped
-     outputs (input gradients) are scattered back to N rows.
+  3. The rewritten graph is compiled ONCE (symbolic batch; passes/pipeline.py compiles it).  At run
+     time the rule picks the rows, the kept rows are moved to the front, ``kb = bucket(k)`` rows
+     are gathered (the pad rows are skipped rows with weight 0: exact), SymInt inputs are
+     evaluated at ``kb``, and batch-shaped outputs (input gradients) are scattered back to N rows.
 Invariants: outputs equal the dense-masked backward's (exact semantics, see insert_select.py);
 the compiled graph must not specialise ``s`` (checked after compiling; refused otherwise);
-k == N (and kb > gather_below*N) runs ungathered with w masking; k == 0 runs on ``min_rows`` zero-weight rows (zero gradients, not None).
+k == N (and kb > gather_below*N) runs ungathered with w masking; k == 0 runs on ``min_rows``
+zero-weight rows (zero gradients, not None).
 """
 from __future__ import annotations
 
@@ -42,7 +44,7 @@ class Prefix:
 
 @dataclass
 class BackwardPlan:
-    """What the rewrite found; kept in the backend's graph record."""
+    """What the rewrite found; kept in the graph's compile record (``record.plan``)."""
 
     select_args: tuple[int, ...]  # input positions of h, z, g (head) or g (body)
     tangent_args: tuple[int, ...]  # input positions of the batch-shaped tangents

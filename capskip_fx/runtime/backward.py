@@ -104,7 +104,8 @@ class SelectedRowBackward:
         full_args = list(args) if check else None
         shapes = self._shapes_at(kb)
         if self.in_graph:  # the graph gathers and scatters: batch inputs as they are, then the index and n
-            new_args = [shape if s.kind == "symint" else a for a, s, shape in zip(args, p.specs, shapes)] + [w_kb, idx, n]
+            new_args = [shape if s.kind == "symint" else a
+                        for a, s, shape in zip(args, p.specs, shapes)] + [w_kb, idx, n]
         else:
             gathered = iter(gather_all([a for a, s in zip(args, p.specs) if s.kind == "batch"],
                                        [s for s in p.specs if s.kind == "batch"], idx, n,
