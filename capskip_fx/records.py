@@ -13,6 +13,7 @@ seen, verification).  A refusal met at run time (verify) is kept apart from the 
 from __future__ import annotations
 
 import enum
+import operator
 from dataclasses import dataclass, field, replace
 from typing import Any, Optional
 
@@ -173,11 +174,6 @@ class GraphRecord:
             raise AttributeError(f"GraphRecord.{name} is a compile field: settle({name}=...) replaces it")
         super().__setattr__(name, value)
 
-    def __getattr__(self, name: str) -> Any:  # the other compile fields: record.plan, record.gather, ...
-        if name in CompileRecord.__dataclass_fields__:
-            return getattr(self.__dict__.get("compiled", CompileRecord()), name)
-        raise AttributeError(name)
-
     def as_dict(self) -> dict:
         c = self.compiled
         return {"graph": self.index, "nodes": self.nodes, "role": "head" if self.head else "body" if self.body else "-",
@@ -185,6 +181,13 @@ class GraphRecord:
                 "reason": self.reason, "gathered_inputs": c.plan.gathered_inputs if c.plan else 0,
                 "row_counts": sorted(self.row_counts), "verified": self.verified, "vcas": c.vcas,
                 "gather": c.gather if c.gather_refused is None else f"eager ({c.gather_refused})"}
+
+
+# the other compile fields read through: record.plan, record.gather, ... (read-only)
+for _name in CompileRecord.__dataclass_fields__:
+    if not hasattr(GraphRecord, _name):
+        setattr(GraphRecord, _name, property(operator.attrgetter(f"compiled.{_name}")))
+del _name
 
 
 def _count(refusal: Refusal) -> None:
