@@ -93,8 +93,9 @@ class CapskipModule(nn.Module):
                 reason = _no_graph_reason(self.model)
                 self._state.warn_once(reason)
                 self._state.record_dense_step(n, reason)
-            elif not self._backend.any_selected:  # no graph found the head: every step is dense
-                reason = self._state.fallback  # a graph's refusal: warned once, for its graph
+            elif not self._backend.any_head:  # no graph found the head: every step is dense
+                refusal = self._backend.refusal  # a graph's refusal: warned once, for its graph
+                reason = refusal.detail if refusal is not None else None
                 if reason is None:
                     reason = next((r.no_head for r in self._backend.records if r.no_head),
                                   "no graph holds the classifier head")
@@ -103,7 +104,7 @@ class CapskipModule(nn.Module):
                 if untraced and untraced not in reason:  # the graphs after an RNN's break: the cause first
                     reason = f"{untraced}; the graph after it: {reason}"
                 self._state.record_dense_step(n, reason)
-            elif not bound and self._backend.any_selected:
+            elif not bound and self._backend.any_head:
                 self._state.warn_once(UNBOUND_REASON)
                 self._state.record_dense_step(n, UNBOUND_REASON)
         return out

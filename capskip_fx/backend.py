@@ -1,8 +1,10 @@
-"""The torch.compile backend object: Inductor's ``compile_fx`` with capskip's two passes.
+"""The torch.compile backend object: Inductor's ``compile_fx`` with capskip's pass pipeline.
 
 One backend per ``capskip_fx.compile`` call (Dynamo matches compiled entries by backend
-object, so configs must not share one).  It remembers every graph it received, what it
-rewrote and why it refused (``records``), like Thunder's backend.
+object, so configs must not share one).  It wires the two pipelines of ``passes/pipeline.py`` into
+Inductor's hooks (``joint_custom_pre_pass``, ``inner_compile``), turns their results into the graph's
+record and the wrappers that run it, and remembers every graph it received, what was rewritten and
+why it was refused (``records``), like Thunder's backend.
 """
 from __future__ import annotations
 
@@ -20,15 +22,12 @@ from torch.utils.weak import WeakIdKeyDictionary
 from . import aot_cache, ops
 from .config import (ENV_BUDGET, ENV_OPTIONS, ENV_RULE, CapskipConfig, dynamic_batch_enabled, options_from_env,
                      split_options)
-from .passes.gather_in_graph import check_full_rows_free, gather_in_graph
-from .passes.insert_select import SELECT, SELECTION_OPS, InsertSelectPass
-from .passes.selected_rows import BackwardPlan, plan_backward
-from .records import BackwardMode, GraphRecord, Refused, counters
+from .passes import pipeline
+from .records import BackwardMode, CompileRecord, GraphRecord, Refusal, RefusalKind, counters
 from .functions import undeclared_function
 from .rules import build_rule
 from .runtime.backward import SelectedRowBackward
 from .runtime.state import UNBOUND_REASON, ForwardContext, RuntimeState, logits_of
-from .symbolic import check_not_specialised, fake_mode_of
 from .vcas import build_backward as vcas_backward
 
 _MATMULS = ("mm", "addmm", "bmm", "baddbmm")
@@ -95,7 +94,7 @@ class _DenseBackward:
     """Backward of a refused graph: plain dense.  Without bound forwards (the string backend) it is what
     records the step (n rows, all kept, the reason) in stats(); CapskipModule records it at its forward."""
 
-    def __init__(self, compiled, state: RuntimeState, reason: str, batch_arg: Optional[int]):
+    def __init__(self, compiled, state: RuntimeState, reason: Optional[str], batch_arg: Optional[int]):
         self._boxed_call = True
         self.compiled, self.state, self.reason, self.batch_arg = compiled, state, reason, batch_arg
 
@@ -150,11 +149,6 @@ class _Keyless:
         return getattr(self.compiled, name)
 
 
-#: the GraphRecord fields the passes set at compile time (the rest is filled in at run time)
-_RECORD_FIELDS = ("selected", "body", "no_head", "coupled", "masked_tangents", "in_graph_loss", "backward", "reason",
-                  "gather", "gather_refused")
-
-
 @dataclass
 class Built:
     """What ``_inner`` built around one compiled graph: enough to build it again around the same graph
@@ -162,12 +156,11 @@ class Built:
     wrappers are rebuilt for the compiling backend's state."""
 
     kind: str  # "forward", "dense" (plain or _DenseBackward) or "rows" (SelectedRowBackward)
-    record: dict = field(default_factory=dict)  # _RECORD_FIELDS of the GraphRecord
+    record: CompileRecord = field(default_factory=CompileRecord)  # the graph's compile record (its plan included)
     head_bias: Optional[bool] = None  # the head graph's (the state's is set by the graph that found the head)
     out_idx: list = field(default_factory=list)
     training: bool = True
     batch_arg: Optional[int] = None
-    plan: Optional[BackwardPlan] = None
     in_graph: bool = False  # the backward gathers / scatters itself (gather="graph")
 
 
@@ -207,20 +200,23 @@ class CapskipBackend:
         self.key = key
         self.logits_index = logits_index
         self.records: list[GraphRecord] = []
-        self._current: Optional[GraphRecord] = None
         self.options_key: Optional[str] = None  # string backend: the settings it was made for
 
-    def current_record(self) -> GraphRecord:
-        assert self._current is not None
-        return self._current
-
-    def on_refused(self, reason: str) -> None:
-        self.state.fallback = self.state.fallback or reason
-        self.state.warn_once(f"{reason} -> dense backward for this graph")
+    @property
+    def any_head(self) -> bool:
+        return any(r.head for r in self.records)
 
     @property
-    def any_selected(self) -> bool:
-        return any(r.selected for r in self.records)
+    def refusal(self) -> Optional[Refusal]:
+        """The first graph's compile-time refusal: why a model none of whose graphs selects runs dense."""
+        return next((r.compiled.refusal for r in self.records if r.compiled.refusal is not None), None)
+
+    def _settle(self, rec: GraphRecord, fields: dict) -> None:
+        """A pipeline result into the graph's record (the one path a compile-time refusal takes): the
+        graph's first refusal is counted (GraphRecord.settle) and warned once."""
+        refusal = rec.settle(**fields)
+        if refusal is not None:
+            self.state.warn_once(f"{refusal.detail} -> dense backward for this graph")
 
     def __call__(self, gm: fx.GraphModule, example_inputs, **kwargs):
         from torch._dynamo.utils import counters as torch_counters
@@ -229,12 +225,14 @@ class CapskipBackend:
         rec = GraphRecord(index=len(self.records), nodes=len(gm.graph.nodes))
         self.records.append(rec)
         counters()["graphs"] += 1
-        self._current = rec
         unproven = undeclared_function(gm)
+        refused = None
         if unproven is not None:  # the joint pass then leaves the graph alone: a plain dense backward
-            rec.refuse(unproven)
-            self.on_refused(unproven)
-        patches = {**self.config.inductor_options(), "joint_custom_pre_pass": InsertSelectPass(self)}
+            refused = Refusal(RefusalKind.UNDECLARED_FUNCTION, unproven)
+            self._settle(rec, {"refusal": refused})
+        ctx = pipeline.JointContext(self.key, self.logits_index, self.config.on_coupling, refused)
+        joint = pipeline.JointPass(ctx, self.config, functools.partial(self._joint_done, rec))
+        patches = {**self.config.inductor_options(), "joint_custom_pre_pass": joint}
         if self._aot_cache():  # a hit rebuilds our wrappers around the served graphs
             patches["cudagraph_policy"] = aot_cache.RebuildPolicy(functools.partial(self._rebuild, rec),
                                                                   lambda: self._inner_depth > 0)
@@ -250,6 +248,12 @@ class CapskipBackend:
                                f"that rebuilds capskip's backward (torch {torch.__version__}); set "
                                "TORCHINDUCTOR_AUTOGRAD_CACHE=0 and report this torch version")
         return out
+
+    def _joint_done(self, rec: GraphRecord, result: pipeline.JointResult) -> None:
+        rec.joint = result
+        self._settle(rec, result.record_fields())
+        if result.head:
+            self.state.head_bias = result.head_bias
 
     _inner_depth = 0  # > 0 while _inner runs
 
@@ -278,8 +282,8 @@ class CapskipBackend:
             self._inner_depth -= 1
         if built is None:  # nothing a description can rebuild: AOTAutograd must not store it
             return compiled if isinstance(compiled, _RaiseOnCall) else _Keyless(compiled)
-        built.record = {f: getattr(rec, f) for f in _RECORD_FIELDS}
-        built.head_bias = self.state.head_bias if rec.selected else None
+        built.record = rec.compiled
+        built.head_bias = self.state.head_bias if rec.head else None
         key = getattr(compiled, "_fx_graph_cache_key", None)
         if key is not None and aot_cache.installed():  # AOTAutogradCache is on for this compile
             aot_cache.save(key, built)
@@ -288,18 +292,12 @@ class CapskipBackend:
     def _rebuild(self, rec: GraphRecord, built: Built, compiled):
         """A graph served by AOTAutogradCache: the record and wrappers ``_inner`` made for it, for this
         backend's state."""
-        reason = built.record.get("reason")
-        for f, v in built.record.items():
-            if f != "reason":
-                setattr(rec, f, v)
-        if reason and rec.reason is None:  # once per graph, as on a compile
-            rec.refuse(reason)
-            self.on_refused(reason)
+        fields = {f: getattr(built.record, f) for f in CompileRecord.__dataclass_fields__}
+        self._settle(rec, fields)  # its refusal counted and warned once per graph, as on a compile
         if built.head_bias is not None:
             self.state.head_bias = built.head_bias
         rec.cached = True
         if built.kind == "rows":
-            rec.plan = built.plan
             if rec.backward == BackwardMode.SELECTED:
                 counters()["rewritten"] += 1
             self.state.variants += 1
@@ -312,7 +310,7 @@ class CapskipBackend:
         elif built.kind == "dense":
             wrapper = _DenseBackward(compiled, self.state, rec.reason, built.batch_arg) if rec.reason else compiled
         else:
-            wrapper = SelectedRowBackward(compiled, built.plan, self.state, self.config, rec,
+            wrapper = SelectedRowBackward(compiled, rec.plan, self.state, self.config, rec,
                                           dense_only=rec.backward != BackwardMode.SELECTED, in_graph=built.in_graph)
         return aot_cache.carry_cache_attrs(wrapper, compiled)
 
@@ -326,73 +324,30 @@ class CapskipBackend:
             compiled = base(gm, example_inputs, **kwargs)
             return compiled, Built("forward", out_idx=out_idx, training=rec.backward != BackwardMode.INFERENCE)
         _no_donated_buffers()
-        if not any(n.target in SELECTION_OPS for n in gm.graph.nodes):
-            rec.backward = BackwardMode.DENSE
-            return base(gm, example_inputs, **kwargs), Built("dense", batch_arg=_batch_arg(example_inputs))
-        try:
-            gm, plan, w_val, example_inputs = plan_backward(gm, example_inputs, rec.layouts)
-        except Refused as e:
-            rec.refuse(str(e), BackwardMode.DENSE_MASKED)
-            self.on_refused(str(e))
-            if any(n.target is SELECT for n in gm.graph.nodes):
-                self.state.masked_reason = self.state.masked_reason or str(e)
-            return base(gm, example_inputs, **kwargs), None  # its graph calls select(..., key): this model's
-        rec.plan = plan
-        prefix = None
-        if plan.prefix is not None:  # an in-graph loss: its backward runs first, on all rows
-            prefix = base(plan.prefix.gm, list(plan.prefix.examples), **dict(kwargs, static_input_idxs=()))
-        compiled = None
-        if self.config.vcas is not None:  # VCAS's backward, or None: the exact one below
-            compiled = vcas_backward(self.config, self.state, rec, gm, list(example_inputs) + [w_val], plan.sym,
-                                     base, kwargs)
-        vcas = compiled is not None
-        in_graph = False
-        if compiled is None and self.config.gather == "graph" and plan.stride_syms:
-            rec.gather_refused = "a saved view has a symbolic stride (gathered as a contiguous copy, eagerly)"
-        elif compiled is None and self.config.gather == "graph":
-            compiled = self._gather_in_graph(rec, gm, plan, list(example_inputs) + [w_val], base, kwargs)
-            in_graph = compiled is not None
-        if compiled is None:
-            compiled = base(gm, list(example_inputs) + [w_val], **kwargs)
-        try:
-            check_not_specialised(example_inputs, plan.sym, plan.stride_syms)
-            rec.backward = BackwardMode.SELECTED
+        vcas = functools.partial(vcas_backward, self.config, self.state, rec) if self.config.vcas is not None else None
+        ctx = pipeline.BackwardContext(base, kwargs, self.config.gather, vcas)
+        res = pipeline.backward(gm, example_inputs, rec.joint, ctx)
+        self._settle(rec, res.record_fields())
+        if res.plan is None:
+            if res.refusal is None:  # no selection node: the plain backward
+                return res.compiled, Built("dense", batch_arg=_batch_arg(example_inputs))
+            if res.select_in_graph:  # a head graph: select runs in its backward, at N rows
+                self.state.masked_reason = self.state.masked_reason or res.refusal.detail
+            return res.compiled, None  # its graph calls select(..., key): this model's
+        if res.in_graph:
+            counters()["gather_in_graph"] += 1
+        if res.mode == BackwardMode.SELECTED:
             counters()["rewritten"] += 1
-        except Refused as e:
-            # the rewritten graph at N rows is the dense-masked backward: still exact
-            rec.refuse(str(e), BackwardMode.DENSE_MASKED)
-            self.on_refused(str(e))
         self.state.variants += 1
         counters()["variants"] += 1
-        _trace(f"capskip_backward_graph_{rec.index}", lambda: f"# {rec.backward}: {plan.gathered_inputs} gathered "
-               f"inputs, reason: {rec.reason}\n" + gm.print_readable(print_output=False))
-        if prefix is None and not vcas:
-            return compiled, Built("rows", plan=plan, in_graph=in_graph)
-        return SelectedRowBackward(compiled, plan, self.state, self.config, rec,  # several graphs: not described
-                                   dense_only=rec.backward != BackwardMode.SELECTED, prefix=prefix,
-                                   in_graph=in_graph), None
-
-    @staticmethod
-    def _gather_in_graph(rec: GraphRecord, gm: fx.GraphModule, plan, example_inputs: list, base, kwargs):
-        """The backward with the row gather / scatter as graph ops (passes/gather_in_graph.py), or None
-        (recorded why) where that rewrite is refused: the caller then compiles the eager-gather graph."""
-        graph = fx.Graph()
-        graph.output(graph.graph_copy(gm.graph, {}))  # a copy: a refusal leaves gm as it was
-        copy = fx.GraphModule(gm, graph)
-        guards = len(fake_mode_of(example_inputs).shape_env.guards)
-        try:
-            examples, n_sym = gather_in_graph(copy, plan, example_inputs)
-            try:
-                compiled = base(copy, examples, **kwargs)
-            except Exception as e:  # noqa: BLE001  (our rewrite made a graph Inductor rejects: eager gather)
-                raise Refused(f"in-graph gather: compiling failed ({type(e).__name__}: {str(e)[:200]})") from None
-            check_full_rows_free(examples, n_sym, guards)
-        except Refused as e:
-            rec.gather_refused = str(e)
-            return None
-        counters()["gather_in_graph"] += 1
-        rec.gather = "graph"
-        return compiled
+        _trace(f"capskip_backward_graph_{rec.index}", lambda: f"# {rec.backward}: {res.plan.gathered_inputs} gathered "
+               f"inputs, reason: {rec.reason}\n" + res.graph.print_readable(print_output=False))
+        if res.prefix is None and not res.segmented:
+            return res.compiled, Built("rows", in_graph=res.in_graph)
+        # several graphs (a prefix, VCAS's segments): not described
+        return SelectedRowBackward(res.compiled, res.plan, self.state, self.config, rec,
+                                   dense_only=rec.backward != BackwardMode.SELECTED, prefix=res.prefix,
+                                   in_graph=res.in_graph), None
 
 
 # -- the string backend: torch.compile(model, backend="capskip"[, options={...}]) ----------------------
@@ -538,7 +493,7 @@ def backend_of(module) -> Optional[CapskipBackend]:
         for b in _BY_PARAM.get(p, {}).values():
             if b not in found:
                 found.append(b)
-    return next((b for b in found if b.any_selected), found[0] if found else None)
+    return next((b for b in found if b.any_head), found[0] if found else None)
 
 
 #: Dynamo source names of a compiled frame's own tensor arguments (``L['x']``, ``L['args'][0]``,

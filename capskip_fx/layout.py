@@ -69,6 +69,7 @@ import sympy
 import torch
 from torch import fx
 
+from .records import RefusalKind
 from .symbolic import (ONE, ZERO, exact_quotient, expr_of, product, same_size, shape_exprs, symbol_dims,
                        tangent_nodes, uses_symbol)
 
@@ -109,6 +110,7 @@ class LayoutAnalysis:
 
     layouts: dict[str, Layout]  # see the module docstring for the keys
     refusal: Optional[str]  # None if the forward is row-separable and its saved values gatherable
+    kind: Optional[RefusalKind] = None  # the refusal's kind (CROSS_EXAMPLE: row mixing)
 
 
 # --------------------------------------------------------------------------------------------
@@ -206,7 +208,11 @@ POINTWISE_EXTRA = _packets(aten, "copy copy_ fill_ masked_fill where _masked_sca
 
 
 class _Refuse(Exception):
-    """Row mixing met at a node (message = the refusal)."""
+    """A refusal met at a node (message = the refusal): row mixing, or a layout rows can't be gathered by."""
+
+    def __init__(self, message: str, kind: RefusalKind = RefusalKind.BATCH_LAYOUT):
+        super().__init__(message)
+        self.kind = kind
 
 
 def backward_nodes(graph: fx.Graph) -> set[fx.Node]:
@@ -280,7 +286,7 @@ class _Walk:
         self.any_layout: set[fx.Node] = set()  # batch values whose rows are constant or i.i.d. random
         self.row_index: set[fx.Node] = set()  # batch-major values whose row b holds the value b (arange(N))
         self.row_value: dict[fx.Node, fx.Node] = {}  # values computed from a row index -> the op that used it
-        self.refusals: list[str] = []
+        self.refusals: list[tuple[RefusalKind, str]] = []
 
     # ---- value helpers
     def of(self, a: Any) -> Optional[Layout]:
@@ -332,7 +338,7 @@ class _Walk:
         return out
 
     def mixing(self, n: fx.Node, what: str) -> _Refuse:
-        return _Refuse(f"cross-example op in the forward: {_op(n)} {what}{_where(n)}")
+        return _Refuse(f"cross-example op in the forward: {_op(n)} {what}{_where(n)}", RefusalKind.CROSS_EXAMPLE)
 
     # ---- the walk
     def run(self) -> LayoutAnalysis:
@@ -342,21 +348,22 @@ class _Walk:
             try:
                 r = self.visit(n)
             except _Refuse as e:
-                self.refusals.append(str(e))
+                self.refusals.append((e.kind, str(e)))
                 r = self.per_output(n, lambda v: None, "(row mixing)")
             except Exception as e:  # an argument form a rule did not expect: conservative
                 r = self.per_output(n, lambda v: None, f"(not analysed: {type(e).__name__}: {e})")
             if r is not None:
                 self.lay[n] = r
-        checks = self.check_uses() + self.check_row_values()
+        checks = [(RefusalKind.BATCH_LAYOUT, c) for c in self.check_uses()] + \
+            [(RefusalKind.ROW_INDEX_VALUE, c) for c in self.check_row_values()]
         layouts: dict[str, Layout] = {}
         for n, r in self.lay.items():
             if isinstance(r, Layout):
                 layouts[n.name] = r
             else:
                 layouts.update({f"{n.name}.{i}": x for i, x in enumerate(r) if x is not None})
-        refusal = (self.refusals + checks)[0] if self.refusals or checks else None
-        return LayoutAnalysis(layouts, refusal)
+        kind, refusal = (self.refusals + checks)[0] if self.refusals or checks else (None, None)
+        return LayoutAnalysis(layouts, refusal, kind)
 
     def check_row_values(self) -> list:
         """A row index used as a value (arithmetic, not indexing) that reaches an output or the backward:

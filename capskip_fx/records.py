@@ -1,14 +1,20 @@
 """What the backend remembers about each Dynamo graph, and the one place a refusal is recorded.
 
-Like Lightning Thunder's backend: every graph handed to us gets a :class:`GraphRecord`; why a graph
-runs dense is recorded once (the first reason wins) with :func:`refuse`, which also bumps
-``torch._dynamo.utils.counters["capskip"]`` so tests and users can see what fired.  A pass that will not
-rewrite a graph raises :class:`Refused` with that reason.
+Like Lightning Thunder's backend: every graph handed to us gets a :class:`GraphRecord`.  A pass that
+will not rewrite a graph raises :class:`Refused` carrying a typed :class:`Refusal` (its
+:class:`RefusalKind`, the detail shown in reports, the op and the model's source line when known).
+Why a graph runs dense is recorded once (the first refusal wins) by :func:`refuse`, which also bumps
+``torch._dynamo.utils.counters["capskip"]["refused: <kind>"]`` so tests and users can see what fired.
+
+A record has two halves: :class:`CompileRecord` (frozen; what the pass pipeline decided for the graph,
+built from its results in ``passes/pipeline.py``) and the fields the runtime updates per step (rows
+seen, verification).  A refusal met at run time (verify) is kept apart from the compile one.
 """
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass, field
+import operator
+from dataclasses import dataclass, field, replace
 from typing import Any, Optional
 
 
@@ -25,8 +31,45 @@ class BackwardMode(str, enum.Enum):
         return self.value
 
 
+class RefusalKind(str, enum.Enum):
+    """Why a graph (or a step of it) does not run selected rows.  The value is the counter key's tail
+    (``counters["capskip"]["refused: <value>"]``): keep values stable, add new kinds at the end."""
+
+    UNDECLARED_FUNCTION = "undeclared autograd.Function"  # functions.py: capskip_fx.rowwise(cls) declares one
+    NO_HEAD = "no head"  # no logits output and no batch-shaped tangent to mask
+    STATIC_BATCH = "static batch"  # the logits' batch dim is not symbolic
+    CROSS_EXAMPLE = "cross-example"  # the forward mixes rows (layout.py)
+    BATCH_LAYOUT = "batch layout"  # a value's rows can't be gathered (token-major, unknown, odd sizes)
+    ROW_INDEX_VALUE = "row index as a value"  # arange(N) used as a value reaches the backward
+    IN_GRAPH_LOSS = "in-graph loss"  # the loss region reads more than the logits, or no dL/dz
+    UNPROVEN = "unproven saved value"  # a gathered backward input the layout proof does not cover
+    SELECTION = "selection node"  # the backward's selection node is not as the joint pass left it
+    SPECIALISED = "specialised"  # compiling the backward fixed the batch (or a stride) symbol
+    VERIFY = "verify"  # run time: the gathered backward differed from the dense-masked one
+    IN_GRAPH_GATHER = "in-graph gather"  # gather="graph" refused: the eager gather runs (not dense)
+    VCAS = "vcas"  # VCAS's segmenting refused: the exact backward runs (not dense)
+
+
+@dataclass(frozen=True)
+class Refusal:
+    """A typed refusal: ``kind`` for code and counters, ``detail`` (the reason text reports show),
+    ``op`` and ``source_line`` (the model's line) where the pass knows them."""
+
+    kind: RefusalKind
+    detail: str
+    op: Optional[str] = None
+    source_line: Optional[str] = None
+
+    def __str__(self) -> str:
+        return self.detail
+
+
 class Refused(Exception):
-    """A graph a pass will not rewrite; the message is the reason recorded in the report."""
+    """A graph a pass will not rewrite; ``refusal`` says why (its detail is the message)."""
+
+    def __init__(self, detail: str, kind: RefusalKind, op: Optional[str] = None, source_line: Optional[str] = None):
+        super().__init__(detail)
+        self.refusal = Refusal(RefusalKind(kind), detail, op, source_line)
 
 
 def counters() -> Any:
@@ -35,55 +78,120 @@ def counters() -> Any:
     return c["capskip"]
 
 
-@dataclass
-class GraphRecord:
-    """What happened to one Dynamo graph."""
+@dataclass(frozen=True)
+class CompileRecord:
+    """What the pass pipeline decided for one graph, at compile time (passes/pipeline.py's results).
 
-    index: int
-    nodes: int
-    selected: bool = False  # the joint pass inserted the selection node (head graph)
+    Frozen: the backend replaces it as each direction's result comes in, and AOTAutogradCache stores
+    it with the compiled graph (aot_cache.py)."""
+
+    head: bool = False  # the joint pass inserted capskip::select (the graph returns the logits)
     body: bool = False  # no head: uses its forward's head selection (capskip::shared)
-    no_head: Optional[str] = None
-    coupled: bool = False
+    no_head: Optional[str] = None  # why a body graph has no head
+    coupled: bool = False  # refused for row mixing (RefusalKind.CROSS_EXAMPLE)
     masked_tangents: int = 0
     in_graph_loss: bool = False  # the loss is computed in the graph: rows selected on dL/dz in the backward
     backward: BackwardMode = BackwardMode.NOT_COMPILED
-    reason: Optional[str] = None  # why this graph runs dense, if it does
+    refusal: Optional[Refusal] = None  # why this graph runs dense, if it does (the first refusal)
     plan: Any = None  # passes.selected_rows.BackwardPlan
-    layouts: dict = field(default_factory=dict, repr=False)  # forward value name -> layout.Layout (joint pass)
-    row_counts: set = field(default_factory=set)  # distinct gathered row counts seen
-    matmul_shapes: list = field(default_factory=list)  # aot_eager: (op, operand shapes) of the last backward's matmuls
     gather: str = "eager"  # where the row gather runs: "graph" (ops of the compiled backward) or "eager"
     gather_refused: Optional[str] = None  # gather="graph" asked, eager used: why
     vcas: Optional[str] = None  # VCAS: segments and sampled matmuls, or why it did not apply
     segmented: bool = False  # the backward runs as VCAS segments (aot_eager: matmul shapes accumulate per pass)
+    error: Optional[str] = None  # on_coupling="error": raised at this graph's first forward
+
+
+@dataclass
+class GraphRecord:
+    """What happened to one Dynamo graph: ``compiled`` (frozen, compile time) and the fields the runtime
+    updates per step.  The compile fields read through (``record.backward``, ``record.reason``, ...)."""
+
+    index: int
+    nodes: int
+    compiled: CompileRecord = field(default_factory=CompileRecord)
+    joint: Any = None  # passes.pipeline.JointResult: the joint pass's layout proof, for the backward pass
+    cached: bool = False  # served by AOTAutogradCache: the wrappers were rebuilt from their stored description
+    # -- run time
+    demoted: Optional[str] = None  # a head graph whose output was not the returned logits: runs as a body graph
+    run_refusal: Optional[Refusal] = None  # a refusal met at run time (verify)
+    run_mode: Optional[BackwardMode] = None  # the backward since a run-time refusal (dense-masked)
+    row_counts: set = field(default_factory=set)  # distinct gathered row counts seen
+    matmul_shapes: list = field(default_factory=list)  # aot_eager: (op, operand shapes) of the last backward's matmuls
     verified: bool = False  # an informative gathered step matched the dense-masked backward
     verified_unordered: bool = False  # ... on a step whose kept rows were not the first k
     checks: int = 0  # verify comparisons run
-    error: Optional[str] = None  # on_coupling="error": raised at this graph's first forward
-    cached: bool = False  # served by AOTAutogradCache: the wrappers were rebuilt from their stored description
 
-    def refuse(self, reason: str, mode: Optional[BackwardMode] = None) -> None:
-        refuse(self, reason, mode)
+    def settle(self, **fields: Any) -> Optional[Refusal]:
+        """Replace compile fields (a pipeline result).  A ``refusal`` is kept only if the graph had none
+        (the first wins) and counted once; returns it then (the caller warns), else None."""
+        refusal = fields.pop("refusal", None)
+        new = refusal is not None and self.refusal is None
+        if new:
+            fields["refusal"] = refusal
+            _count(refusal)
+        self.compiled = replace(self.compiled, **fields)
+        return refusal if new else None
+
+    def refuse(self, refusal: Refusal, mode: Optional[BackwardMode] = None) -> bool:
+        """A refusal met at run time; True if it is the graph's first (counted once)."""
+        if mode is not None:
+            self.run_mode = mode
+        if self.refusal is not None:
+            return False
+        self.run_refusal = refusal
+        _count(refusal)
+        return True
+
+    # -- one answer per question
+    @property
+    def refusal(self) -> Optional[Refusal]:
+        return self.compiled.refusal or self.run_refusal
+
+    @property
+    def reason(self) -> Optional[str]:
+        """Why this graph runs dense (or dense-masked), if it does."""
+        return None if self.refusal is None else self.refusal.detail
+
+    @property
+    def backward(self) -> BackwardMode:
+        return self.run_mode or self.compiled.backward
+
+    @property
+    def head(self) -> bool:
+        """The graph runs the rule: it returns the logits (not demoted at run time)."""
+        return self.compiled.head and self.demoted is None
+
+    @property
+    def body(self) -> bool:
+        return self.compiled.body or self.demoted is not None
+
+    @property
+    def no_head(self) -> Optional[str]:
+        return self.compiled.no_head or self.demoted
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name in CompileRecord.__dataclass_fields__:  # compile fields change only through settle()
+            raise AttributeError(f"GraphRecord.{name} is a compile field: settle({name}=...) replaces it")
+        super().__setattr__(name, value)
 
     def as_dict(self) -> dict:
-        return {"graph": self.index, "nodes": self.nodes, "role": "head" if self.selected else "body" if self.body else "-",
+        c = self.compiled
+        return {"graph": self.index, "nodes": self.nodes, "role": "head" if self.head else "body" if self.body else "-",
                 "backward": str(self.backward),
-                "reason": self.reason, "gathered_inputs": self.plan.gathered_inputs if self.plan else 0,
-                "row_counts": sorted(self.row_counts), "verified": self.verified, "vcas": self.vcas,
-                "gather": self.gather if self.gather_refused is None else f"eager ({self.gather_refused})"}
+                "reason": self.reason, "gathered_inputs": c.plan.gathered_inputs if c.plan else 0,
+                "row_counts": sorted(self.row_counts), "verified": self.verified, "vcas": c.vcas,
+                "gather": c.gather if c.gather_refused is None else f"eager ({c.gather_refused})"}
 
 
-def refuse(record: Optional[GraphRecord], reason: str, mode: Optional[BackwardMode] = None) -> None:
-    """Record why a graph (or one step of it) does not run selected rows; count it once per graph."""
-    if record is not None:
-        if record.reason is None:
-            record.reason = reason
-            counters()["refused: " + reason.split(":")[0][:60]] += 1
-        if mode is not None:
-            record.backward = mode
-    else:
-        counters()["refused: " + reason.split(":")[0][:60]] += 1
+# the other compile fields read through: record.plan, record.gather, ... (read-only)
+for _name in CompileRecord.__dataclass_fields__:
+    if not hasattr(GraphRecord, _name):
+        setattr(GraphRecord, _name, property(operator.attrgetter(f"compiled.{_name}")))
+del _name
+
+
+def _count(refusal: Refusal) -> None:
+    counters()["refused: " + refusal.kind.value] += 1
 
 
 class Report(list):

@@ -50,18 +50,18 @@ def _row_block(x: torch.Tensor, spec: Spec, n: int) -> Optional[tuple]:
     return (x.untyped_storage().data_ptr(), x.dtype), start, r, per_row
 
 
-def gather_all(args: list, specs: list, idx: torch.Tensor, n: int, layouts: list) -> list:
-    """The row gather of every batch-shaped argument (``layouts[i]``: its (sizes, strides) at ``len(idx)``
+def gather_all(args: list, specs: list, idx: torch.Tensor, n: int, shapes: list) -> list:
+    """The row gather of every batch-shaped argument (``shapes[i]``: its (sizes, strides) at ``len(idx)``
     rows).  Arguments that are views of one batch-major buffer (q, k and v of one qkv matmul) are
     gathered once, as whole row blocks of the buffer, and viewed with their own strides: no strided
     copy when those strides are the compiled graph's.  Others: ``gather_rows``."""
     kb = idx.numel()
     blocks: dict = {}
-    plan = []
+    row_blocks = []
     for i, (a, s) in enumerate(zip(args, specs)):
-        rb = _row_block(a, s, n) if s.kind == "batch" and tuple(layouts[i][1]) == a.stride() and \
-            tuple(layouts[i][0]) == (kb * s.factor,) + tuple(a.shape[1:]) else None
-        plan.append(rb)
+        rb = _row_block(a, s, n) if s.kind == "batch" and tuple(shapes[i][1]) == a.stride() and \
+            tuple(shapes[i][0]) == (kb * s.factor,) + tuple(a.shape[1:]) else None
+        row_blocks.append(rb)
         if rb is not None:
             key = rb[:3]
             blocks[key] = blocks.get(key, 0) + rb[3]
@@ -69,15 +69,15 @@ def gather_all(args: list, specs: list, idx: torch.Tensor, n: int, layouts: list
     use = {k for k, covered in blocks.items() if 2 * covered >= k[2]}
     gathered: dict = {}
     out = []
-    for a, s, lay, rb in zip(args, specs, layouts, plan):
+    for a, s, shape, rb in zip(args, specs, shapes, row_blocks):
         if rb is not None and rb[:3] in use:
             key = rb[:3]
             _, start, r = key
             if key not in gathered:
                 gathered[key] = a.as_strided((n, r), (r, 1), start).index_select(0, idx)
-            out.append(gathered[key].as_strided(tuple(lay[0]), a.stride(), a.storage_offset() % r))
+            out.append(gathered[key].as_strided(tuple(shape[0]), a.stride(), a.storage_offset() % r))
         else:
-            out.append(gather_rows(a, s, idx, n, *lay))
+            out.append(gather_rows(a, s, idx, n, *shape))
     return out
 
 

@@ -18,7 +18,7 @@ from typing import Any, Optional
 import sympy
 import torch
 
-from .records import Refused
+from .records import RefusalKind, Refused
 
 ONE, ZERO = sympy.Integer(1), sympy.Integer(0)
 
@@ -106,7 +106,7 @@ def batch_symbol_of(val: Any) -> sympy.Symbol:
         raise Refused(f"the batch dim of the logits is static ({e}); selected-row backward needs a "
                       "dynamic batch: capskip_fx.compile marks it, backend='capskip' too where torch has per-dim "
                       "dynamic sources (2.11 has none), else torch._dynamo.mark_dynamic(x, 0); "
-                      "batches of size 1 specialise")
+                      "batches of size 1 specialise", RefusalKind.STATIC_BATCH)
     return e
 
 
@@ -122,7 +122,8 @@ def batch_dim(shape, sym: sympy.Symbol) -> Optional[tuple[int, int]]:
             continue
         factor = sympy.simplify(e / sym)
         if found is not None or not (factor.is_Integer and int(factor) >= 1):
-            raise Refused(f"shape {tuple(shape)} uses the batch symbol {sym} in a way rows can't be gathered")
+            raise Refused(f"shape {tuple(shape)} uses the batch symbol {sym} in a way rows can't be gathered",
+                          RefusalKind.BATCH_LAYOUT)
         found = (d, int(factor))
     return found
 
@@ -152,7 +153,7 @@ def check_not_specialised(example_inputs, sym: sympy.Symbol, others=()) -> None:
         rep = env.replacements.get(s)
         if rep is not None and not rep.free_symbols:
             what = "the batch size" if s == sym else f"the stride {s} of a gathered input"
-            raise Refused(f"compiling the backward specialised {what} to {rep}")
+            raise Refused(f"compiling the backward specialised {what} to {rep}", RefusalKind.SPECIALISED)
 
 
 def stride_symbols(example_inputs, sym: sympy.Symbol) -> dict:
@@ -209,17 +210,20 @@ def spec_of(v: Any, sym: sympy.Symbol, strides: Optional[dict] = None) -> Spec:
         if sym not in e.free_symbols:  # e.g. a dynamic storage offset: its value passes through
             return Spec("static")
         if e.free_symbols != {sym}:
-            raise Refused(f"backward input size {e} depends on symbols other than the batch {sym}")
+            raise Refused(f"backward input size {e} depends on symbols other than the batch {sym}",
+                          RefusalKind.BATCH_LAYOUT)
         return Spec("symint", expr=e)
     if isinstance(v, torch.Tensor):
         free = set().union(*(expr_of(s).free_symbols for s in (*v.shape, *v.stride())))
         if not free:
             return Spec("static")
         if not free <= {sym} | free_strides or sym not in free:
-            raise Refused(f"backward input of shape {tuple(v.shape)} has dynamic dims other than the batch")
+            raise Refused(f"backward input of shape {tuple(v.shape)} has dynamic dims other than the batch",
+                          RefusalKind.BATCH_LAYOUT)
         bd = batch_dim(v.shape, sym)
         if bd is None:
-            raise Refused(f"backward input of shape {tuple(v.shape)} has the batch only in its strides")
+            raise Refused(f"backward input of shape {tuple(v.shape)} has the batch only in its strides",
+                          RefusalKind.BATCH_LAYOUT)
         return Spec("batch", dim=bd[0], factor=bd[1], sizes=tuple(expr_of(s) for s in v.shape),
                     strides=tuple(expr_of(s).xreplace(strides) if strides else expr_of(s) for s in v.stride()))
     return Spec("static")

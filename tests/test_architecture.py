@@ -101,7 +101,7 @@ def test_layers_import_downward_only(low, forbidden):
     ("capskip_fx.ops", ()),
     ("capskip_fx.records", ()),
     ("capskip_fx.symbolic", ("capskip_fx.records",)),
-    ("capskip_fx.layout", ("capskip_fx.symbolic",)),
+    ("capskip_fx.layout", ("capskip_fx.records", "capskip_fx.symbolic")),
     ("capskip_fx.rows", ("capskip_fx.symbolic",)),
 ])
 def test_base_modules_import_only_what_lies_below(base, below):
@@ -255,3 +255,24 @@ def test_public_names_are_not_shadowed_by_submodules():
     for name in capskip_fx.__all__:
         value = getattr(capskip_fx, name)
         assert not isinstance(value, type(capskip_fx)), f"capskip_fx.{name} is the module {value.__name__}"
+
+
+def test_passes_see_graphs_and_contexts_only():
+    """A pass is a function of its graph and a frozen context: no pass takes (or duck-types) the backend or
+    the runtime state, and the result objects the pipeline returns are frozen."""
+    import dataclasses
+
+    from capskip_fx.passes import pipeline
+
+    bad = []
+    for path in (PKG / "passes").rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                args = node.args.posonlyargs + node.args.args + node.args.kwonlyargs
+                bad += [f"{path.name}:{node.name}({a.arg})" for a in args if a.arg in ("backend", "state")]
+            if isinstance(node, ast.Attribute) and node.attr in ("backend", "state") \
+                    and isinstance(node.value, ast.Name) and node.value.id == "self":
+                bad.append(f"{path.name}:{node.lineno} self.{node.attr}")
+    assert not bad, f"passes holding the backend or runtime state: {bad}"
+    for cls in (pipeline.JointContext, pipeline.JointResult, pipeline.BackwardContext, pipeline.BackwardResult):
+        assert dataclasses.is_dataclass(cls) and cls.__dataclass_params__.frozen, f"{cls.__name__} is not frozen"

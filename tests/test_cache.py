@@ -16,22 +16,21 @@ import torch
 
 from capskip_fx import aot_cache
 from capskip_fx.config import CapskipConfig
-from capskip_fx.passes import insert_select
-from capskip_fx.passes.insert_select import InsertSelectPass
+from capskip_fx.passes import pipeline
+from capskip_fx.passes.pipeline import JointContext, JointPass
 
 
-class _Backend:  # what the pass reads of the backend
-    def __init__(self, key, config, logits_index=None):
-        self.key, self.config, self.logits_index = key, config, logits_index
+def _joint_pass(key, config, logits_index=None) -> JointPass:
+    return JointPass(JointContext(key, logits_index, config.on_coupling), config)
 
 
 def test_uuid_is_source_and_config_not_the_registry_key(tmp_path, monkeypatch):
-    a = InsertSelectPass(_Backend(1, CapskipConfig())).uuid()
-    assert a == InsertSelectPass(_Backend(2, CapskipConfig())).uuid()  # another process numbers keys anew
-    assert a != InsertSelectPass(_Backend(1, CapskipConfig(gather_below=0.5))).uuid()
-    assert a != InsertSelectPass(_Backend(1, CapskipConfig(vcas=True))).uuid()
-    assert a != InsertSelectPass(_Backend(1, CapskipConfig(), logits_index=1)).uuid()  # another head
-    files = insert_select.source_files()
+    a = _joint_pass(1, CapskipConfig()).uuid()
+    assert a == _joint_pass(2, CapskipConfig()).uuid()  # another process numbers keys anew
+    assert a != _joint_pass(1, CapskipConfig(gather_below=0.5)).uuid()
+    assert a != _joint_pass(1, CapskipConfig(vcas=True)).uuid()
+    assert a != _joint_pass(1, CapskipConfig(), logits_index=1).uuid()  # another head
+    files = pipeline.source_files()
     assert any(f.endswith(os.path.join("passes", "insert_select.py")) for f in files)
     assert not any("train" in f.split(os.sep) for f in files)
     uuids = []
@@ -39,8 +38,8 @@ def test_uuid_is_source_and_config_not_the_registry_key(tmp_path, monkeypatch):
         src = tmp_path / f"v{i}" / "pass.py"  # torch caches each path's hash per process: one path per version
         src.parent.mkdir()
         src.write_text(text)
-        monkeypatch.setattr(insert_select, "source_files", lambda src=src: (str(src),))
-        uuids.append(InsertSelectPass(_Backend(1, CapskipConfig())).uuid())
+        monkeypatch.setattr(pipeline, "source_files", lambda src=src: (str(src),))
+        uuids.append(_joint_pass(1, CapskipConfig()).uuid())
     assert uuids[0] != uuids[1]
 
 
@@ -100,7 +99,8 @@ _WARM = textwrap.dedent("""
     import json, sys, torch, torch.nn as nn, torch.nn.functional as F
     import capskip_fx
     import capskip_fx.backend as backend
-    from capskip_fx.records import Refused
+    from capskip_fx.passes import pipeline
+    from capskip_fx.records import RefusalKind, Refused
     from torch._dynamo.utils import counters
     sys.path.insert(0, "tests")
     from conftest import max_rel_err
@@ -142,7 +142,7 @@ _WARM = textwrap.dedent("""
     out["bn2"], _ = run(0.5, bn=True)
     out["v1"], _ = run(0.5, vcas=True)           # VCAS: AOTAutogradCache off
     out["v2"], _ = run(0.25, vcas=True)
-    backend.plan_backward = lambda *a, **k: (_ for _ in ()).throw(Refused("test: refused plan"))
+    pipeline.plan_backward = lambda *a, **k: (_ for _ in ()).throw(Refused("test: refused plan", RefusalKind.SELECTION))
     out["d"], _ = run(0.5, gather_below=0.8)     # its backward calls select(..., key): never stored
     out["e"], _ = run(0.25, gather_below=0.8)
     backend.aot_cache.RebuildPolicy.wrap_output = lambda self, graph: graph  # a torch whose hit skips the hook

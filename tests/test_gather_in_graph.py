@@ -12,7 +12,8 @@ import torch.nn.functional as F
 import capskip_fx
 from capskip_fx.rules import Forced
 from capskip_fx import backend as backend_mod
-from capskip_fx.records import Refused
+from capskip_fx.passes import pipeline
+from capskip_fx.records import RefusalKind, Refused
 from capskip_fx.passes.gather_in_graph import check_full_rows_free
 from capskip_fx.records import counters
 from conftest import make_deit, max_rel_err, reference_grads
@@ -48,7 +49,7 @@ def test_deit_gathers_in_graph_exactly(backend):
     with torch._inductor.config.patch(fx_graph_cache=False), torch._functorch.config.patch(enable_autograd_cache=False):
         _check(cm, model, (3, 32, 32), [(12, [0, 3, 4, 9]), (9, [8, 1]), (12, [5])], 1e-9)
     assert not any(r.cached for r in cm.backend.records)
-    head = next(r for r in cm.backend.records if r.selected)
+    head = next(r for r in cm.backend.records if r.head)
     assert head.gather == "graph" and head.gather_refused is None
     assert counters()["gather_in_graph"] == before + 1
     assert head.row_counts == {4, 2}  # min_rows pads 1 kept row to 2
@@ -79,21 +80,21 @@ def test_graph_break_scatters_input_gradients_in_graph(backend):
     _check(cm, model, (3, 6), [(10, [1, 2, 7]), (7, [0, 6])], 1e-9)
     recs = [r for r in cm.backend.records if r.plan is not None]
     assert recs and all(r.gather == "graph" for r in recs), [r.as_dict() for r in cm.backend.records]
-    head = next(r for r in recs if r.selected)
+    head = next(r for r in recs if r.head)
     assert any(s is not None and s.kind == "batch" for s in head.plan.out_specs)  # an input gradient scattered
     assert any(s.kind == "batch" and s.factor == 3 for s in head.plan.specs)  # a flattened (N*T, D) input
 
 
 def test_refused_rewrite_keeps_the_eager_gather(monkeypatch):
     def refuse(*a, **k):
-        raise Refused("in-graph gather: refused for the test")
+        raise Refused("in-graph gather: refused for the test", RefusalKind.IN_GRAPH_GATHER)
 
-    monkeypatch.setattr(backend_mod, "gather_in_graph", refuse)
+    monkeypatch.setattr(pipeline, "gather_in_graph", refuse)
     torch.manual_seed(0)
     model = _Broken().double()
     cm = capskip_fx.compile(model, rule="dense", backend="aot_eager", gather="graph")
     _check(cm, model, (3, 6), [(10, [1, 2, 7])], 1e-9)
-    head = next(r for r in cm.backend.records if r.selected)
+    head = next(r for r in cm.backend.records if r.head)
     assert head.gather == "eager" and "refused for the test" in head.gather_refused
     assert "refused for the test" in head.as_dict()["gather"]
 
@@ -148,5 +149,5 @@ def test_reduce_overhead_sets_cudagraphs_and_buckets(monkeypatch):
     cm = capskip_fx.compile(model, rule="dense", backend="aot_eager", mode="reduce-overhead", gather="graph")
     _check(cm, model, (3, 6), [(16, [1, 2, 7]), (16, [0, 3, 5, 6, 9])], 1e-9)
     assert seen and all(seen)
-    head = next(r for r in cm.backend.records if r.selected)
+    head = next(r for r in cm.backend.records if r.head)
     assert head.row_counts == {4, 6}  # multiples of ceil(16 / 8)

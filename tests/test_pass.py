@@ -72,7 +72,7 @@ def test_batchnorm_train_mode_refused_dense_and_correct():
     st = capskip_fx.stats(cm)
     assert st.fallback and "cross-example" in st.fallback and st.kept == 8
     rec = cm.backend.records[0]
-    assert rec.coupled and not rec.selected and rec.backward == "dense" and "cross-example" in rec.reason
+    assert rec.coupled and not rec.head and rec.backward == "dense" and "cross-example" in rec.reason
     F.cross_entropy(ref(x), y).backward()
     assert max_rel_err(grads, {k: p.grad for k, p in ref.named_parameters()}) < 1e-10
 
@@ -144,7 +144,7 @@ def test_token_major_flattening_is_refused_before_the_first_step(verify):
     assert capskip_fx.stats(cm).kept == 6  # dense: every row
     assert max_rel_err(grads, reference_grads(model, x, y, torch.ones(6))) < 1e-10
     rec = cm.backend.records[0]
-    assert not rec.selected and rec.backward == "dense" and "transpose(0, 1).reshape" in rec.reason
+    assert not rec.head and rec.backward == "dense" and "transpose(0, 1).reshape" in rec.reason
     assert rec.checks == 0 and capskip_fx.stats(cm).fallback == rec.reason
 
 

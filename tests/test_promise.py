@@ -11,7 +11,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import capskip_fx
-from capskip_fx.records import counters
+from capskip_fx.records import RefusalKind, counters
 from capskip_fx.rules import Forced, Rule, Selection
 
 from conftest import max_rel_err
@@ -280,7 +280,11 @@ def test_counters_record_rewrites_and_refusals():
                             backend="aot_eager")
     with pytest.warns(UserWarning):
         F.cross_entropy(bn(_x(6, 1)), torch.arange(6) % 3).backward()
-    assert any(k.startswith("refused: cross-example") for k in counters())
+    refused = {k: v for k, v in counters().items() if k.startswith("refused: ")}
+    assert refused == {f"refused: {RefusalKind.CROSS_EXAMPLE.value}": 1}, f"one cross-example refusal, got {refused}"
+    rec = bn.backend.records[0]
+    assert rec.refusal.kind is RefusalKind.CROSS_EXAMPLE and rec.coupled, f"a typed refusal, got {rec.refusal!r}"
+    assert rec.reason == rec.refusal.detail and rec.reason.startswith("cross-example op"), rec.reason
 
 
 class InModelLoss(nn.Module):

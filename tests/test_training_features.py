@@ -374,7 +374,7 @@ def _check_graph_break(model, make_x):
     assert skipped > 0
     recs = cm.backend.records
     assert len(recs) == 2
-    head = [r for r in recs if r.selected]
+    head = [r for r in recs if r.head]
     assert len(head) == 1 and head[0].backward == "selected rows" and head[0].row_counts
     for r in recs:
         if r is not head[0]:  # above the break: the head's rows (body graph), or dense with a reason

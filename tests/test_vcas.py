@@ -69,7 +69,7 @@ def test_cuts_at_residual_forks_and_probe_step_is_exact(deit2):
     ref, cm = deit2
     r = _runner(cm)
     # a pre-norm block has two residual forks (attention, MLP): 2 blocks -> 4 cuts, 5 segments
-    assert len(r.plan.boundaries) == 4 and len(r.plan.segments) == 5
+    assert len(r.split.boundaries) == 4 and len(r.split.segments) == 5
     # qkv, proj, fc1, fc2 per block; the head and the patch embedding stay exact
     assert r.slots == 8
     rows = capskip_fx.report(cm)
@@ -219,10 +219,10 @@ def test_no_residual_block_falls_back_exact_with_reason():
 def test_refused_segmenting_leaves_the_exact_backward(monkeypatch):
     """A refusal after the SampleW rewrite must not leak it: the unrewritten graph compiles, exact."""
     import capskip_fx.vcas.build as build
-    from capskip_fx.records import Refused
+    from capskip_fx.records import RefusalKind, Refused
 
     def refuse(*a, **k):
-        raise Refused("test refusal")
+        raise Refused("test refusal", RefusalKind.VCAS)
 
     monkeypatch.setattr(build, "split_backward", refuse)
     ref, cm = _build(depth=1)
@@ -345,9 +345,9 @@ def test_samplers_and_sampled_matmuls_where_the_reference_has_them(cut, cuts, sl
     x, y = torch.randn(8, 5, 6, dtype=torch.float64), torch.randint(0, 4, (8,))
     F.cross_entropy(cm(x), y).backward()
     r = _runner(cm)
-    assert len(r.plan.boundaries) == cuts and r.slots == want_linears == slots
+    assert len(r.split.boundaries) == cuts and r.slots == want_linears == slots
     if cut == "block":
-        assert len(r.plan.boundaries) == want_samplers
+        assert len(r.split.boundaries) == want_samplers
     assert _rel(_grads(model), _ref_grads(ref, x, y)) < 1e-10  # the probe step: exact
     # the sampled matmuls are the blocks' Linears: the embedding's weight gradient stays exact
     r.ctrl.rho, r.ctrl.nu = [1.0] * len(r.ctrl.rho), [0.3] * r.slots
@@ -453,7 +453,7 @@ def test_weight_variance_measured_in_the_activation_sampled_passes():
     F.cross_entropy(cm(x), y).backward()  # compiles; a probe at rho = 1
     r = _runner(cm)
     slot_name = {}
-    for seg in r.plan.segments:
+    for seg in r.split.segments:
         for n in seg.gm.graph.nodes:
             if n.target is torch.ops.capskip.sampled_wgrad.default:
                 st = n.meta["fwd_nn_module_stack"]
@@ -527,7 +527,7 @@ def _check_residual_stack(depth, tokens, dim, n, every):
     x, y = torch.randn(n, tokens, dim, dtype=torch.float64), torch.randint(0, 4, (n,))
     F.cross_entropy(cm(x), y).backward()
     r = _runner(cm)
-    assert len(r.plan.boundaries) == len(range(0, depth, every))
+    assert len(r.split.boundaries) == len(range(0, depth, every))
     assert r.slots == 2 * depth
     assert r.ctrl.probes_done == 1
     assert _rel(_grads(model), _ref_grads(ref, x, y)) < 1e-10

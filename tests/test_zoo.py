@@ -102,7 +102,7 @@ def run_zoo_model(name: str, seed: int = 0) -> dict:
         "params": sum(p.numel() for p in model.parameters()),
         "graphs": len(recs),
         "backward": ", ".join(sorted({r.backward for r in recs})),
-        "selected": [r.selected for r in recs],
+        "selected": [r.head for r in recs],
         "row_counts": sorted(set().union(*(r.row_counts for r in recs))),
         "coupled": any(r.coupled for r in recs),
         "reason": st.fallback,

@@ -1,13 +1,13 @@
-"""Graph passes, in data-path order.
+"""Graph passes; ``pipeline.py`` runs them in order (its docstring lists the steps).
 
-joint graph (AOTAutograd, before partitioning):
-  find_head.py     -- locate the logits output, its tangent and the head input h
-  insert_select.py -- prove the forward's batch layout (layout.py: refuses graphs whose forward mixes
-                      examples, BatchNorm in train mode, ...), insert ``capskip::select`` and mask every
-                      batch-shaped tangent (exact semantics)
-backward graph (Inductor ``inner_compile``):
-  selected_rows.py -- cut at the selection node and run the backward on the kept rows only
+joint graph (AOTAutograd, before partitioning), ``pipeline.joint``:
+  find_head.py       -- locate the logits output, its tangent and the head input h; an in-graph loss
+  insert_select.py   -- prove the forward's batch layout (layout.py: refuses graphs whose forward mixes
+                        examples, BatchNorm in train mode, ...), insert ``capskip::select`` and mask every
+                        batch-shaped tangent (exact semantics)
+backward graph (Inductor ``inner_compile``), ``pipeline.backward``:
+  selected_rows.py   -- replace the selection node by an input; classify and check every gathered input
   gather_in_graph.py -- (gather="graph") take the saved activations at N rows and gather / scatter in the graph
-A pass that will not rewrite a graph raises ``records.Refused``; the batch symbol and size helpers are in
-``symbolic.py``.
+A pass that will not rewrite a graph raises ``records.Refused(detail, kind)``; the pipeline returns its
+typed ``Refusal``.  The batch symbol and size helpers are in ``symbolic.py``.
 """

@@ -13,7 +13,7 @@ from typing import Optional
 import torch
 from torch import fx
 
-from ..records import Refused
+from ..records import RefusalKind, Refused
 from ..symbolic import tangent_nodes
 
 aten = torch.ops.aten
@@ -101,7 +101,7 @@ def find_head(graph: fx.Graph, logits_index: Optional[int] = None) -> Head:
             continue
         return Head(z=z, g=g, h=h, bias=bias, output_index=idx)
     raise Refused("no classifier head: the model output must be logits (N, C) from a final Linear"
-                  + (f" ({'; '.join(reasons)})" if reasons else ""))
+                  + (f" ({'; '.join(reasons)})" if reasons else ""), RefusalKind.NO_HEAD)
 
 
 @dataclass
@@ -147,13 +147,14 @@ def find_in_graph_loss(graph: fx.Graph, head: Head, backward: set) -> Optional[I
             if a is not head.z and a not in region and _differentiable(a, needs_grad):
                 raise Refused(f"the in-graph loss reads {a.name}, which depends on the model's float inputs or "
                               f"parameters other than through the logits: its gradient could not be selected "
-                              f"(compute the loss outside the model)")
+                              f"(compute the loss outside the model)", RefusalKind.IN_GRAPH_LOSS)
     grad = next((u.args[0].args[0] for u in head.h.users
                  if u in backward and u.target == aten.mm.default and u.args[1] is head.h
                  and isinstance(u.args[0], fx.Node) and u.args[0].target in (aten.permute.default, aten.t.default)),
                 None)
     if grad is None or tuple(grad.meta["val"].shape) != tuple(head.z.meta["val"].shape):
-        raise Refused("in-graph loss: the gradient into the logits was not found (a frozen head?)")
+        raise Refused("in-graph loss: the gradient into the logits was not found (a frozen head?)",
+                      RefusalKind.IN_GRAPH_LOSS)
     return InGraphLoss(frozenset(region), grad)
 
 

@@ -20,7 +20,7 @@ import sympy
 import torch
 from torch import fx
 
-from ..records import Refused
+from ..records import RefusalKind, Refused
 from ..symbolic import fake_mode_of
 
 aten = torch.ops.aten
@@ -49,7 +49,8 @@ def gather_in_graph(gm: fx.GraphModule, plan, example_inputs: list):
     fake_mode = fake_mode_of(example_inputs)
     env = getattr(fake_mode, "shape_env", None)
     if env is None:
-        raise Refused("in-graph gather: no shape environment to add the full batch symbol to")
+        raise Refused("in-graph gather: no shape environment to add the full batch symbol to",
+                      RefusalKind.IN_GRAPH_GATHER)
     from torch._dynamo.source import ConstantSource
     from torch.fx.experimental.symbolic_shapes import DimDynamic
     from torch.fx.passes.fake_tensor_prop import FakeTensorProp
@@ -57,7 +58,8 @@ def gather_in_graph(gm: fx.GraphModule, plan, example_inputs: list):
     placeholders = list(gm.graph.find_nodes(op="placeholder"))
     batch = [(p, s) for p, s in zip(placeholders, plan.specs) if s.kind == "batch"]
     if readers := _stride_readers(gm, [p for p, _ in batch]):
-        raise Refused(f"in-graph gather: {readers[0].name} reads a saved input's strides (as_strided)")
+        raise Refused(f"in-graph gather: {readers[0].name} reads a saved input's strides (as_strided)",
+                      RefusalKind.IN_GRAPH_GATHER)
     sym = plan.sym
     kept = example_inputs[-1].shape[0]  # w: the kept rows (s)
     # a distinct hint: nothing may conflate the full and the kept row counts while compiling
@@ -126,7 +128,8 @@ def gather_in_graph(gm: fx.GraphModule, plan, example_inputs: list):
     try:
         FakeTensorProp(gm, mode=fake_mode).propagate_dont_convert_inputs(*examples)
     except Exception as e:  # noqa: BLE001  (any op that cannot take the gathered layout)
-        raise Refused(f"in-graph gather: re-propagating shapes failed ({type(e).__name__}: {e})") from None
+        raise Refused(f"in-graph gather: re-propagating shapes failed ({type(e).__name__}: {e})",
+                      RefusalKind.IN_GRAPH_GATHER) from None
     return examples, n_sym
 
 
@@ -140,7 +143,9 @@ def check_full_rows_free(example_inputs, n_sym: sympy.Symbol, guards_before: int
     """Refuse if compiling fixed the full row count or guarded on it (the graph would be wrong at others)."""
     env = fake_mode_of(example_inputs).shape_env
     if n_sym in env.replacements:
-        raise Refused(f"in-graph gather: compiling replaced the full row count by {env.replacements[n_sym]}")
+        raise Refused(f"in-graph gather: compiling replaced the full row count by {env.replacements[n_sym]}",
+                      RefusalKind.IN_GRAPH_GATHER)
     new = [g.expr for g in env.guards[guards_before:] if n_sym in g.expr.free_symbols]
     if new:
-        raise Refused(f"in-graph gather: compiling guarded on the full row count ({new[0]})")
+        raise Refused(f"in-graph gather: compiling guarded on the full row count ({new[0]})",
+                      RefusalKind.IN_GRAPH_GATHER)

@@ -3,18 +3,20 @@
 Given the partitioned backward (symbolic batch ``s``) that contains ``w = capskip::select(h, z, g)``
 (head graph) or ``w = capskip::shared(g)`` (body graph):
   1. the node's tensor inputs must be backward inputs (saved activations / tangents); the node
-     is replaced by a new last input ``capskip_w``.  At run time the head graph runs the rule
-     and publishes its kept rows; body graphs (whose backward runs later) use them.
+     is replaced by a new last input ``capskip_w``.  At run time (runtime/backward.py) the head
+     graph's ``w`` is the rule's weight; a body graph's is the mask of rows whose incoming gradient
+     is nonzero, computed from its own tangents (the head's kept rows are not reused).
   2. Every input is classified from its *example input* (real strides from the compiled
      forward, not node meta): no batch / SymInt expression of ``s`` / tensor with one batch dim
      of size ``a*s`` (flattened batch-major when a > 1).  Anything else is refused.
-  3. The rewritten graph is compiled ONCE (symbolic batch).  At run time the rule picks the rows,
-     the kept rows are moved to the front, ``kb = bucket(k)`` rows are gathered (the pad rows are
-     skipped rows with weight 0: exact), SymInt inputs are evaluated at ``kb``, and batch-shaped
-     outputs (input gradients) are scattered back to N rows.
+  3. The rewritten graph is compiled ONCE (symbolic batch; passes/pipeline.py compiles it).  At run
+     time the rule picks the rows, the kept rows are moved to the front, ``kb = bucket(k)`` rows
+     are gathered (the pad rows are skipped rows with weight 0: exact), SymInt inputs are
+     evaluated at ``kb``, and batch-shaped outputs (input gradients) are scattered back to N rows.
 Invariants: outputs equal the dense-masked backward's (exact semantics, see insert_select.py);
 the compiled graph must not specialise ``s`` (checked after compiling; refused otherwise);
-k == N (and kb > gather_below*N) runs ungathered with w masking; k == 0 runs on ``min_rows`` zero-weight rows (zero gradients, not None).
+k == N (and kb > gather_below*N) runs ungathered with w masking; k == 0 runs on ``min_rows``
+zero-weight rows (zero gradients, not None).
 """
 from __future__ import annotations
 
@@ -25,7 +27,7 @@ import sympy
 import torch
 from torch import fx
 
-from ..records import Refused
+from ..records import RefusalKind, Refused
 from ..symbolic import Spec, batch_symbol_of, spec_of, stride_symbols
 from .insert_select import SELECTION_OPS
 
@@ -42,7 +44,7 @@ class Prefix:
 
 @dataclass
 class BackwardPlan:
-    """What the rewrite found; kept in the backend's graph record."""
+    """What the rewrite found; kept in the graph's compile record (``record.plan``)."""
 
     select_args: tuple[int, ...]  # input positions of h, z, g (head) or g (body)
     tangent_args: tuple[int, ...]  # input positions of the batch-shaped tangents
@@ -69,7 +71,7 @@ def plan_backward(gm: fx.GraphModule, example_inputs, layouts: dict) -> tuple[fx
     saved activation batch-major, in the dim and with the factor its sizes show."""
     sel = [n for n in gm.graph.nodes if n.target in SELECTION_OPS]
     if len(sel) != 1:
-        raise Refused(f"expected one selection node in the backward, found {len(sel)}")
+        raise Refused(f"expected one selection node in the backward, found {len(sel)}", RefusalKind.SELECTION)
     sel = sel[0]
     prefix = None
     if sel.args[-2].op != "placeholder":  # dL/dz computed in the backward: an in-graph loss
@@ -82,13 +84,13 @@ def plan_backward(gm: fx.GraphModule, example_inputs, layouts: dict) -> tuple[fx
     pos = {n: i for i, n in enumerate(placeholders)}
     tensors = sel.args[:-1]  # (h, z, g) or (g,); the last arg is the state key
     if not all(a in pos for a in tensors):
-        raise Refused("the selection's inputs are computed inside the backward (not saved activations)")
+        raise Refused("the selection's inputs are computed inside the backward (not saved activations)", RefusalKind.SELECTION)
     sym = batch_symbol_of(example_inputs[pos[tensors[-1]]])
     strides = stride_symbols(example_inputs, sym)
     specs = [spec_of(v, sym, strides) for v in example_inputs]
     for a in tensors:
         if specs[pos[a]].kind != "batch" or specs[pos[a]].factor != 1 or specs[pos[a]].dim != 0:
-            raise Refused(f"selection input {a.name} does not carry the batch in dim 0")
+            raise Refused(f"selection input {a.name} does not carry the batch in dim 0", RefusalKind.SELECTION)
     computed = {n.name for n in placeholders[len(placeholders) - len(prefix.gm.graph.output_node().args[0]):]} \
         if prefix is not None else set()
     for node, spec in zip(placeholders, specs):
@@ -163,8 +165,9 @@ def _split_prefix(gm: fx.GraphModule, example_inputs: list, g: fx.Node, sel: fx.
 def _check_proven(name: str, spec: Spec, layout) -> None:
     """A saved activation is gathered along ``spec`` only where the dataflow proved that layout."""
     if layout is None:
-        raise Refused(f"saved activation {name} has no proven batch layout (not a forward value of the joint graph)")
+        raise Refused(f"saved activation {name} has no proven batch layout (not a forward value of the joint graph)",
+                      RefusalKind.UNPROVEN)
     if not (layout.kind == "batch" and layout.outer == 1 and layout.dim == spec.dim and layout.inner == spec.factor):
         raise Refused(f"saved activation {name}: its sizes suggest batch dim {spec.dim} x{spec.factor}, but the "
-                      f"dataflow says {layout}{': ' + layout.why if layout.why else ''}")
+                      f"dataflow says {layout}{': ' + layout.why if layout.why else ''}", RefusalKind.UNPROVEN)
 

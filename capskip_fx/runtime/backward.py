@@ -24,7 +24,7 @@ from typing import Callable, Optional
 
 import torch
 
-from ..records import BackwardMode
+from ..records import BackwardMode, Refusal, RefusalKind
 from ..rows import gather_all, scatter_rows
 from ..symbolic import evaluate
 
@@ -46,17 +46,17 @@ class SelectedRowBackward:
         self.state = state
         self.config = config
         self.record = record
-        self._layouts: dict[int, list] = {}
+        self._shapes: dict[int, list] = {}
 
-    def _layout(self, kb: int) -> list:
+    def _shapes_at(self, kb: int) -> list:
         """Per input at kb rows: (sizes, strides) / the SymInt's value / None.  Cached: sympy is slow."""
-        if kb not in self._layouts:
+        if kb not in self._shapes:
             p = self.plan
-            self._layouts[kb] = [
+            self._shapes[kb] = [
                 (tuple(evaluate(e, p.sym, kb) for e in s.sizes), tuple(evaluate(e, p.sym, kb) for e in s.strides))
                 if s.kind == "batch" else evaluate(s.expr, p.sym, kb) if s.kind == "symint" else None
                 for s in p.specs]
-        return self._layouts[kb]
+        return self._shapes[kb]
 
     def _rows_of(self, args: list):
         """(weight, k, this forward's stats or None) for this call: the rule's rows (head of the returned
@@ -68,8 +68,7 @@ class SelectedRowBackward:
                 weight, k = state.select(*(args[i] for i in p.select_args), fwd)
                 return weight, k, state.last.forwards[-1]
             if not self.record.body and (state.bound_forwards or state.hook_bound):
-                self.record.selected, self.record.body = False, True
-                self.record.no_head = "a Linear output that is not the returned logits"
+                self.record.demoted = "a Linear output that is not the returned logits"
         g = args[p.select_args[-1]]
         n = g.shape[0]
         state.body_backward(n, self.record.no_head)
@@ -103,15 +102,16 @@ class SelectedRowBackward:
         w_kb = weight.index_select(0, idx)
         check = self._should_verify(k, n)
         full_args = list(args) if check else None
-        lays = self._layout(kb)
+        shapes = self._shapes_at(kb)
         if self.in_graph:  # the graph gathers and scatters: batch inputs as they are, then the index and n
-            new_args = [lay if s.kind == "symint" else a for a, s, lay in zip(args, p.specs, lays)] + [w_kb, idx, n]
+            new_args = [shape if s.kind == "symint" else a
+                        for a, s, shape in zip(args, p.specs, shapes)] + [w_kb, idx, n]
         else:
             gathered = iter(gather_all([a for a, s in zip(args, p.specs) if s.kind == "batch"],
                                        [s for s in p.specs if s.kind == "batch"], idx, n,
-                                       [lay for lay, s in zip(lays, p.specs) if s.kind == "batch"]))
-            new_args = [next(gathered) if s.kind == "batch" else lay if s.kind == "symint" else a
-                        for a, s, lay in zip(args, p.specs, lays)] + [w_kb]
+                                       [shape for shape, s in zip(shapes, p.specs) if s.kind == "batch"]))
+            new_args = [next(gathered) if s.kind == "batch" else shape if s.kind == "symint" else a
+                        for a, s, shape in zip(args, p.specs, shapes)] + [w_kb]
         args.clear()
         state.set_rows(stats, kb)
         rec.row_counts.add(kb)
@@ -166,7 +166,7 @@ class SelectedRowBackward:
                 tol = 1e-3 if r.dtype in (torch.float32, torch.float64) else 5e-2
                 if (o - r).double().norm() > tol * scale + 1e-12:
                     self.dense_only = True
-                    self.record.refuse(VERIFY, BackwardMode.DENSE_MASKED)
+                    self.record.refuse(Refusal(RefusalKind.VERIFY, VERIFY), BackwardMode.DENSE_MASKED)
                     self.state.dense_backward(stats, VERIFY)
                     self.state.set_rows(stats, weight.shape[0])
                     return ref

@@ -70,7 +70,6 @@ class RuntimeState:
         self.bound_forwards = False  # CapskipModule binds each forward to its logits' node (and records dense steps)
         self.hook_bound = False  # the string backend's forward hook on the owning module has bound a forward
         self.variants = 0  # compiled selected-row backward variants
-        self.fallback: Optional[str] = None  # the first graph's refusal (a model whose every step is dense)
         self.masked_reason: Optional[str] = None  # why the head graph's backward runs dense-masked
         self._warned: set[str] = set()
         self.head_bias = True  # set by the graph pass from the head it found

@@ -13,11 +13,13 @@ from .segment_backward import block_cuts, find_blocks, find_cuts, split_backward
 
 
 def build_backward(config, state, rec: GraphRecord, gm: fx.GraphModule, example_inputs: list, sym,
-                   compile_graph: Callable, kwargs: dict) -> Optional[VcasBackward]:
-    """SampleW rewrite, then the backward cut into segments, each compiled with ``compile_graph``.
+                   compile_graph: Callable, kwargs: dict) -> tuple[Optional[VcasBackward], str]:
+    """SampleW rewrite, then the backward cut into segments, each compiled with ``compile_graph``; and a
+    note for the graph's record (what was built, or why not).
 
-    None (reason recorded on ``rec`` and warned once, ``gm`` untouched) when there is no residual cut or
-    segmenting is refused: the caller then compiles ``gm`` whole (exact backward)."""
+    (None, why; warned once; ``gm`` untouched) when there is no residual cut or segmenting is refused:
+    the caller then compiles ``gm`` whole (exact backward).  ``rec`` is the graph's record, whose run-time
+    fields the runner updates."""
     cfg = config.vcas
     graph = fx.Graph()
     graph.output(graph.graph_copy(gm.graph, {}))  # rewritten below; gm stays the exact fallback
@@ -28,24 +30,21 @@ def build_backward(config, state, rec: GraphRecord, gm: fx.GraphModule, example_
     # block found): every residual fork
     cuts = (block_cuts(vgm.graph, forks, blocks) if blocks and cfg.cut == "block" else forks)[::cfg.every]
     if not cuts:
-        return _none(state, rec, "VCAS: no residual fork in this backward (no block structure): exact backward")
+        return _none(state, "VCAS: no residual fork in this backward (no block structure): exact backward")
     runner = VcasBackward(cfg, state, rec, config.min_rows, config.gather_below)
     try:
         slots = sample_wgrad(vgm, sym, runner.key, cuts[0], set(blocks) if blocks else None) if cfg.sample_w else 0
-        plan = split_backward(vgm, example_inputs, sym, cuts)
+        split = split_backward(vgm, example_inputs, sym, cuts)
         kw = dict(kwargs, static_input_idxs=())
-        compiled = [compile_graph(s.gm, s.examples, **kw) for s in plan.segments]
+        compiled = [compile_graph(s.gm, s.examples, **kw) for s in split.segments]
         check_not_specialised(example_inputs, sym)  # the segments share one shape env
     except Refused as e:
         state.remove_runner(runner)
-        return _none(state, rec, f"VCAS: {e}: exact backward")
-    runner.finish(plan, compiled, [spec_of(v, sym) for v in example_inputs], slots)
-    rec.vcas = f"{len(plan.segments)} segments, {slots} sampled weight-gradient matmuls"
-    rec.segmented = True
-    return runner
+        return _none(state, f"VCAS: {e}: exact backward")
+    runner.finish(split, compiled, [spec_of(v, sym) for v in example_inputs], slots)
+    return runner, f"{len(split.segments)} segments, {slots} sampled weight-gradient matmuls"
 
 
-def _none(state, rec: GraphRecord, reason: str) -> None:
-    rec.vcas = reason
+def _none(state, reason: str) -> tuple[None, str]:
     state.warn_once(reason)
-    return None
+    return None, reason

@@ -30,7 +30,7 @@ from ..rows import conform, gather_rows, scatter_rows
 from ..symbolic import Spec, evaluate
 from .controller import VCAS, ProbeResult, VcasController
 from .sampling import bernoulli_keep, closed_form_var, ht_scale, sample_probs, soft_topk, systematic_keep, vcas_k
-from .segment_backward import SegmentPlan
+from .segment_backward import Segments
 
 
 def _row_norms(x: Tensor, spec: Spec, n: int) -> Tensor:
@@ -58,7 +58,7 @@ class VcasBackward:
         self.min_rows = min_rows
         self.key = ops.register(self)
         self.ctrl = VcasController(cfg)
-        self.plan: Optional[SegmentPlan] = None
+        self.split: Optional[Segments] = None
         self.compiled: list = []
         self.in_specs: list[Spec] = []
         self.slots = 0
@@ -67,7 +67,7 @@ class VcasBackward:
         self._wvar: dict[int, Tensor] = {}  # per slot: SampleW's variance summed over a probe's sampled passes
         self.wrows: list[tuple[int, int, int, int]] = []  # (slot, kept, total, out*in) of the last pass
         self.seg_rows: list[int] = []  # rows each segment ran on in the last pass
-        self._layouts: dict = {}
+        self._shapes: dict = {}
         self._sampled_out: list[int] = []  # static outputs produced below the first cut
         self.live_rows: Optional[int] = None  # set by the caller per call: rows that carry gradient
         self._live = 0  # rows carrying gradient in the segment running now (of self._n)
@@ -80,12 +80,12 @@ class VcasBackward:
     def load_state_dict(self, state: dict) -> None:
         self.ctrl.load_state_dict(state)
 
-    def finish(self, plan: SegmentPlan, compiled: list, in_specs: list[Spec], slots: int) -> None:
-        self.plan, self.compiled, self.in_specs, self.slots = plan, compiled, in_specs, slots
-        producer = {name: i for i, s in enumerate(plan.segments) for name in s.outputs}
-        self._sampled_out = [j for j, f in enumerate(plan.final)
-                             if f[0] == "val" and producer.get(f[1], 0) >= 1 and plan.specs[f[1]].kind == "static"]
-        self.ctrl.ensure(len(plan.boundaries), slots)
+    def finish(self, split: Segments, compiled: list, in_specs: list[Spec], slots: int) -> None:
+        self.split, self.compiled, self.in_specs, self.slots = split, compiled, in_specs, slots
+        producer = {name: i for i, s in enumerate(split.segments) for name in s.outputs}
+        self._sampled_out = [j for j, f in enumerate(split.final)
+                             if f[0] == "val" and producer.get(f[1], 0) >= 1 and split.specs[f[1]].kind == "static"]
+        self.ctrl.ensure(len(split.boundaries), slots)
 
     # -- SampleW (called from inside the compiled segments) ------------------------------------
     def _nu(self, slot: int) -> float:
@@ -168,23 +168,23 @@ class VcasBackward:
                 return x.shape[s.dim] // s.factor
         raise RuntimeError("VCAS backward: no batch-shaped input")
 
-    def _layout(self, spec: Spec, n: int):
+    def _shape(self, spec: Spec, n: int):
         key = (id(spec), n)
-        if key not in self._layouts:
-            sym = self.plan.sym
-            self._layouts[key] = (tuple(evaluate(e, sym, n) for e in spec.sizes),
+        if key not in self._shapes:
+            sym = self.split.sym
+            self._shapes[key] = (tuple(evaluate(e, sym, n) for e in spec.sizes),
                                   tuple(evaluate(e, sym, n) for e in spec.strides))
-        return self._layouts[key]
+        return self._shapes[key]
 
     def _take(self, x: Any, spec: Spec, src_rows: Optional[Tensor], src_n: int, rows: Optional[Tensor],
               n: int, n0: int) -> Any:
         """Value produced on ``src_rows`` (None: all n0) -> on ``rows`` (a subset)."""
         if spec.kind == "symint":
-            return evaluate(spec.expr, self.plan.sym, n)
+            return evaluate(spec.expr, self.split.sym, n)
         if spec.kind != "batch":
             return x
         if rows is src_rows:
-            return conform(x, *self._layout(spec, n))
+            return conform(x, *self._shape(spec, n))
         if src_rows is None:
             rel = rows
         else:
@@ -194,12 +194,12 @@ class VcasBackward:
                 inv = torch.full((n0,), -1, dtype=torch.long, device=rows.device)
                 inv[src_rows] = torch.arange(src_rows.numel(), device=rows.device)
                 rel = self._rel[key] = inv[rows]
-        return gather_rows(x, spec, rel, src_n, *self._layout(spec, n))
+        return gather_rows(x, spec, rel, src_n, *self._shape(spec, n))
 
     def _run(self, a: list, n0: int, live: int, rows: Optional[Tensor], act: bool, wmode: str):
         """One pass over the segments (``live`` of the ``n0`` rows carry gradient).  Returns (outputs at
         n0 rows, exact boundary norms per cut)."""
-        plan = self.plan
+        split = self.split
         self.wmode = wmode
         self.wrows = []
         self.record.matmul_shapes = []
@@ -215,11 +215,11 @@ class VcasBackward:
         n_ref = None
         rho_all = self.ctrl.rho
         resample = [act and r < (1.0 if j == 0 else rho_all[j - 1]) for j, r in enumerate(rho_all)]
-        for i, seg in enumerate(plan.segments):
+        for i, seg in enumerate(split.segments):
             j = i - 1
             if i > 0 and (wmode == "probe" or resample[j] or (j == 0 and any(resample))):
                 b, b_rows, b_n = vals[seg.boundary]
-                spec = plan.specs[seg.boundary]
+                spec = split.specs[seg.boundary]
                 nrm = _row_norms(b, spec, b_n)
                 norms.append(nrm if b_rows is None else (b_rows, nrm))
                 if n_ref is None:  # rows that carry gradient (the rule's kept rows)
@@ -260,21 +260,21 @@ class VcasBackward:
                     inputs.append(self._take(a[ref], self.in_specs[ref], None, n0, rows, n, n0))
                 else:
                     x, x_rows, x_n = vals[ref]
-                    inputs.append(self._take(x, plan.specs[ref], x_rows, x_n, rows, n, n0))
+                    inputs.append(self._take(x, split.specs[ref], x_rows, x_n, rows, n, n0))
             self.seg_rows.append(n)
             self._live, self._n = live, n
             outs = self.compiled[i](inputs)
             for name, o in zip(seg.outputs, outs):
                 vals[name] = (o, rows, n)
         final = []
-        for kind, ref in plan.final:
+        for kind, ref in split.final:
             if kind == "arg":
                 final.append(a[ref])
             elif kind == "const":
                 final.append(ref)
             else:
                 x, x_rows, x_n = vals[ref]
-                spec = plan.specs[ref]
+                spec = split.specs[ref]
                 if spec.kind == "batch" and x is not None and x_rows is not None:
                     x = scatter_rows(x, spec, x_rows, n0)
                 final.append(x)
@@ -321,7 +321,7 @@ class VcasBackward:
         sgd, act_var, *w = torch.stack([sgd, act_var, *w_var, *w_sgd]).tolist()
         w_var, w_sgd = w[:self.slots], w[self.slots:]
         norms = []
-        for j in range(len(self.plan.boundaries)):
+        for j in range(len(self.split.boundaries)):
             nm = torch.cat([_unpack(norm_parts[0][j]), _unpack(norm_parts[1][j])])
             norms.append(nm[nm > 0])  # rho is a fraction of the rows that carry gradient (as n_ref)
         self.ctrl.update(ProbeResult(sgd_var=sgd, act_var=act_var, w_var=w_var, w_sgd_var=w_sgd, norms=norms))

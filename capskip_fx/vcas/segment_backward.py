@@ -28,7 +28,7 @@ import sympy
 import torch
 from torch import fx
 
-from ..records import Refused
+from ..records import RefusalKind, Refused
 from ..symbolic import Spec, batch_dim_of, spec_of, tangent_nodes
 
 
@@ -42,7 +42,7 @@ class Segment:
 
 
 @dataclass
-class SegmentPlan:
+class Segments:
     segments: list[Segment]
     final: list  # per backward output: ("val", name) | ("arg", i) | ("const", value)
     specs: dict  # value name -> Spec (crossing values)
@@ -180,7 +180,7 @@ _HEAVY = {_aten.mm.default, _aten.addmm.default, _aten.bmm.default, _aten.baddbm
 _ADDS = (_aten.add.Tensor,)
 
 
-def split_backward(gm: fx.GraphModule, example_inputs, sym: sympy.Symbol, cuts: list[fx.Node]) -> SegmentPlan:
+def split_backward(gm: fx.GraphModule, example_inputs, sym: sympy.Symbol, cuts: list[fx.Node]) -> Segments:
     """Segments of ``gm`` between ``cuts`` (from :func:`find_cuts`); ``gm`` is not modified."""
     graph = gm.graph
     f = Flow.of(graph)
@@ -209,13 +209,13 @@ def split_backward(gm: fx.GraphModule, example_inputs, sym: sympy.Symbol, cuts: 
                 if a in seg and seg[a] < seg[n]:
                     needed_later[a] = max(needed_later.get(a, -1), seg[n])
                 elif a in seg and seg[a] > seg[n]:
-                    raise Refused(f"segmenting: {n.name} reads {a.name} from a later segment")
+                    raise Refused(f"segmenting: {n.name} reads {a.name} from a later segment", RefusalKind.VCAS)
     for o in outs:
         if isinstance(o, fx.Node) and o in seg:
             needed_later[o] = n_seg
     for b in cuts:
         if b not in needed_later:
-            raise Refused(f"segmenting: cut {b.name} is not read below itself")
+            raise Refused(f"segmenting: cut {b.name} is not read below itself", RefusalKind.VCAS)
     segments = []
     specs: dict[str, Spec] = {}
     for i in range(n_seg):
@@ -262,4 +262,4 @@ def split_backward(gm: fx.GraphModule, example_inputs, sym: sympy.Symbol, cuts: 
             final.append(("val", o.name))
         else:
             final.append(("const", o))
-    return SegmentPlan(segments, final, specs, [b.name for b in cuts], sym)
+    return Segments(segments, final, specs, [b.name for b in cuts], sym)

@@ -1,0 +1,247 @@
+"""The passes in order: one pipeline per direction, each returning a frozen result.
+
+joint graph (Inductor's ``joint_custom_pre_pass``, before partitioning), :func:`joint`:
+  1. find_head.find_head            the logits output z, its tangent g, the head input h
+                                    (no head: the body path, step 4 with capskip::shared)
+  2. find_head.find_in_graph_loss   a loss computed in the graph from the logits
+  3. insert_select.prove_layout     where the batch lies in every forward value (layout.py)
+  4. insert_select.select_head      w = capskip::select(h, z, g); every batch-shaped tangent *= w
+     (or select_body)
+
+backward graph (Inductor's ``inner_compile``), :func:`backward`:
+  5. selected_rows.plan_backward    the selection node -> a new last input w; every gathered input
+                                    checked against step 3's proof; an in-graph loss's prefix split off
+  6. compile: VCAS (the context's ``vcas``, when set), else gather_in_graph.gather_in_graph
+     (gather="graph"), else the plain graph
+  7. symbolic.check_not_specialised compiling must not have fixed the batch size
+
+A pass that will not rewrite a graph raises ``records.Refused``; the pipeline turns it into the
+result's ``refusal`` (the graph then runs dense, or dense-masked after step 5).  Passes see the graph
+and a frozen context only: the backend (backend.py) turns results into records and wrappers.
+"""
+from __future__ import annotations
+
+import functools
+import pathlib
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import Any, Callable, Mapping, Optional
+
+from torch import fx
+from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
+
+from ..layout import backward_nodes
+from ..records import BackwardMode, Refusal, RefusalKind, Refused
+from ..symbolic import batch_symbol_of, check_not_specialised, fake_mode_of
+from . import insert_select
+from .find_head import find_head, find_in_graph_loss
+from .gather_in_graph import check_full_rows_free, gather_in_graph
+from .insert_select import SELECT
+from .selected_rows import BackwardPlan, plan_backward
+
+STRIDE_SYMBOL = "a saved view has a symbolic stride (gathered as a contiguous copy, eagerly)"
+
+
+# -- the joint graph -------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class JointContext:
+    """What the joint passes read: the model's registry key (an argument of the selection node), which
+    output holds the logits, the coupling policy, and a refusal met before AOT (the graph is left alone)."""
+
+    key: int
+    logits_index: Optional[int] = None
+    on_coupling: str = "dense"
+    refused: Optional[Refusal] = None
+
+
+@dataclass(frozen=True)
+class JointResult:
+    """What the joint passes did to one graph."""
+
+    head: bool = False  # capskip::select inserted
+    body: bool = False  # capskip::shared inserted (no head)
+    inference: bool = False  # no tangents: nothing to do
+    no_head: Optional[str] = None
+    in_graph_loss: bool = False
+    masked_tangents: int = 0
+    head_bias: Optional[bool] = None  # the head Linear has a bias (the rules' head view needs it)
+    layouts: Mapping = field(default_factory=lambda: MappingProxyType({}), repr=False)  # value name -> Layout
+    refusal: Optional[Refusal] = None
+    error: Optional[str] = None  # on_coupling="error": raised at the graph's first forward
+
+    def record_fields(self) -> dict:
+        """The CompileRecord fields this result sets."""
+        fields = dict(head=self.head, body=self.body, no_head=self.no_head, in_graph_loss=self.in_graph_loss,
+                      masked_tangents=self.masked_tangents, error=self.error, refusal=self.refusal,
+                      coupled=self.refusal is not None and self.refusal.kind is RefusalKind.CROSS_EXAMPLE)
+        if self.inference:
+            fields["backward"] = BackwardMode.INFERENCE
+        return fields
+
+
+def joint(graph: fx.Graph, ctx: JointContext) -> Optional[JointResult]:
+    """Steps 1-4 on the joint graph, in place.  None if the graph already has a selection node (the
+    hook ran twice): the first result stands."""
+    if insert_select.has_selection(graph):
+        return None
+    if not insert_select.tangents(graph):
+        return JointResult(inference=True, refusal=ctx.refused)
+    if ctx.refused is not None:  # an undeclared custom autograd.Function: a plain dense backward
+        return JointResult(refusal=ctx.refused)
+    try:
+        try:
+            head = find_head(graph, ctx.logits_index)
+        except Refused as no_head:
+            return _body(graph, ctx, no_head.refusal)
+        sym = batch_symbol_of(head.z.meta["val"])
+        loss = find_in_graph_loss(graph, head, backward_nodes(graph))
+        layouts = insert_select.prove_layout(graph, sym, exclude=loss.nodes if loss else ())
+        masked = insert_select.select_head(graph, head, loss, ctx.key)
+    except Refused as e:
+        return _refused(e.refusal, ctx)
+    return JointResult(head=True, in_graph_loss=loss is not None, masked_tangents=masked, head_bias=head.bias,
+                       layouts=MappingProxyType(layouts))
+
+
+def _body(graph: fx.Graph, ctx: JointContext, no_head: Refusal) -> JointResult:
+    sym = insert_select.body_symbol(graph)
+    if sym is None:
+        return _refused(no_head, ctx)
+    try:
+        layouts = insert_select.prove_layout(graph, sym)
+        masked = insert_select.select_body(graph, sym, ctx.key)
+    except Refused as e:
+        return _refused(e.refusal, ctx)
+    return JointResult(body=True, no_head=no_head.detail, masked_tangents=masked, layouts=MappingProxyType(layouts))
+
+
+def _refused(refusal: Refusal, ctx: JointContext) -> JointResult:
+    error = None
+    if refusal.kind is RefusalKind.CROSS_EXAMPLE and ctx.on_coupling == "error":
+        error = f"capskip_fx (on_coupling='error'): {refusal.detail}"
+    return JointResult(refusal=refusal, error=error)
+
+
+@functools.cache
+def source_files() -> tuple[str, ...]:
+    """capskip_fx's graph-side sources (everything but the training harness), sorted."""
+    root = pathlib.Path(__file__).resolve().parents[1]
+    return tuple(str(p) for p in sorted(root.rglob("*.py")) if "train" not in p.relative_to(root).parts)
+
+
+class JointPass(CustomGraphPass):
+    """:func:`joint` as Inductor's ``joint_custom_pre_pass``: each result goes to ``deliver``."""
+
+    def __init__(self, ctx: JointContext, config: Any, deliver: Callable[[JointResult], None] = lambda r: None):
+        self.ctx, self.config, self.deliver = ctx, config, deliver
+
+    def uuid(self) -> Optional[bytes]:
+        # what Inductor's FX graph cache and AOTAutogradCache key our rewrite on: the source of the code that
+        # shapes the graphs, the config and the logits choice.  Not the model's registry key: a compiled graph
+        # that calls back into a run-time object (select in a refused backward, VCAS's sampled_wgrad) carries
+        # the key as an argument, so the FX graph's own hash tells models apart, and the backend keeps such
+        # graphs out of AOTAutogradCache (whose key is Dynamo's graph, before this pass).
+        return get_hash_for_files(source_files(), extra=f"capskip:{self.config}:{self.ctx.logits_index}")
+
+    def __call__(self, graph: fx.Graph) -> None:
+        result = joint(graph, self.ctx)
+        if result is not None:
+            self.deliver(result)
+
+
+# -- the backward graph ----------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class BackwardContext:
+    """What the backward passes read: Inductor's compile for one graph (``compile(gm, example_inputs,
+    **kwargs)``), its keyword arguments, the gather setting, and VCAS's builder when ``vcas=`` is set
+    (``vcas(gm, example_inputs, sym, compile, kwargs) -> (compiled or None, note)``)."""
+
+    compile: Callable
+    kwargs: Mapping
+    gather: str = "eager"
+    vcas: Optional[Callable] = None
+
+
+@dataclass(frozen=True)
+class BackwardResult:
+    """What the backward passes made of one backward graph."""
+
+    compiled: Any  # the compiled backward (the rewritten graph, run on the kept rows, when plan is set)
+    mode: BackwardMode
+    plan: Optional[BackwardPlan] = None
+    prefix: Any = None  # an in-graph loss's compiled backward up to dL/dz (runs first, on all rows)
+    refusal: Optional[Refusal] = None
+    select_in_graph: bool = False  # refused after the joint pass put select in a head graph: it runs there
+    in_graph: bool = False  # the compiled graph gathers / scatters itself (gather="graph")
+    gather_refused: Optional[str] = None
+    vcas: Optional[str] = None  # VCAS: what it built, or why it did not apply
+    segmented: bool = False  # the compiled backward is VCAS's segment runner
+    graph: Optional[fx.GraphModule] = field(default=None, repr=False)  # the rewritten graph (for tracing)
+
+    def record_fields(self) -> dict:
+        """The CompileRecord fields this result sets."""
+        fields: dict = dict(backward=self.mode, refusal=self.refusal, gather_refused=self.gather_refused,
+                            gather="graph" if self.in_graph else "eager")
+        if self.plan is not None:
+            fields.update(plan=self.plan, vcas=self.vcas, segmented=self.segmented)
+        return fields
+
+
+def backward(gm: fx.GraphModule, example_inputs, joint_result: Optional[JointResult],
+             ctx: BackwardContext) -> BackwardResult:
+    """Steps 5-7 on one partitioned backward graph: compiled once, with a symbolic batch."""
+    compile_graph, kwargs = ctx.compile, dict(ctx.kwargs)
+    if not insert_select.has_selection(gm.graph):
+        return BackwardResult(compile_graph(gm, example_inputs, **kwargs), BackwardMode.DENSE)
+    layouts = joint_result.layouts if joint_result is not None else {}
+    try:
+        gm, plan, w_val, example_inputs = plan_backward(gm, example_inputs, layouts)
+    except Refused as e:  # the graph as partitioned: select runs in it, at N rows (dense-masked, exact)
+        return BackwardResult(compile_graph(gm, example_inputs, **kwargs), BackwardMode.DENSE_MASKED,
+                              refusal=e.refusal, select_in_graph=any(n.target is SELECT for n in gm.graph.nodes))
+    prefix = None
+    if plan.prefix is not None:  # an in-graph loss: its backward runs first, on all rows
+        prefix = compile_graph(plan.prefix.gm, list(plan.prefix.examples), **dict(kwargs, static_input_idxs=()))
+    inputs = list(example_inputs) + [w_val]
+    compiled, vcas_note, gather_refused = None, None, None
+    if ctx.vcas is not None:  # VCAS's backward, or None: the exact one below
+        compiled, vcas_note = ctx.vcas(gm, inputs, plan.sym, compile_graph, kwargs)
+    segmented = compiled is not None
+    if compiled is None and ctx.gather == "graph":
+        if plan.stride_syms:
+            gather_refused = STRIDE_SYMBOL
+        else:
+            compiled, gather_refused = _gather_in_graph(gm, plan, inputs, compile_graph, kwargs)
+    in_graph = compiled is not None and not segmented
+    if compiled is None:
+        compiled = compile_graph(gm, inputs, **kwargs)
+    refusal, mode = None, BackwardMode.SELECTED
+    try:
+        check_not_specialised(example_inputs, plan.sym, plan.stride_syms)
+    except Refused as e:  # the rewritten graph at N rows is the dense-masked backward: still exact
+        refusal, mode = e.refusal, BackwardMode.DENSE_MASKED
+    return BackwardResult(compiled, mode, plan, prefix, refusal, in_graph=in_graph, gather_refused=gather_refused,
+                          vcas=vcas_note, segmented=segmented, graph=gm)
+
+
+def _gather_in_graph(gm: fx.GraphModule, plan: BackwardPlan, example_inputs: list, compile_graph: Callable,
+                     kwargs: dict) -> tuple[Any, Optional[str]]:
+    """(the backward with the row gather / scatter as graph ops, None) or (None, why not): the caller
+    then compiles the eager-gather graph."""
+    graph = fx.Graph()
+    graph.output(graph.graph_copy(gm.graph, {}))  # a copy: a refusal leaves gm as it was
+    copy = fx.GraphModule(gm, graph)
+    guards = len(fake_mode_of(example_inputs).shape_env.guards)
+    try:
+        examples, n_sym = gather_in_graph(copy, plan, example_inputs)
+        try:
+            compiled = compile_graph(copy, examples, **kwargs)
+        except Exception as e:  # noqa: BLE001  (our rewrite made a graph Inductor rejects: eager gather)
+            raise Refused(f"in-graph gather: compiling failed ({type(e).__name__}: {str(e)[:200]})",
+                          RefusalKind.IN_GRAPH_GATHER) from None
+        check_full_rows_free(examples, n_sym, guards)
+    except Refused as e:
+        return None, e.refusal.detail
+    return compiled, None
