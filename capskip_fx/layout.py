@@ -365,6 +365,11 @@ class _Walk:
             if any(u.op == "output" or u in self.bwd for u in n.users):
                 return [f"the row index arange(N) is used as a value, not to index rows ({_op(origin)}"
                         f"{_where(origin)}): a selected-row backward would recompute it at the kept rows' count"]
+        for n in self.row_index:  # gathered, it would number the kept rows by their old rows
+            if any(u in self.bwd for u in n.users):
+                return [f"the row index {_op(n)} is read by the backward{_where(n)}: gathered at the kept rows it "
+                        "would index rows the backward does not have (the pass recomputes arange(N) itself only "
+                        "in the backward of x[arange(N), j])"]
         return []
 
     def check_uses(self) -> list:
@@ -695,12 +700,13 @@ def _index(w: _Walk, n: fx.Node, mask: Optional[fx.Node] = None) -> Result:
     il = [(i, w.of(t)) for i, t in enumerate(indices) if isinstance(t, fx.Node) and w.of(t) is not None]
     if xl is not None and xl.kind == "batch" and _packet(n) not in EMBEDDING_OPS and any(i == xl.dim for i, _ in il):
         at = indices[xl.dim]
-        if mask is None and xl.outer == 1 and xl.inner == 1 and at in w.row_index \
-                and all(l.kind == "free" for i, l in il if i != xl.dim):
-            # x[arange(N)[:, None], j]: row b reads row b of x only (HF's padding mask)
+        if mask is None and xl.outer == 1 and xl.inner == 1 and at in w.row_index:
+            # x[arange(N)[:, None], j] (HF's padding mask) and x[arange(N), j] with j per row (a decoder
+            # classifier's last token): row b reads row b of x only, at positions of its own
             nd = max(_ndim(t) for t in indices if isinstance(t, fx.Node))
             lay = _aligned(w.of(at), _ndim(at), nd)
-            return w.per_output(n, lambda v: w.track(lay, v), "(indexed by the row index)")
+            if all(l.kind == "free" or (_per_row_index(w, indices[i], l, nd, lay)) for i, l in il if i != xl.dim):
+                return w.per_output(n, lambda v: w.track(lay, v), "(indexed by the row index)")
         raise w.mixing(n, "indexes along the batch dim (a permutation, roll or gather of rows)")
     ins = w.tensor_inputs(n)
     bad = w.first_unknown(ins)
@@ -718,6 +724,13 @@ def _index(w: _Walk, n: fx.Node, mask: Optional[fx.Node] = None) -> Result:
     nd = max(_ndim(a) for a, _ in ib)  # index tensors broadcast together (aligned from the right)
     lay = w.agree(n, [(a, _aligned(l, _ndim(a), nd)) for a, l in ib], "indexes with")
     return w.per_output(n, lambda v: w.track(lay, v))
+
+
+def _per_row_index(w: _Walk, t: fx.Node, lay: Layout, nd: int, row: Layout) -> bool:
+    """``t`` indexes a non-batch dim of x with row b's own positions: batch-major, inner 1, broadcast to the
+    row index's dim, and not computed from the row index (the backward may recompute that at k rows)."""
+    return (lay.kind == "batch" and lay.outer == 1 and lay.inner == 1 and _aligned(lay, _ndim(t), nd) == row
+            and t not in w.row_index and t not in w.row_value)
 
 
 def _masked_index(w: _Walk, n: fx.Node) -> Result:

@@ -14,7 +14,8 @@ import torch
 from torch import fx
 
 from ..records import Refused
-from ..symbolic import tangent_nodes
+from ..symbolic import expr_of, shape_exprs, tangent_nodes
+from .row_index import is_batch_arange
 
 aten = torch.ops.aten
 _VIEWS = {aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.alias.default,
@@ -28,6 +29,7 @@ class Head:
     h: fx.Node  # head input
     bias: bool
     output_index: int  # which user output holds the logits
+    rows: Optional[tuple] = None  # (arange(N), j): the logits are L[arange(N), j] of per-token logits L
 
 
 def outputs_and_tangents(graph: fx.Graph) -> list[tuple[int, fx.Node, Optional[fx.Node]]]:
@@ -76,6 +78,41 @@ def _same_size(a, b) -> bool:
     return ea == eb
 
 
+def _per_row(z: fx.Node) -> Optional[tuple[fx.Node, fx.Node, fx.Node]]:
+    """z = L[arange(N), j] with L (N, T, C) and j (N,) (a decoder classifier's last token): (L, arange, j)."""
+    p = _producer(z)
+    if p.op != "call_function" or p.target != aten.index.Tensor or len(p.args[1]) != 2:
+        return None
+    L, (r, j) = p.args[0], p.args[1]
+    lv, zv = L.meta.get("val"), z.meta.get("val")
+    if not (isinstance(r, fx.Node) and isinstance(j, fx.Node) and isinstance(lv, torch.Tensor) and lv.dim() == 3):
+        return None
+    sym = expr_of(zv.shape[0])
+    jv = j.meta.get("val")
+    if not (is_batch_arange(r, sym) and isinstance(jv, torch.Tensor) and jv.dim() == 1 and expr_of(jv.shape[0]) == sym
+            and expr_of(lv.shape[0]) == sym):
+        return None
+    return L, r, j
+
+
+def _token_input(graph: fx.Graph, h2d: fx.Node, L: fx.Node, r: fx.Node, j: fx.Node, before: fx.Node) -> Optional[fx.Node]:
+    """The head input of the chosen tokens, ``H[arange(N), j]``, as a new node: H is the
+    (N, T, d) value the Linear's (N*T, d) input is a view of; inserted before ``before`` (the logits)."""
+    n, want = h2d, shape_exprs(L.meta["val"])[:2]
+    while True:
+        v = n.meta.get("val")
+        if isinstance(v, torch.Tensor) and v.dim() == 3 and shape_exprs(v)[:2] == want:
+            break
+        if n.op != "call_function" or n.target not in _VIEWS:
+            return None
+        n = n.args[0]
+    with graph.inserting_before(before):
+        h = graph.call_function(aten.index.Tensor, (n, [r, j]))
+    with n.meta["val"].fake_mode:
+        h.meta["val"] = aten.index.Tensor(n.meta["val"], [r.meta["val"], j.meta["val"]])
+    return h
+
+
 def find_head(graph: fx.Graph, logits_index: Optional[int] = None) -> Head:
     candidates = outputs_and_tangents(graph)
     reasons = []
@@ -86,11 +123,19 @@ def find_head(graph: fx.Graph, logits_index: Optional[int] = None) -> Head:
         if g is None or not isinstance(val, torch.Tensor) or val.dim() != 2:
             reasons.append(f"output {idx}: not a 2-D differentiable tensor")
             continue
-        m = _match_linear(z)
+        per_row = _per_row(z)
+        m = _match_linear(per_row[0] if per_row else z)
         if m is None:
             reasons.append(f"output {idx}: not produced by a Linear (addmm/mm)")
             continue
         h, bias = m
+        if per_row is not None:
+            L, r, j = per_row
+            h = _token_input(graph, h, L, r, j, z)
+            if h is None:
+                reasons.append(f"output {idx}: L[arange(N), j] of a Linear whose input is not (N, T, d)")
+                continue
+            return Head(z=z, g=g, h=h, bias=bias, output_index=idx, rows=(r, j))
         hv = h.meta.get("val")
         if not isinstance(hv, torch.Tensor) or hv.dim() != 2:
             reasons.append(f"output {idx}: head input is not 2-D")
@@ -148,7 +193,13 @@ def find_in_graph_loss(graph: fx.Graph, head: Head, backward: set) -> Optional[I
                 raise Refused(f"the in-graph loss reads {a.name}, which depends on the model's float inputs or "
                               f"parameters other than through the logits: its gradient could not be selected "
                               f"(compute the loss outside the model)")
-    grad = next((u.args[0].args[0] for u in head.h.users
+    if head.rows is not None:  # L[arange(N), j]: the gradient into z is what the backward puts back into L
+        r, j = head.rows
+        grad = next((u.args[2] for u in j.users if u in backward and u.target == aten.index_put.default
+                     and list(u.args[1]) == [r, j]), None)
+    else:
+        grad = None
+    grad = grad or next((u.args[0].args[0] for u in head.h.users
                  if u in backward and u.target == aten.mm.default and u.args[1] is head.h
                  and isinstance(u.args[0], fx.Node) and u.args[0].target in (aten.permute.default, aten.t.default)),
                 None)

@@ -31,6 +31,7 @@ from ..layout import analyze, backward_nodes
 from ..records import BackwardMode, Refused
 from ..symbolic import batch_dim, batch_symbol_of, tangent_nodes
 from .find_head import find_head, find_in_graph_loss, outputs_and_tangents
+from .row_index import recompute_row_indices
 
 aten = torch.ops.aten
 SELECT = torch.ops.capskip.select.default
@@ -86,6 +87,7 @@ class InsertSelectPass(CustomGraphPass):
             return self._apply_body(graph, rec, str(no_head))
         sym = batch_symbol_of(head.z.meta["val"])
         loss = find_in_graph_loss(graph, head, backward_nodes(graph))
+        recompute_row_indices(graph, sym)  # before the proof: the backward must not read arange(N)
         self._check_layout(graph, sym, rec, exclude=loss.nodes if loss else ())
         plan = _batch_tangents(graph, sym)
         if loss is None:
