@@ -30,6 +30,7 @@ class Head:
     bias: bool
     output_index: int  # which user output holds the logits
     rows: Optional[tuple] = None  # (arange(N), j): the logits are L[arange(N), j] of per-token logits L
+    linear_in: Optional[fx.Node] = None  # a sum of heads: the first head's input (h holds the Gram features)
 
 
 def outputs_and_tangents(graph: fx.Graph) -> list[tuple[int, fx.Node, Optional[fx.Node]]]:
@@ -69,6 +70,114 @@ def _match_linear(z: fx.Node) -> Optional[tuple[fx.Node, bool]]:
             if isinstance(a, fx.Node) and _producer(a).op == "call_function" and _producer(a).target == aten.mm.default:
                 return _producer(a).args[0], True
     return None
+
+
+# a Linear's weight operand reaches its parameter through these (transposes, casts under autocast)
+_WEIGHT_PATH = {aten.permute.default, aten.t.default, aten.transpose.int, aten._to_copy.default, aten.alias.default,
+                aten.view.default, aten.clone.default, aten.detach.default, torch.ops.prims.convert_element_type.default}
+
+
+def _is_parameter(w: fx.Node) -> bool:
+    while w.op == "call_function" and w.target in _WEIGHT_PATH:
+        w = w.args[0]
+    return w.op in ("placeholder", "get_attr")
+
+
+def _weight_of(p: fx.Node) -> Optional[fx.Node]:
+    return p.args[2] if p.target == aten.addmm.default else p.args[1] if p.target == aten.mm.default else None
+
+
+class _Unsupported(Exception):
+    """A head form whose CAPSkip Gram we can't follow exactly (the message says why)."""
+
+
+def _constant(c) -> Optional[float]:
+    return float(c) if isinstance(c, (int, float)) and not isinstance(c, bool) else None
+
+
+def _terms(z: fx.Node) -> Optional[list]:
+    """z as a sum of scaled Linear heads: [(scale, h, bias)]; None if z is not one.
+
+    Per-example gradient of head k's (W_k, b_k): ``c_k delta (x) [h_k; 1]``, so the Gram over all
+    heads' parameters is ``(D D^T) * sum_k c_k^2 (H_k H_k^T + 1)``.
+    """
+    p = _producer(z)
+    if p.op != "call_function":
+        return None
+    if p.target in (aten.addmm.default, aten.mm.default):
+        w = _weight_of(p)
+        if not _is_parameter(w):
+            raise _Unsupported(f"the head's weight {w.name} is computed, not a parameter (a normalised / cosine or "
+                               "weight-normed head): CAPSkip's Gram would bound the computed weight's gradient, "
+                               "not the parameters'")
+        m = _match_linear(p)
+        return [(1.0, m[0], m[1])]
+    if p.target in (aten.mul.Tensor, aten.div.Tensor):
+        a, c = p.args[0], p.args[1]
+        if p.target is aten.mul.Tensor and _constant(a) is not None:
+            a, c = c, a
+        k = _constant(c)
+        if isinstance(c, fx.Node) and isinstance(c.meta.get("val"), torch.Tensor) and c.meta["val"].dim() == 0:
+            inner = _terms(a)
+            if inner is not None:
+                raise _Unsupported(f"the head's logits are scaled by a tensor ({c.name}; a learnable temperature or "
+                                   "logit scale): its own gradient is not of the head's rank-one form, so CAPSkip's "
+                                   "Gram can't follow it (fold a fixed scale in as a number)")
+        if k is None or not isinstance(a, fx.Node) or k == 0:
+            return None
+        inner = _terms(a)
+        k = k if p.target is aten.mul.Tensor else 1.0 / k
+        return None if inner is None else [(sc * k, h, b) for sc, h, b in inner]
+    if p.target in (aten.add.Tensor, aten.sub.Tensor) and len(p.args) == 2 and all(isinstance(a, fx.Node) for a in p.args):
+        alpha = _constant(p.kwargs.get("alpha", 1)) or 0.0
+        sign = -alpha if p.target is aten.sub.Tensor else alpha
+        left, right = _terms(p.args[0]), _terms(p.args[1])
+        if left is not None and right is not None:
+            return left + [(sc * sign, h, b) for sc, h, b in right]
+        m = _match_linear(p)  # mm + bias
+        if m is not None:
+            mm = next(_producer(a) for a in p.args if _producer(a).target == aten.mm.default)
+            if not _is_parameter(mm.args[1]):
+                raise _Unsupported(f"the head's weight {mm.args[1].name} is computed, not a parameter")
+            return [(1.0, m[0], m[1])]
+    return None
+
+
+def _gram_features(graph: fx.Graph, terms: list, before: fx.Node) -> fx.Node:
+    """One (N, sum d_k (+1)) input whose Gram is the heads' ``sum_k c_k^2 (H_k H_k^T + 1)``: the columns
+    ``c_k h_k`` and, for a head with a bias, a constant column ``c_k``."""
+    fake = terms[0][1].meta["val"].fake_mode
+
+    def node(target, *args):
+        with graph.inserting_before(before):
+            n = graph.call_function(target, args)
+        vals = [[x.meta["val"] for x in a] if isinstance(a, list) else a.meta["val"] if isinstance(a, fx.Node) else a
+                for a in args]
+        with fake:
+            n.meta["val"] = target(*vals)
+        return n
+
+    parts = []
+    for c, h, bias in terms:
+        parts.append(node(aten.mul.Tensor, h, c))
+        if bias:
+            parts.append(node(aten.full_like.default, node(aten.slice.Tensor, h, 1, 0, 1), c))
+    return node(aten.cat.default, parts, 1)
+
+
+def _saved(graph: fx.Graph, h: fx.Node, before: fx.Node) -> fx.Node:
+    """``h`` as a value the partitioner saves for the backward, where the selection reads it: a view (a
+    token ``x[:, 0]``) or a cheap op would be recomputed inside the backward otherwise."""
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    schema = getattr(h.target, "_schema", None)
+    if h.op == "call_function" and schema is not None and any(r.alias_info is not None for r in schema.returns):
+        with graph.inserting_before(before):
+            c = graph.call_function(aten.clone.default, (h,))
+        c.meta["val"] = h.meta["val"]
+        h = c
+    h.meta["recompute"] = CheckpointPolicy.MUST_SAVE
+    return h
 
 
 def _same_size(a, b) -> bool:
@@ -124,11 +233,28 @@ def find_head(graph: fx.Graph, logits_index: Optional[int] = None) -> Head:
             reasons.append(f"output {idx}: not a 2-D differentiable tensor")
             continue
         per_row = _per_row(z)
-        m = _match_linear(per_row[0] if per_row else z)
-        if m is None:
-            reasons.append(f"output {idx}: not produced by a Linear (addmm/mm)")
+        try:
+            terms = _terms(per_row[0] if per_row else z)
+        except _Unsupported as e:
+            reasons.append(f"output {idx}: {e}")
             continue
-        h, bias = m
+        if terms is None:
+            reasons.append(f"output {idx}: not produced by a Linear (addmm/mm), a sum of Linears or a Linear "
+                           "scaled by a number")
+            continue
+        if len(terms) > 1 and per_row is None:
+            if any(not _same_size(t[1].meta["val"].shape[0], val.shape[0]) or t[1].meta["val"].dim() != 2
+                   for t in terms):
+                reasons.append(f"output {idx}: a sum of Linear heads over inputs not of the logits' rows")
+                continue
+            h = _saved(graph, _gram_features(graph, terms, z), z)
+            return Head(z=z, g=g, h=h, bias=False, output_index=idx, linear_in=terms[0][1])
+        if len(terms) > 1:
+            reasons.append(f"output {idx}: L[arange(N), j] of a sum of Linear heads")
+            continue
+        scale, h, bias = terms[0]  # one Linear: a uniform scale leaves CAPSkip's relative bound unchanged
+        if scale != 1.0 and per_row is None:
+            h = _saved(graph, h, z)
         if per_row is not None:
             L, r, j = per_row
             h = _token_input(graph, h, L, r, j, z)
@@ -193,14 +319,18 @@ def find_in_graph_loss(graph: fx.Graph, head: Head, backward: set) -> Optional[I
                 raise Refused(f"the in-graph loss reads {a.name}, which depends on the model's float inputs or "
                               f"parameters other than through the logits: its gradient could not be selected "
                               f"(compute the loss outside the model)")
+    if head.linear_in is not None:
+        raise Refused("an in-graph loss after a sum of Linear heads: the gradient into the logits has no node of "
+                      "its own (compute the loss outside the model)")
     if head.rows is not None:  # L[arange(N), j]: the gradient into z is what the backward puts back into L
         r, j = head.rows
         grad = next((u.args[2] for u in j.users if u in backward and u.target == aten.index_put.default
                      and list(u.args[1]) == [r, j]), None)
     else:
         grad = None
-    grad = grad or next((u.args[0].args[0] for u in head.h.users
-                 if u in backward and u.target == aten.mm.default and u.args[1] is head.h
+    lin = head.linear_in if head.linear_in is not None else head.h
+    grad = grad or next((u.args[0].args[0] for u in lin.users
+                 if u in backward and u.target == aten.mm.default and u.args[1] is lin
                  and isinstance(u.args[0], fx.Node) and u.args[0].target in (aten.permute.default, aten.t.default)),
                 None)
     if grad is None or tuple(grad.meta["val"].shape) != tuple(head.z.meta["val"].shape):
