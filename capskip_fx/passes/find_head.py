@@ -95,6 +95,10 @@ def _constant(c) -> Optional[float]:
     return float(c) if isinstance(c, (int, float)) and not isinstance(c, bool) else None
 
 
+def _scalar_tensor(c) -> bool:
+    return isinstance(c, fx.Node) and isinstance(c.meta.get("val"), torch.Tensor) and c.meta["val"].dim() == 0
+
+
 def _terms(z: fx.Node) -> Optional[list]:
     """z as a sum of scaled Linear heads: [(scale, h, bias)]; None if z is not one.
 
@@ -114,10 +118,10 @@ def _terms(z: fx.Node) -> Optional[list]:
         return [(1.0, m[0], m[1])]
     if p.target in (aten.mul.Tensor, aten.div.Tensor):
         a, c = p.args[0], p.args[1]
-        if p.target is aten.mul.Tensor and _constant(a) is not None:
+        if p.target is aten.mul.Tensor and (_constant(a) is not None or _scalar_tensor(a)):
             a, c = c, a
         k = _constant(c)
-        if isinstance(c, fx.Node) and isinstance(c.meta.get("val"), torch.Tensor) and c.meta["val"].dim() == 0:
+        if _scalar_tensor(c):
             inner = _terms(a)
             if inner is not None:
                 raise _Unsupported(f"the head's logits are scaled by a tensor ({c.name}; a learnable temperature or "
