@@ -38,7 +38,11 @@ Invariants:
 * ``arange(N)`` (start 0, step 1) is a *row index*: row ``b`` holds the value ``b``.  Copies of it that
   stay batch-major with inner 1 (views, slices, casts) are row indices too, and indexing a batch value
   along its batch dim with a row index (other indices free: HF's ``mask[arange(N)[:, None], kv]``)
-  reads row ``b`` from row ``b``: not mixing.  Any arithmetic on it (a roll's ``(i + k) % N``) is not.
+  reads row ``b`` from row ``b``: not mixing.  So does pairing it with batch-major indices of inner 1 in
+  the same broadcast dim (``x[arange(N), j]``, ``j`` one position per row: a decoder classifier's last
+  token), as long as those are not computed from the row index.  Any arithmetic on it (a roll's
+  ``(i + k) % N``) is not.  A row index read by the backward is refused: gathered at the kept rows it
+  would hold their old numbers (passes/row_index.py gives the backward its own ``arange`` first).
   A value computed from a row index by anything but indexing (``h * arange(N)[:, None]``) that reaches an
   output or the backward is refused: the backward may recompute ``arange`` at the kept rows' count.
 * Refusals met during the walk come first (the first in topological order); the checks of forward

@@ -34,6 +34,10 @@ class Net(nn.Module):
             return self.head(x0) / 0.07
         if self.kind == "distilled":
             return (self.head(x0) + self.head_dist(x1)) / 2
+        if self.kind == "distilled_tokens":  # timm's deit_*_distilled: two tokens of one sequence
+            return (self.head(f[:, 0]) + self.head_dist(f[:, 1])) / 2
+        if self.kind == "weighted":
+            return 0.7 * self.head(x0) - 0.3 * self.head_dist(x1)
         if self.kind == "learnable":
             return self.scale * self.head(x0)
         return 10 * F.normalize(x0, dim=-1) @ F.normalize(self.head.weight, dim=-1).T  # cosine
@@ -45,15 +49,15 @@ def _data(seed=0):
 
 
 def _head_params(kind):
-    return ["head.weight", "head.bias"] + (["head_dist.weight", "head_dist.bias"] if kind == "distilled" else [])
+    return ["head.weight", "head.bias"] + (["head_dist.weight", "head_dist.bias"] if kind != "scaled" and kind != "temperature" else [])
 
 
-def _step(kind, rule, **opts):
+def _step(kind, rule, backend_="aot_eager", **opts):
     torch.manual_seed(0)
     model = Net(kind)
     ref = copy.deepcopy(model).double()
     x, y = _data()
-    cm = capskip_fx.compile(model, rule=rule, backend="aot_eager", **opts)
+    cm = capskip_fx.compile(model, rule=rule, backend=backend_, **opts)
     F.cross_entropy(cm(x), y).backward()
     st = capskip_fx.stats(cm)
     w = st.weight.double() if st.weight is not None else torch.ones(N, dtype=torch.float64)  # dense: every row
@@ -83,7 +87,7 @@ def _per_example(ref, kind, x, y):
     return torch.stack(rows)
 
 
-@pytest.mark.parametrize("kind", ["scaled", "temperature", "distilled"])
+@pytest.mark.parametrize("kind", ["scaled", "temperature", "distilled", "distilled_tokens", "weighted"])
 def test_capskip_bound_follows_every_head_parameter(kind):
     """The bound CAPSkip reports is ||S_k|| / ||G|| of the per-example gradients of all head parameters
     (for two heads, both), and no longer prefix in increasing-norm order of the correct rows fits."""
@@ -107,9 +111,18 @@ def test_capskip_bound_follows_every_head_parameter(kind):
     assert all(per[order[:kk]].sum(0).norm() > 0.3 * total for kk in range(k + 1, N + 1))
 
 
-def test_distilled_head_gradients_exact():
-    _, _, st, _, _ = _step("distilled", "random", keep=0.5)
-    assert st.mode in ("selected", "dense-masked") and st.kept == 8, st
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+@pytest.mark.parametrize("kind", ["distilled", "distilled_tokens"])
+def test_distilled_head_selects_rows(kind, backend):
+    _, _, st, _, _ = _step(kind, "random", keep=0.5, backend_=backend)
+    assert (st.mode, st.kept, st.rows) == ("selected", 8, 8), st
+
+
+def test_heads_with_unequal_weights_run_dense_masked_exactly():
+    """0.7 * head - 0.3 * head_dist: the Gram features are scaled copies the forward does not need, so
+    they are computed in the backward: the rule still applies, exact, on all rows."""
+    _, _, st, _, _ = _step("weighted", "random", keep=0.5)
+    assert (st.mode, st.kept) == ("dense-masked", 8), st
 
 
 @pytest.mark.parametrize("kind,why", [("learnable", "learnable temperature"), ("cosine", "computed, not a parameter")])

@@ -1,9 +1,21 @@
 """Find the classifier head in the joint graph.
 
 Invariants: the logits ``z`` are a user output of shape (s, C) (batch in dim 0) with a tangent
-``g``; ``z`` is produced (through views only) by ``addmm(bias, h, W^T)`` or ``mm(h, W^T)`` and
-``h`` is (s, d): the same rows as the logits (a head over reshaped rows is no head).  The logits output is found from AOT output descriptors when available (the
-first plain user output that qualifies), else from the joint graph's output/tangent order.
+``g``; ``z`` is produced (through views only) by a head, and ``h`` holds the rows the rule's Gram is
+built from, ``K = (D D^T) * (H H^T [+ 1 if bias])``, equal to the Gram of the per-example gradients of
+every head parameter:
+
+* one Linear, ``addmm(bias, h, W^T)`` or ``mm(h, W^T)``, optionally times a number (a uniform scale
+  cancels in CAPSkip's relative bound): ``h`` is its (s, d) input, the same rows as the logits (a head
+  over reshaped rows is no head);
+* a sum of Linear heads with numeric weights ``sum_k c_k (W_k h_k + b_k)``: ``h`` is a new node
+  ``[c_1 h_1, c_1, c_2 h_2, c_2, ...]`` (the constant columns for the heads with a bias), bias False;
+* ``L[arange(N), j]`` with ``L`` (s, T, C) from a Linear and ``j`` one index per row (a decoder
+  classifier's last token): ``h`` is a new node ``H[arange(N), j]`` of the Linear's (s, T, d) input.
+
+A weight that is not a parameter (normalised: a cosine head) or a scale that is a tensor (learnable)
+is refused with the reason.  The logits output is found from AOT output descriptors when available
+(the first plain user output that qualifies), else from the joint graph's output/tangent order.
 """
 from __future__ import annotations
 
@@ -115,7 +127,7 @@ def _terms(z: fx.Node) -> Optional[list]:
                                "weight-normed head): CAPSkip's Gram would bound the computed weight's gradient, "
                                "not the parameters'")
         m = _match_linear(p)
-        return [(1.0, m[0], m[1])]
+        return [(1.0, m[0], m[1], p)]
     if p.target in (aten.mul.Tensor, aten.div.Tensor):
         a, c = p.args[0], p.args[1]
         if p.target is aten.mul.Tensor and (_constant(a) is not None or _scalar_tensor(a)):
@@ -131,29 +143,34 @@ def _terms(z: fx.Node) -> Optional[list]:
             return None
         inner = _terms(a)
         k = k if p.target is aten.mul.Tensor else 1.0 / k
-        return None if inner is None else [(sc * k, h, b) for sc, h, b in inner]
+        return None if inner is None else [(sc * k, h, b, lin) for sc, h, b, lin in inner]
     if p.target in (aten.add.Tensor, aten.sub.Tensor) and len(p.args) == 2 and all(isinstance(a, fx.Node) for a in p.args):
         alpha = _constant(p.kwargs.get("alpha", 1)) or 0.0
         sign = -alpha if p.target is aten.sub.Tensor else alpha
         left, right = _terms(p.args[0]), _terms(p.args[1])
         if left is not None and right is not None:
-            return left + [(sc * sign, h, b) for sc, h, b in right]
+            return left + [(sc * sign, h, b, lin) for sc, h, b, lin in right]
         m = _match_linear(p)  # mm + bias
         if m is not None:
             mm = next(_producer(a) for a in p.args if _producer(a).target == aten.mm.default)
             if not _is_parameter(mm.args[1]):
                 raise _Unsupported(f"the head's weight {mm.args[1].name} is computed, not a parameter")
-            return [(1.0, m[0], m[1])]
+            return [(1.0, m[0], m[1], mm)]
     return None
 
 
 def _gram_features(graph: fx.Graph, terms: list, before: fx.Node) -> fx.Node:
     """One (N, sum d_k (+1)) input whose Gram is the heads' ``sum_k c_k^2 (H_k H_k^T + 1)``: the columns
-    ``c_k h_k`` and, for a head with a bias, a constant column ``c_k``."""
+    ``c_k h_k`` and, for a head with a bias, a constant column ``c_k``.
+
+    With one |c_k| for all heads (a uniform factor cancels in the bound) the columns are plain copies,
+    ``[h_1, 1, h_2, 1, ...]``, and each head's Linear reads its ``h_k`` back as a slice of them: the
+    features are then needed by the forward, so the partitioner saves them for the selection (the same
+    values, bit for bit).  Otherwise they are computed for the selection only."""
     fake = terms[0][1].meta["val"].fake_mode
 
-    def node(target, *args):
-        with graph.inserting_before(before):
+    def node(target, *args, at=before):
+        with graph.inserting_before(at):
             n = graph.call_function(target, args)
         vals = [[x.meta["val"] for x in a] if isinstance(a, list) else a.meta["val"] if isinstance(a, fx.Node) else a
                 for a in args]
@@ -161,11 +178,57 @@ def _gram_features(graph: fx.Graph, terms: list, before: fx.Node) -> fx.Node:
             n.meta["val"] = target(*vals)
         return n
 
+    def column(h, c, at):  # (N, 1) of c: the bias's input
+        v = h.meta["val"]
+        with graph.inserting_before(at):
+            size = graph.call_function(aten.sym_size.int, (h, 0))
+            n = graph.call_function(aten.full.default, ([size, 1], c),
+                                    {"dtype": v.dtype, "device": v.device, "pin_memory": False})
+        size.meta["val"] = v.shape[0]
+        with fake:
+            n.meta["val"] = torch.full([v.shape[0], 1], c, dtype=v.dtype, device=v.device)
+        return n
+
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    uniform = len({abs(c) for c, *_ in terms}) == 1
+    first_linear = min((lin for *_, lin in terms), key=order.__getitem__)
+    def hoist(n: fx.Node, depth: int = 0) -> bool:
+        """Move ``n`` (and what it needs) before the first head: pure ops of earlier values only."""
+        if order[n] < order[first_linear]:
+            return True
+        if depth > 8 or n.op != "call_function" or n.is_impure() or n in {lin for *_, lin in terms}:
+            return False
+        if not all(hoist(a, depth + 1) for a in n.all_input_nodes):
+            return False
+        first_linear.prepend(n)
+        order[n] = order[first_linear] - 0.5
+        return True
+
+    if uniform:  # an input taken after the first head ran (head(f[:, 0]) + head_dist(f[:, 1]))
+        for _, h, *_ in terms:
+            hoist(h)
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    last_input = max((h for _, h, *_ in terms), key=order.__getitem__)
+    if uniform and order[last_input] < order[first_linear] and len({h for _, h, *_ in terms}) == len(terms):
+        at = first_linear
+        parts, spans, width = [], [], 0
+        for _, h, bias, _ in terms:
+            d = h.meta["val"].shape[1]
+            parts.append(h)
+            spans.append((width, width + d))
+            width += d
+            if bias:
+                parts.append(column(h, 1.0, at))
+                width += 1
+        out = node(aten.cat.default, parts, 1, at=at)
+        for (_, h, _, lin), (lo, hi) in zip(terms, spans):
+            lin.replace_input_with(h, node(aten.slice.Tensor, out, 1, lo, hi, at=at))
+        return out
     parts = []
-    for c, h, bias in terms:
+    for c, h, bias, _ in terms:
         parts.append(node(aten.mul.Tensor, h, c))
         if bias:
-            parts.append(node(aten.full_like.default, node(aten.slice.Tensor, h, 1, 0, 1), c))
+            parts.append(column(h, c, before))
     return node(aten.cat.default, parts, 1)
 
 
@@ -256,7 +319,7 @@ def find_head(graph: fx.Graph, logits_index: Optional[int] = None) -> Head:
         if len(terms) > 1:
             reasons.append(f"output {idx}: L[arange(N), j] of a sum of Linear heads")
             continue
-        scale, h, bias = terms[0]  # one Linear: a uniform scale leaves CAPSkip's relative bound unchanged
+        scale, h, bias, _ = terms[0]  # one Linear: a uniform scale leaves CAPSkip's relative bound unchanged
         if scale != 1.0 and per_row is None:
             h = _saved(graph, h, z)
         if per_row is not None:
