@@ -232,21 +232,6 @@ def _gram_features(graph: fx.Graph, terms: list, before: fx.Node) -> fx.Node:
     return node(aten.cat.default, parts, 1)
 
 
-def _saved(graph: fx.Graph, h: fx.Node, before: fx.Node) -> fx.Node:
-    """``h`` as a value the partitioner saves for the backward, where the selection reads it: a view (a
-    token ``x[:, 0]``) or a cheap op would be recomputed inside the backward otherwise."""
-    from torch.utils.checkpoint import CheckpointPolicy
-
-    schema = getattr(h.target, "_schema", None)
-    if h.op == "call_function" and schema is not None and any(r.alias_info is not None for r in schema.returns):
-        with graph.inserting_before(before):
-            c = graph.call_function(aten.clone.default, (h,))
-        c.meta["val"] = h.meta["val"]
-        h = c
-    h.meta["recompute"] = CheckpointPolicy.MUST_SAVE
-    return h
-
-
 def _same_size(a, b) -> bool:
     """Sizes equal structurally (no guard: a SymInt is compared by its expression)."""
     ea = a.node.expr if isinstance(a, torch.SymInt) else a
@@ -314,14 +299,12 @@ def find_head(graph: fx.Graph, logits_index: Optional[int] = None) -> Head:
                    for t in terms):
                 reasons.append(f"output {idx}: a sum of Linear heads over inputs not of the logits' rows")
                 continue
-            h = _saved(graph, _gram_features(graph, terms, z), z)
+            h = _gram_features(graph, terms, z)
             return Head(z=z, g=g, h=h, bias=False, output_index=idx, linear_in=terms[0][1])
         if len(terms) > 1:
             reasons.append(f"output {idx}: L[arange(N), j] of a sum of Linear heads")
             continue
-        scale, h, bias, _ = terms[0]  # one Linear: a uniform scale leaves CAPSkip's relative bound unchanged
-        if scale != 1.0 and per_row is None:
-            h = _saved(graph, h, z)
+        _, h, bias, _ = terms[0]  # one Linear: a uniform scale leaves CAPSkip's relative bound unchanged
         if per_row is not None:
             L, r, j = per_row
             h = _token_input(graph, h, L, r, j, z)
