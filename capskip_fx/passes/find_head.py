@@ -112,7 +112,7 @@ def _scalar_tensor(c) -> bool:
 
 
 def _terms(z: fx.Node) -> Optional[list]:
-    """z as a sum of scaled Linear heads: [(scale, h, bias)]; None if z is not one.
+    """z as a sum of scaled Linear heads: [(scale, h, bias, the Linear's mm/addmm node)]; None if z is not one.
 
     Per-example gradient of head k's (W_k, b_k): ``c_k delta (x) [h_k; 1]``, so the Gram over all
     heads' parameters is ``(D D^T) * sum_k c_k^2 (H_k H_k^T + 1)``.
@@ -192,6 +192,7 @@ def _gram_features(graph: fx.Graph, terms: list, before: fx.Node) -> fx.Node:
     order = {n: i for i, n in enumerate(graph.nodes)}
     uniform = len({abs(c) for c, *_ in terms}) == 1
     first_linear = min((lin for *_, lin in terms), key=order.__getitem__)
+
     def hoist(n: fx.Node, depth: int = 0) -> bool:
         """Move ``n`` (and what it needs) before the first head: pure ops of earlier values only."""
         if order[n] < order[first_linear]:
