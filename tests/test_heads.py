@@ -36,6 +36,8 @@ class Net(nn.Module):
             return (self.head(x0) + self.head_dist(x1)) / 2
         if self.kind == "distilled_tokens":  # timm's deit_*_distilled: two tokens of one sequence
             return (self.head(f[:, 0]) + self.head_dist(f[:, 1])) / 2
+        if self.kind == "one_input":  # two heads of one input, weights 0.7 and 0.3
+            return 0.7 * self.head(x0) + 0.3 * self.head_dist(x0)
         if self.kind == "weighted":
             return 0.7 * self.head(x0) - 0.3 * self.head_dist(x1)
         if self.kind == "learnable":
@@ -87,7 +89,7 @@ def _per_example(ref, kind, x, y):
     return torch.stack(rows)
 
 
-@pytest.mark.parametrize("kind", ["scaled", "temperature", "distilled", "distilled_tokens", "weighted"])
+@pytest.mark.parametrize("kind", ["scaled", "temperature", "distilled", "distilled_tokens", "weighted", "one_input"])
 def test_capskip_bound_follows_every_head_parameter(kind):
     """The bound CAPSkip reports is ||S_k|| / ||G|| of the per-example gradients of all head parameters
     (for two heads, both), and no longer prefix in increasing-norm order of the correct rows fits."""
@@ -112,7 +114,7 @@ def test_capskip_bound_follows_every_head_parameter(kind):
 
 
 @pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
-@pytest.mark.parametrize("kind", ["distilled", "distilled_tokens"])
+@pytest.mark.parametrize("kind", ["distilled", "distilled_tokens", "one_input"])
 def test_distilled_head_selects_rows(kind, backend):
     _, _, st, _, _ = _step(kind, "random", keep=0.5, backend_=backend)
     assert (st.mode, st.kept, st.rows) == ("selected", 8, 8), st

@@ -300,6 +300,8 @@ def find_head(graph: fx.Graph, logits_index: Optional[int] = None) -> Head:
                    for t in terms):
                 reasons.append(f"output {idx}: a sum of Linear heads over inputs not of the logits' rows")
                 continue
+            if len({(t[1], t[2]) for t in terms}) == 1:  # heads of one input: sum_k c_k^2 is a uniform factor
+                return Head(z=z, g=g, h=terms[0][1], bias=terms[0][2], output_index=idx, linear_in=terms[0][1])
             h = _gram_features(graph, terms, z)
             return Head(z=z, g=g, h=h, bias=False, output_index=idx, linear_in=terms[0][1])
         if len(terms) > 1:
