@@ -15,6 +15,7 @@ import torch.nn.functional as F
 import capskip_fx
 
 N = 16
+pytestmark = pytest.mark.usefixtures("many_compiles")  # conftest: every test compiles its own model
 
 
 class Net(nn.Module):

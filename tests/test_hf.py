@@ -16,6 +16,8 @@ import torch.nn.functional as F
 import capskip_fx
 
 transformers = pytest.importorskip("transformers")
+# conftest: every test compiles its own model, and HF models share their forward wrapper's code
+pytestmark = pytest.mark.usefixtures("many_compiles")
 
 
 def _bert():
