@@ -9,6 +9,8 @@ import copy
 
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 import torch.nn as nn
 import torch.nn.functional as F
 
@@ -132,3 +134,55 @@ def test_heads_with_unequal_weights_run_dense_masked_exactly():
 def test_heads_capskip_cannot_follow_are_refused_with_the_reason(kind, why):
     _, _, st, _, _ = _step(kind, "random", keep=0.5)
     assert st.mode == "dense" and "no classifier head" in st.fallback and why in st.fallback, st
+
+
+class Heads(nn.Module):
+    """sum_k c_k * Linear_k(input_k): inputs drawn from two features, biases on or off."""
+
+    def __init__(self, weights, inputs, biases):
+        super().__init__()
+        self.body = nn.Linear(6, 16)
+        self.heads = nn.ModuleList(nn.Linear(8, 3, bias=b) for b in biases)
+        self.weights, self.inputs = weights, inputs
+
+    def forward(self, x):
+        f = self.body(x).tanh().view(x.shape[0], 2, 8)
+        feats = (f.sum(1), f.prod(1))
+        z = None
+        for c, i, head in zip(self.weights, self.inputs, self.heads):
+            term = c * head(feats[i])
+            z = term if z is None else z + term
+        return z
+
+
+@settings(max_examples=8, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck))
+@given(st.lists(st.tuples(st.sampled_from([0.5, 1.0, -0.3, 2.0]), st.integers(0, 1), st.booleans()),
+                min_size=1, max_size=3))
+def test_capskip_gram_of_any_sum_of_heads_is_the_parameters(heads):
+    """Any sum of scaled Linear heads: exact gradients, and CAPSkip's bound equals ||S_k|| / ||G|| of the
+    per-example gradients of every head's weight and bias."""
+    torch.manual_seed(0)
+    model = Heads(*zip(*heads))
+    ref = copy.deepcopy(model).double()
+    x, _ = _data(2)
+    with torch.no_grad():
+        y = ref(x.double()).argmax(1)
+    cm = capskip_fx.compile(model, rule="capskip", budget=0.3, backend="aot_eager")
+    F.cross_entropy(cm(x), y).backward()
+    st_ = capskip_fx.stats(cm)
+    assert st_.mode in ("selected", "dense-masked"), st_
+    w = st_.weight.double()
+    (F.cross_entropy(ref(x.double()), y, reduction="none") * w).mean().backward()
+    for (k, p), (_, r) in zip(model.named_parameters(), ref.named_parameters()):
+        assert (p.grad.double() - r.grad).norm() <= 1e-5 * max(r.grad.norm(), 1e-6), k
+    params = [p for k, p in ref.named_parameters() if k.startswith("heads.")]
+    per = []
+    for i in range(N):
+        ref.zero_grad()
+        (F.cross_entropy(ref(x[i:i + 1].double()), y[i:i + 1]) / N).backward()
+        per.append(torch.cat([p.grad.flatten() for p in params]))
+    per = torch.stack(per)
+    total = per.sum(0).norm()
+    if total == 0:
+        return
+    assert abs(float(st_.bound) - (per[w == 0].sum(0).norm() / total).item()) < 1e-4
