@@ -150,15 +150,15 @@ def _rel_err(grads: dict, refs: dict) -> float:
     return max((grads[k].double() - r).norm().item() / max(r.norm().item(), 1e-6 * total) for k, r in refs.items())
 
 
-@pytest.mark.parametrize("side", ["right", "left"])
-@pytest.mark.parametrize("kind", ["gpt2", "llama", "qwen2"])
-def test_decoder_classifier_selects_rows_exactly(kind, side):
+@pytest.mark.parametrize("kind,side,gather", [(k, s, "eager") for k in ("gpt2", "llama", "qwen2") for s in ("right", "left")]
+                         + [("gpt2", "left", "graph")])
+def test_decoder_classifier_selects_rows_exactly(kind, side, gather):
     torch.manual_seed(0)
     model = _decoder(kind)
     ref = copy.deepcopy(model).double()
     ids, mask = _padded_batch(8, 6, side)
     y = torch.arange(8) % 3
-    cm = capskip_fx.compile(model, rule="random", keep=0.5, backend="aot_eager")
+    cm = capskip_fx.compile(model, rule="random", keep=0.5, backend="aot_eager", gather=gather)
     F.cross_entropy(cm(input_ids=ids, attention_mask=mask).logits, y).backward()
     st = capskip_fx.stats(cm)
     assert (st.mode, st.n, st.kept) == ("selected", 8, 4), st
