@@ -38,7 +38,11 @@ Invariants:
 * ``arange(N)`` (start 0, step 1) is a *row index*: row ``b`` holds the value ``b``.  Copies of it that
   stay batch-major with inner 1 (views, slices, casts) are row indices too, and indexing a batch value
   along its batch dim with a row index (other indices free: HF's ``mask[arange(N)[:, None], kv]``)
-  reads row ``b`` from row ``b``: not mixing.  Any arithmetic on it (a roll's ``(i + k) % N``) is not.
+  reads row ``b`` from row ``b``: not mixing.  So does pairing it with batch-major indices of inner 1 in
+  the same broadcast dim (``x[arange(N), j]``, ``j`` one position per row: a decoder classifier's last
+  token), as long as those are not computed from the row index.  Any arithmetic on it (a roll's
+  ``(i + k) % N``) is not.  A row index read by the backward is refused: gathered at the kept rows it
+  would hold their old numbers (passes/row_index.py gives the backward its own ``arange`` first).
   A value computed from a row index by anything but indexing (``h * arange(N)[:, None]``) that reaches an
   output or the backward is refused: the backward may recompute ``arange`` at the kept rows' count.
 * Refusals met during the walk come first (the first in topological order); the checks of forward
@@ -372,6 +376,11 @@ class _Walk:
             if any(u.op == "output" or u in self.bwd for u in n.users):
                 return [f"the row index arange(N) is used as a value, not to index rows ({_op(origin)}"
                         f"{_where(origin)}): a selected-row backward would recompute it at the kept rows' count"]
+        for n in self.row_index:  # gathered, it would number the kept rows by their old rows
+            if any(u in self.bwd for u in n.users):
+                return [f"the row index {_op(n)} is read by the backward{_where(n)}: gathered at the kept rows it "
+                        "would index rows the backward does not have (the pass recomputes arange(N) itself only "
+                        "in the backward of x[arange(N), j])"]
         return []
 
     def check_uses(self) -> list:
@@ -702,12 +711,13 @@ def _index(w: _Walk, n: fx.Node, mask: Optional[fx.Node] = None) -> Result:
     il = [(i, w.of(t)) for i, t in enumerate(indices) if isinstance(t, fx.Node) and w.of(t) is not None]
     if xl is not None and xl.kind == "batch" and _packet(n) not in EMBEDDING_OPS and any(i == xl.dim for i, _ in il):
         at = indices[xl.dim]
-        if mask is None and xl.outer == 1 and xl.inner == 1 and at in w.row_index \
-                and all(l.kind == "free" for i, l in il if i != xl.dim):
-            # x[arange(N)[:, None], j]: row b reads row b of x only (HF's padding mask)
+        if mask is None and xl.outer == 1 and xl.inner == 1 and at in w.row_index:
+            # x[arange(N)[:, None], j] (HF's padding mask) and x[arange(N), j] with j per row (a decoder
+            # classifier's last token): row b reads row b of x only, at positions of its own
             nd = max(_ndim(t) for t in indices if isinstance(t, fx.Node))
             lay = _aligned(w.of(at), _ndim(at), nd)
-            return w.per_output(n, lambda v: w.track(lay, v), "(indexed by the row index)")
+            if all(l.kind == "free" or (_per_row_index(w, indices[i], l, nd, lay)) for i, l in il if i != xl.dim):
+                return w.per_output(n, lambda v: w.track(lay, v), "(indexed by the row index)")
         raise w.mixing(n, "indexes along the batch dim (a permutation, roll or gather of rows)")
     ins = w.tensor_inputs(n)
     bad = w.first_unknown(ins)
@@ -725,6 +735,13 @@ def _index(w: _Walk, n: fx.Node, mask: Optional[fx.Node] = None) -> Result:
     nd = max(_ndim(a) for a, _ in ib)  # index tensors broadcast together (aligned from the right)
     lay = w.agree(n, [(a, _aligned(l, _ndim(a), nd)) for a, l in ib], "indexes with")
     return w.per_output(n, lambda v: w.track(lay, v))
+
+
+def _per_row_index(w: _Walk, t: fx.Node, lay: Layout, nd: int, row: Layout) -> bool:
+    """``t`` indexes a non-batch dim of x with row b's own positions: batch-major, inner 1, broadcast to the
+    row index's dim, and not computed from the row index (the backward may recompute that at k rows)."""
+    return (lay.kind == "batch" and lay.outer == 1 and lay.inner == 1 and _aligned(lay, _ndim(t), nd) == row
+            and t not in w.row_index and t not in w.row_value)
 
 
 def _masked_index(w: _Walk, n: fx.Node) -> Result:

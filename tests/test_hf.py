@@ -16,6 +16,8 @@ import torch.nn.functional as F
 import capskip_fx
 
 transformers = pytest.importorskip("transformers")
+# conftest: every test compiles its own model, and HF models share their forward wrapper's code
+pytestmark = pytest.mark.usefixtures("many_compiles")
 
 
 def _bert():
@@ -44,7 +46,11 @@ class _Data(torch.utils.data.Dataset):
         return {**self.make(g), "labels": i % 3}
 
 
-@pytest.mark.parametrize("make", [_bert, _vit], ids=["bert", "vit"])
+def _gpt2():
+    return _decoder("gpt2"), lambda g: {"input_ids": torch.randint(0, 50, (8,), generator=g)}
+
+
+@pytest.mark.parametrize("make", [_bert, _vit, _gpt2], ids=["bert", "vit", "gpt2"])
 def test_trainer_skips_rows_with_the_in_model_loss(make, monkeypatch, tmp_path):
     monkeypatch.setenv("CAPSKIP_RULE", "forced")
     monkeypatch.setenv("CAPSKIP_OPTIONS", "keep=0.5,backend=aot_eager")
@@ -105,3 +111,115 @@ def test_trainer_with_the_model_compiled_in_place(monkeypatch, tmp_path):
     fresh = type(model).from_pretrained(str(tmp_path / "saved"))
     for (k, a), b in zip(model.state_dict().items(), fresh.state_dict().values()):
         assert torch.equal(a, b), f"{k} did not reload as saved"
+
+
+# ------------------------------------------------------------------------------------------
+# decoder classifiers: the logits are logits[arange(N), last_non_pad_token], a per-row gather
+
+
+def _decoder(kind: str):
+    common = dict(vocab_size=50, num_labels=3, pad_token_id=0)
+    if kind == "gpt2":
+        cfg = transformers.GPT2Config(n_positions=16, n_embd=16, n_layer=1, n_head=2, resid_pdrop=0.0, embd_pdrop=0.0,
+                                      attn_pdrop=0.0, bos_token_id=1, eos_token_id=1, **common)
+        return transformers.GPT2ForSequenceClassification(cfg)
+    cls = {"llama": (transformers.LlamaConfig, transformers.LlamaForSequenceClassification),
+           "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForSequenceClassification)}[kind]
+    cfg = cls[0](hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
+                 max_position_embeddings=16, bos_token_id=1, eos_token_id=1, **common)
+    return cls[1](cfg)
+
+
+def _padded_batch(n: int, t: int, side: str, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(1, 50, (n, t), generator=g)
+    lens = torch.randint(2, t + 1, (n,), generator=g)
+    lens[0] = t  # one full row: the last token is the sequence's last
+    mask = torch.arange(t)[None] < lens[:, None]
+    if side == "left":
+        mask = mask.flip(1)
+    return ids.masked_fill(~mask, 0), mask.long()
+
+
+def _grads(model) -> dict:
+    return {k: p.grad.clone() for k, p in model.named_parameters() if p.grad is not None}
+
+
+def _rel_err(grads: dict, refs: dict) -> float:
+    total = torch.sqrt(sum(r.pow(2).sum() for r in refs.values())).item()
+    return max((grads[k].double() - r).norm().item() / max(r.norm().item(), 1e-6 * total) for k, r in refs.items())
+
+
+@pytest.mark.parametrize("kind,side,gather", [(k, s, "eager") for k in ("gpt2", "llama", "qwen2") for s in ("right", "left")]
+                         + [("gpt2", "left", "graph")])
+def test_decoder_classifier_selects_rows_exactly(kind, side, gather):
+    torch.manual_seed(0)
+    model = _decoder(kind)
+    ref = copy.deepcopy(model).double()
+    ids, mask = _padded_batch(8, 6, side)
+    y = torch.arange(8) % 3
+    cm = capskip_fx.compile(model, rule="random", keep=0.5, backend="aot_eager", gather=gather)
+    F.cross_entropy(cm(input_ids=ids, attention_mask=mask).logits, y).backward()
+    st = capskip_fx.stats(cm)
+    assert (st.mode, st.n, st.kept) == ("selected", 8, 4), st
+    assert any(r["role"] == "head" and r["backward"] == "selected rows" for r in capskip_fx.report(cm))
+    (F.cross_entropy(ref(input_ids=ids, attention_mask=mask).logits, y, reduction="none") * st.weight.double()).mean().backward()
+    grads = _grads(model)
+    refs = {k: p.grad for k, p in ref.named_parameters() if k in grads}
+    assert refs.keys() == grads.keys() and _rel_err(grads, refs) < 1e-4
+
+
+@pytest.mark.parametrize("side", ["right", "left"])
+def test_decoder_classifier_capskip_bound_from_per_example_gradients(side):
+    """CAPSkip with the loss inside the model (labels=): the bound it reports is ||S_k|| / ||G|| of the
+    head's per-example gradients (score.weight), computed here one example at a time."""
+    torch.manual_seed(0)
+    model = _decoder("gpt2")
+    ref = copy.deepcopy(model).double()
+    ids, mask = _padded_batch(8, 6, side, seed=1)
+    with torch.no_grad():
+        y = ref(input_ids=ids, attention_mask=mask).logits.argmax(1)  # every row correct: CAPSkip may skip any
+    cm = capskip_fx.compile(model, rule="capskip", budget=0.5, backend="aot_eager")
+    cm(input_ids=ids, attention_mask=mask, labels=y).loss.backward()
+    st = capskip_fx.stats(cm)
+    assert st.mode == "selected" and 0 < st.kept < 8, st
+    per = []
+    for i in range(8):
+        ref.zero_grad()
+        out = ref(input_ids=ids[i:i + 1], attention_mask=mask[i:i + 1]).logits
+        (F.cross_entropy(out, y[i:i + 1]) / 8).backward()
+        per.append(ref.score.weight.grad.flatten().clone())
+    per = torch.stack(per)
+    skipped = st.weight.double() == 0
+    bound = per[skipped].sum(0).norm() / per.sum(0).norm()
+    assert abs(float(st.bound) - bound.item()) < 1e-4 and float(st.bound) <= 0.5
+    # and no longer prefix of the increasing-norm order fits the budget
+    order = [i for i in per.norm(dim=1).argsort().tolist()]
+    k = int(skipped.sum())
+    assert set(order[:k]) == set(torch.nonzero(skipped).flatten().tolist())
+    for kk in range(k + 1, 9):
+        assert per[order[:kk]].sum(0).norm() > 0.5 * per.sum(0).norm()
+
+
+def _distilbert():
+    cfg = transformers.DistilBertConfig(vocab_size=50, dim=16, n_layers=1, n_heads=2, hidden_dim=32,
+                                        max_position_embeddings=16, num_labels=3, dropout=0.0, attention_dropout=0.0,
+                                        seq_classif_dropout=0.0)
+    return transformers.DistilBertForSequenceClassification(cfg)
+
+
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+def test_distilbert_with_labels_selects_rows(backend):
+    torch.manual_seed(0)
+    model = _distilbert()
+    ref = copy.deepcopy(model).double()
+    ids, mask = _padded_batch(8, 6, "right")
+    y = torch.arange(8) % 3
+    cm = torch.compile(model, backend="capskip", options={"rule": "random", "keep": 0.5, "backend": backend})
+    cm(input_ids=ids, attention_mask=mask, labels=y).loss.backward()
+    st = capskip_fx.stats(cm)
+    assert (st.mode, st.n, st.kept) == ("selected", 8, 4), st
+    (F.cross_entropy(ref(input_ids=ids, attention_mask=mask).logits, y, reduction="none") * st.weight.double()).mean().backward()
+    grads = _grads(model)
+    refs = {k: p.grad for k, p in ref.named_parameters() if k in grads}
+    assert _rel_err(grads, refs) < 1e-4

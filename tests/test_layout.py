@@ -685,3 +685,99 @@ def test_random_programs_layouts_are_true(data):
     if res.refusal is None:
         assert all(res.layouts[o.name].kind != "unknown" and res.layouts[o.name].gatherable for o in out)
     assert sym is not None
+
+
+# ------------------------------------------------------------------------------------------
+# a per-row gather: x[arange(N), j] with j one index per row (a decoder classifier's last token)
+
+
+def _last_token(h):
+    """j: the last position whose first feature is positive (a padding-mask's last real token), per row."""
+    return ((h[..., 0] > 0).long() * torch.arange(h.shape[1])).argmax(-1)
+
+
+class LastToken(nn.Module):
+    def __init__(self, pick):
+        super().__init__()
+        self.lin, self.head, self.pick = nn.Linear(D, D), nn.Linear(D, 3), pick
+
+    def forward(self, x):
+        return self.pick(self.head(self.lin(x).relu()), x)
+
+
+def _per_row_pick(kind):
+    return {
+        "index": lambda z, x: z[torch.arange(z.shape[0]), _last_token(x)],
+        "gather": lambda z, x: z.gather(1, _last_token(x)[:, None, None].expand(-1, 1, z.shape[-1])).squeeze(1),
+    }[kind]
+
+
+# (torch.take_along_dim specialises the batch size while Dynamo traces it: gather is the dynamic spelling)
+@pytest.mark.parametrize("kind", ["index", "gather"])
+def test_per_row_gather_is_row_separable(kind):
+    from capskip_fx.passes.row_index import recompute_row_indices
+    g, res = joint(f"per_row_{kind}", lambda: LastToken(_per_row_pick(kind)), _tokens())
+    out = next(iter(g.find_nodes(op="output"))).args[0][0]
+    if kind != "index":
+        assert res.refusal is None, res.refusal
+        assert res.layouts[out.name] == Layout("batch", 0)
+        return
+    # the backward's index_put reads arange(N): gathered at the kept rows it would be wrong, so it is refused
+    # until the pass gives the backward its own arange
+    assert res.refusal is not None and "row index" in res.refusal and "read by the backward" in res.refusal
+    sym = batch_symbol(g)
+    assert recompute_row_indices(g, sym) == 1
+    res2 = analyze(g, sym)
+    assert res2.refusal is None, res2.refusal
+    idx = node(g, lambda n: target(n) == "aten.index.Tensor" and n.args[0].meta["val"].dim() == 3)
+    assert res2.layouts[idx.name] == Layout("batch", 0)
+    assert_saved_gatherable(g, res2)
+    assert recompute_row_indices(g, sym) == 0  # idempotent
+
+
+@pytest.mark.parametrize("name,pick", [
+    ("row_as_column", lambda z, x: z[torch.arange(z.shape[0]), torch.arange(z.shape[0]) % z.shape[1]]),
+    ("shifted_rows", lambda z, x: z[(torch.arange(z.shape[0]) + 1) % z.shape[0], _last_token(x)]),
+    ("other_rows_j", lambda z, x: z[torch.arange(z.shape[0]), _last_token(x).roll(1, 0)]),
+    ("free_rows", lambda z, x: z[torch.zeros(z.shape[0], dtype=torch.long), _last_token(x)]),
+])
+def test_per_row_gather_with_a_wrong_index_is_refused(name, pick):
+    g, res = joint(f"per_row_bad_{name}", lambda: LastToken(pick), _tokens())
+    assert res.refusal is not None, name
+
+
+_ROWS = {"arange": lambda n: torch.arange(n), "shift": lambda n: (torch.arange(n) + 1) % n,
+         "flip": lambda n: torch.arange(n).flip(0), "zeros": lambda n: torch.zeros(n, dtype=torch.long),
+         "clamped": lambda n: torch.arange(n).clamp(max=n - 2)}
+_COLS = {"own": lambda x, rows: _last_token(x), "rolled": lambda x, rows: _last_token(x).roll(1, 0),
+         "const": lambda x, rows: torch.ones(x.shape[0], dtype=torch.long),
+         "from_rows": lambda x, rows: rows % x.shape[1], "other_rows": lambda x, rows: _last_token(x)[rows]}
+
+
+@settings(max_examples=40, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck))
+@given(st.sampled_from(sorted(_ROWS)), st.sampled_from(sorted(_COLS)), st.booleans())
+def test_any_index_pattern_is_per_row_or_refused(rows_kind, cols_kind, unsqueeze):
+    """x[rows, cols] with any row and column index: refused, or every output row depends on its own input
+    row only (checked by perturbing one input row at a time); the per-row pattern is never refused."""
+    n = 5
+
+    def program(x):
+        rows = _ROWS[rows_kind](x.shape[0])
+        cols = _COLS[cols_kind](x, rows)
+        z = (x * 2).sin()
+        return z[rows[:, None], cols[:, None]] if unsqueeze else z[rows, cols]
+
+    gm = _trace(program, torch.randn(n, T, D))
+    res = analyze(gm.graph, batch_symbol(gm.graph))
+    if rows_kind == "arange" and cols_kind in ("own", "const"):
+        assert res.refusal is None, res.refusal
+    if res.refusal is not None:
+        return
+    x0 = torch.randn(n, T, D)
+    x0[..., 0] = x0[..., 0].abs() * torch.where(torch.rand(n, T) < 0.5, 1.0, -1.0)
+    y0 = gm(x0)
+    for b in range(n):
+        x1 = x0.clone()
+        x1[b] = torch.randn(T, D)
+        changed = (gm(x1) != y0).flatten(1).any(1)
+        assert not changed[torch.arange(n) != b].any(), (rows_kind, cols_kind, b)

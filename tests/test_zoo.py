@@ -49,6 +49,8 @@ ZOO = {
                  "depth 1, img 32, patch 8", "selected"),
     "deit_tiny": (_timm("deit_tiny_patch16_224", img_size=32, patch_size=8, depth=1),
                   "depth 1, img 32, patch 8", "selected"),
+    "deit_tiny_distilled": (_timm("deit_tiny_distilled_patch16_224", img_size=32, patch_size=8, depth=1),
+                            "depth 1, img 32, patch 8 ((head(cls) + head_dist(dist)) / 2)", "selected"),
     "deit_small": (_timm("deit_small_patch16_224", img_size=32, patch_size=16, depth=1, num_classes=100),
                    "DeiT-S width (384, 6 heads), depth 1, img 32, patch 16, 100 classes", "selected"),
     "cait_xxs24": (_timm("cait_xxs24_224", img_size=32, patch_size=8, depth=1, depth_token_only=1),

@@ -2,6 +2,7 @@
 
 joint graph (AOTAutograd, before partitioning), ``pipeline.joint``:
   find_head.py       -- locate the logits output, its tangent and the head input h; an in-graph loss
+  row_index.py       -- the backward's reads of arange(N) get their own arange (x[arange(N), j])
   insert_select.py   -- prove the forward's batch layout (layout.py: refuses graphs whose forward mixes
                         examples, BatchNorm in train mode, ...), insert ``capskip::select`` and mask every
                         batch-shaped tangent (exact semantics)

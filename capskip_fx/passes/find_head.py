@@ -1,9 +1,21 @@
 """Find the classifier head in the joint graph.
 
 Invariants: the logits ``z`` are a user output of shape (s, C) (batch in dim 0) with a tangent
-``g``; ``z`` is produced (through views only) by ``addmm(bias, h, W^T)`` or ``mm(h, W^T)`` and
-``h`` is (s, d): the same rows as the logits (a head over reshaped rows is no head).  The logits output is found from AOT output descriptors when available (the
-first plain user output that qualifies), else from the joint graph's output/tangent order.
+``g``; ``z`` is produced (through views only) by a head, and ``h`` holds the rows the rule's Gram is
+built from, ``K = (D D^T) * (H H^T [+ 1 if bias])``, equal to the Gram of the per-example gradients of
+every head parameter:
+
+* one Linear, ``addmm(bias, h, W^T)`` or ``mm(h, W^T)``, optionally times a number (a uniform scale
+  cancels in CAPSkip's relative bound): ``h`` is its (s, d) input, the same rows as the logits (a head
+  over reshaped rows is no head);
+* a sum of Linear heads with numeric weights ``sum_k c_k (W_k h_k + b_k)``: ``h`` is a new node
+  ``[c_1 h_1, c_1, c_2 h_2, c_2, ...]`` (the constant columns for the heads with a bias), bias False;
+* ``L[arange(N), j]`` with ``L`` (s, T, C) from a Linear and ``j`` one index per row (a decoder
+  classifier's last token): ``h`` is a new node ``H[arange(N), j]`` of the Linear's (s, T, d) input.
+
+A weight that is not a parameter (normalised: a cosine head) or a scale that is a tensor (learnable)
+is refused with the reason.  The logits output is found from AOT output descriptors when available
+(the first plain user output that qualifies), else from the joint graph's output/tangent order.
 """
 from __future__ import annotations
 
@@ -14,7 +26,8 @@ import torch
 from torch import fx
 
 from ..records import RefusalKind, Refused
-from ..symbolic import tangent_nodes
+from ..symbolic import expr_of, shape_exprs, tangent_nodes
+from .row_index import is_batch_arange
 
 aten = torch.ops.aten
 _VIEWS = {aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.alias.default,
@@ -28,6 +41,8 @@ class Head:
     h: fx.Node  # head input
     bias: bool
     output_index: int  # which user output holds the logits
+    rows: Optional[tuple] = None  # (arange(N), j): the logits are L[arange(N), j] of per-token logits L
+    linear_in: Optional[fx.Node] = None  # a sum of heads: the first head's input (h holds the Gram features)
 
 
 def outputs_and_tangents(graph: fx.Graph) -> list[tuple[int, fx.Node, Optional[fx.Node]]]:
@@ -69,11 +84,195 @@ def _match_linear(z: fx.Node) -> Optional[tuple[fx.Node, bool]]:
     return None
 
 
+# a Linear's weight operand reaches its parameter through these (transposes, casts under autocast)
+_WEIGHT_PATH = {aten.permute.default, aten.t.default, aten.transpose.int, aten._to_copy.default, aten.alias.default,
+                aten.view.default, aten.clone.default, aten.detach.default, torch.ops.prims.convert_element_type.default}
+
+
+def _is_parameter(w: fx.Node) -> bool:
+    while w.op == "call_function" and w.target in _WEIGHT_PATH:
+        w = w.args[0]
+    return w.op in ("placeholder", "get_attr")
+
+
+def _weight_of(p: fx.Node) -> Optional[fx.Node]:
+    return p.args[2] if p.target == aten.addmm.default else p.args[1] if p.target == aten.mm.default else None
+
+
+class _Unsupported(Exception):
+    """A head form whose CAPSkip Gram we can't follow exactly (the message says why)."""
+
+
+def _constant(c) -> Optional[float]:
+    return float(c) if isinstance(c, (int, float)) and not isinstance(c, bool) else None
+
+
+def _scalar_tensor(c) -> bool:
+    return isinstance(c, fx.Node) and isinstance(c.meta.get("val"), torch.Tensor) and c.meta["val"].dim() == 0
+
+
+def _terms(z: fx.Node) -> Optional[list]:
+    """z as a sum of scaled Linear heads: [(scale, h, bias, the Linear's mm/addmm node)]; None if z is not one.
+
+    Per-example gradient of head k's (W_k, b_k): ``c_k delta (x) [h_k; 1]``, so the Gram over all
+    heads' parameters is ``(D D^T) * sum_k c_k^2 (H_k H_k^T + 1)``.
+    """
+    p = _producer(z)
+    if p.op != "call_function":
+        return None
+    if p.target in (aten.addmm.default, aten.mm.default):
+        w = _weight_of(p)
+        if not _is_parameter(w):
+            raise _Unsupported(f"the head's weight {w.name} is computed, not a parameter (a normalised / cosine or "
+                               "weight-normed head): CAPSkip's Gram would bound the computed weight's gradient, "
+                               "not the parameters'")
+        m = _match_linear(p)
+        return [(1.0, m[0], m[1], p)]
+    if p.target in (aten.mul.Tensor, aten.div.Tensor):
+        a, c = p.args[0], p.args[1]
+        if p.target is aten.mul.Tensor and (_constant(a) is not None or _scalar_tensor(a)):
+            a, c = c, a
+        k = _constant(c)
+        if _scalar_tensor(c):
+            inner = _terms(a)
+            if inner is not None:
+                raise _Unsupported(f"the head's logits are scaled by a tensor ({c.name}; a learnable temperature or "
+                                   "logit scale): its own gradient is not of the head's rank-one form, so CAPSkip's "
+                                   "Gram can't follow it (fold a fixed scale in as a number)")
+        if k is None or not isinstance(a, fx.Node) or k == 0:
+            return None
+        inner = _terms(a)
+        k = k if p.target is aten.mul.Tensor else 1.0 / k
+        return None if inner is None else [(sc * k, h, b, lin) for sc, h, b, lin in inner]
+    if p.target in (aten.add.Tensor, aten.sub.Tensor) and len(p.args) == 2 and all(isinstance(a, fx.Node) for a in p.args):
+        alpha = _constant(p.kwargs.get("alpha", 1)) or 0.0
+        sign = -alpha if p.target is aten.sub.Tensor else alpha
+        left, right = _terms(p.args[0]), _terms(p.args[1])
+        if left is not None and right is not None:
+            return left + [(sc * sign, h, b, lin) for sc, h, b, lin in right]
+        m = _match_linear(p)  # mm + bias
+        if m is not None:
+            mm = next(_producer(a) for a in p.args if _producer(a).target == aten.mm.default)
+            if not _is_parameter(mm.args[1]):
+                raise _Unsupported(f"the head's weight {mm.args[1].name} is computed, not a parameter")
+            return [(1.0, m[0], m[1], mm)]
+    return None
+
+
+def _gram_features(graph: fx.Graph, terms: list, before: fx.Node) -> fx.Node:
+    """One (N, sum d_k (+1)) input whose Gram is the heads' ``sum_k c_k^2 (H_k H_k^T + 1)``: the columns
+    ``c_k h_k`` and, for a head with a bias, a constant column ``c_k``.
+
+    With one |c_k| for all heads (a uniform factor cancels in the bound) the columns are plain copies,
+    ``[h_1, 1, h_2, 1, ...]``, and each head's Linear reads its ``h_k`` back as a slice of them: the
+    features are then needed by the forward, so the partitioner saves them for the selection (the same
+    values, bit for bit).  Otherwise they are computed for the selection only."""
+    fake = terms[0][1].meta["val"].fake_mode
+
+    def node(target, *args, at=before):
+        with graph.inserting_before(at):
+            n = graph.call_function(target, args)
+        vals = [[x.meta["val"] for x in a] if isinstance(a, list) else a.meta["val"] if isinstance(a, fx.Node) else a
+                for a in args]
+        with fake:
+            n.meta["val"] = target(*vals)
+        return n
+
+    def column(h, c, at):  # (N, 1) of c: the bias's input
+        v = h.meta["val"]
+        with graph.inserting_before(at):
+            size = graph.call_function(aten.sym_size.int, (h, 0))
+            n = graph.call_function(aten.full.default, ([size, 1], c),
+                                    {"dtype": v.dtype, "device": v.device, "pin_memory": False})
+        size.meta["val"] = v.shape[0]
+        with fake:
+            n.meta["val"] = torch.full([v.shape[0], 1], c, dtype=v.dtype, device=v.device)
+        return n
+
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    uniform = len({abs(c) for c, *_ in terms}) == 1
+    first_linear = min((lin for *_, lin in terms), key=order.__getitem__)
+
+    def hoist(n: fx.Node, depth: int = 0) -> bool:
+        """Move ``n`` (and what it needs) before the first head: pure ops of earlier values only."""
+        if order[n] < order[first_linear]:
+            return True
+        if depth > 8 or n.op != "call_function" or n.is_impure() or n in {lin for *_, lin in terms}:
+            return False
+        if not all(hoist(a, depth + 1) for a in n.all_input_nodes):
+            return False
+        first_linear.prepend(n)
+        order[n] = order[first_linear] - 0.5
+        return True
+
+    if uniform:  # an input taken after the first head ran (head(f[:, 0]) + head_dist(f[:, 1]))
+        for _, h, *_ in terms:
+            hoist(h)
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    last_input = max((h for _, h, *_ in terms), key=order.__getitem__)
+    if uniform and order[last_input] < order[first_linear] and len({h for _, h, *_ in terms}) == len(terms):
+        at = first_linear
+        parts, spans, width = [], [], 0
+        for _, h, bias, _ in terms:
+            d = h.meta["val"].shape[1]
+            parts.append(h)
+            spans.append((width, width + d))
+            width += d
+            if bias:
+                parts.append(column(h, 1.0, at))
+                width += 1
+        out = node(aten.cat.default, parts, 1, at=at)
+        for (_, h, _, lin), (lo, hi) in zip(terms, spans):
+            lin.replace_input_with(h, node(aten.slice.Tensor, out, 1, lo, hi, at=at))
+        return out
+    parts = []
+    for c, h, bias, _ in terms:
+        parts.append(node(aten.mul.Tensor, h, c))
+        if bias:
+            parts.append(column(h, c, before))
+    return node(aten.cat.default, parts, 1)
+
+
 def _same_size(a, b) -> bool:
     """Sizes equal structurally (no guard: a SymInt is compared by its expression)."""
     ea = a.node.expr if isinstance(a, torch.SymInt) else a
     eb = b.node.expr if isinstance(b, torch.SymInt) else b
     return ea == eb
+
+
+def _per_row(z: fx.Node) -> Optional[tuple[fx.Node, fx.Node, fx.Node]]:
+    """z = L[arange(N), j] with L (N, T, C) and j (N,) (a decoder classifier's last token): (L, arange, j)."""
+    p = _producer(z)
+    if p.op != "call_function" or p.target != aten.index.Tensor or len(p.args[1]) != 2:
+        return None
+    L, (r, j) = p.args[0], p.args[1]
+    lv, zv = L.meta.get("val"), z.meta.get("val")
+    if not (isinstance(r, fx.Node) and isinstance(j, fx.Node) and isinstance(lv, torch.Tensor) and lv.dim() == 3):
+        return None
+    sym = expr_of(zv.shape[0])
+    jv = j.meta.get("val")
+    if not (is_batch_arange(r, sym) and isinstance(jv, torch.Tensor) and jv.dim() == 1 and expr_of(jv.shape[0]) == sym
+            and expr_of(lv.shape[0]) == sym):
+        return None
+    return L, r, j
+
+
+def _token_input(graph: fx.Graph, h2d: fx.Node, L: fx.Node, r: fx.Node, j: fx.Node, before: fx.Node) -> Optional[fx.Node]:
+    """The head input of the chosen tokens, ``H[arange(N), j]``, as a new node: H is the
+    (N, T, d) value the Linear's (N*T, d) input is a view of; inserted before ``before`` (the logits)."""
+    n, want = h2d, shape_exprs(L.meta["val"])[:2]
+    while True:
+        v = n.meta.get("val")
+        if isinstance(v, torch.Tensor) and v.dim() == 3 and shape_exprs(v)[:2] == want:
+            break
+        if n.op != "call_function" or n.target not in _VIEWS:
+            return None
+        n = n.args[0]
+    with graph.inserting_before(before):
+        h = graph.call_function(aten.index.Tensor, (n, [r, j]))
+    with n.meta["val"].fake_mode:
+        h.meta["val"] = aten.index.Tensor(n.meta["val"], [r.meta["val"], j.meta["val"]])
+    return h
 
 
 def find_head(graph: fx.Graph, logits_index: Optional[int] = None) -> Head:
@@ -86,11 +285,36 @@ def find_head(graph: fx.Graph, logits_index: Optional[int] = None) -> Head:
         if g is None or not isinstance(val, torch.Tensor) or val.dim() != 2:
             reasons.append(f"output {idx}: not a 2-D differentiable tensor")
             continue
-        m = _match_linear(z)
-        if m is None:
-            reasons.append(f"output {idx}: not produced by a Linear (addmm/mm)")
+        per_row = _per_row(z)
+        try:
+            terms = _terms(per_row[0] if per_row else z)
+        except _Unsupported as e:
+            reasons.append(f"output {idx}: {e}")
             continue
-        h, bias = m
+        if terms is None:
+            reasons.append(f"output {idx}: not produced by a Linear (addmm/mm), a sum of Linears or a Linear "
+                           "scaled by a number")
+            continue
+        if len(terms) > 1 and per_row is None:
+            if any(not _same_size(t[1].meta["val"].shape[0], val.shape[0]) or t[1].meta["val"].dim() != 2
+                   for t in terms):
+                reasons.append(f"output {idx}: a sum of Linear heads over inputs not of the logits' rows")
+                continue
+            if len({(t[1], t[2]) for t in terms}) == 1:  # heads of one input: sum_k c_k^2 is a uniform factor
+                return Head(z=z, g=g, h=terms[0][1], bias=terms[0][2], output_index=idx, linear_in=terms[0][1])
+            h = _gram_features(graph, terms, z)
+            return Head(z=z, g=g, h=h, bias=False, output_index=idx, linear_in=terms[0][1])
+        if len(terms) > 1:
+            reasons.append(f"output {idx}: L[arange(N), j] of a sum of Linear heads")
+            continue
+        _, h, bias, _ = terms[0]  # one Linear: a uniform scale leaves CAPSkip's relative bound unchanged
+        if per_row is not None:
+            L, r, j = per_row
+            h = _token_input(graph, h, L, r, j, z)
+            if h is None:
+                reasons.append(f"output {idx}: L[arange(N), j] of a Linear whose input is not (N, T, d)")
+                continue
+            return Head(z=z, g=g, h=h, bias=bias, output_index=idx, rows=(r, j))
         hv = h.meta.get("val")
         if not isinstance(hv, torch.Tensor) or hv.dim() != 2:
             reasons.append(f"output {idx}: head input is not 2-D")
@@ -148,8 +372,18 @@ def find_in_graph_loss(graph: fx.Graph, head: Head, backward: set) -> Optional[I
                 raise Refused(f"the in-graph loss reads {a.name}, which depends on the model's float inputs or "
                               f"parameters other than through the logits: its gradient could not be selected "
                               f"(compute the loss outside the model)", RefusalKind.IN_GRAPH_LOSS)
-    grad = next((u.args[0].args[0] for u in head.h.users
-                 if u in backward and u.target == aten.mm.default and u.args[1] is head.h
+    if head.linear_in is not None:
+        raise Refused("an in-graph loss after a sum of Linear heads: the gradient into the logits has no node of "
+                      "its own (compute the loss outside the model)", RefusalKind.IN_GRAPH_LOSS)
+    if head.rows is not None:  # L[arange(N), j]: the gradient into z is what the backward puts back into L
+        r, j = head.rows
+        grad = next((u.args[2] for u in j.users if u in backward and u.target == aten.index_put.default
+                     and list(u.args[1]) == [r, j]), None)
+    else:
+        grad = None
+    lin = head.linear_in if head.linear_in is not None else head.h
+    grad = grad or next((u.args[0].args[0] for u in lin.users
+                 if u in backward and u.target == aten.mm.default and u.args[1] is lin
                  and isinstance(u.args[0], fx.Node) and u.args[0].target in (aten.permute.default, aten.t.default)),
                 None)
     if grad is None or tuple(grad.meta["val"].shape) != tuple(head.z.meta["val"].shape):

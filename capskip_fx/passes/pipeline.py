@@ -4,6 +4,7 @@ joint graph (Inductor's ``joint_custom_pre_pass``, before partitioning), :func:`
   1. find_head.find_head            the logits output z, its tangent g, the head input h
                                     (no head: the body path, step 4 with capskip::shared)
   2. find_head.find_in_graph_loss   a loss computed in the graph from the logits
+     row_index.recompute_row_indices the backward's reads of arange(N) get their own arange
   3. insert_select.prove_layout     where the batch lies in every forward value (layout.py)
   4. insert_select.select_head      w = capskip::select(h, z, g); every batch-shaped tangent *= w
      (or select_body)
@@ -35,6 +36,7 @@ from ..records import BackwardMode, Refusal, RefusalKind, Refused
 from ..symbolic import batch_symbol_of, check_not_specialised, fake_mode_of
 from . import insert_select
 from .find_head import find_head, find_in_graph_loss
+from .row_index import recompute_row_indices
 from .gather_in_graph import check_full_rows_free, gather_in_graph
 from .insert_select import SELECT
 from .selected_rows import BackwardPlan, plan_backward
@@ -96,6 +98,7 @@ def joint(graph: fx.Graph, ctx: JointContext) -> Optional[JointResult]:
             return _body(graph, ctx, no_head.refusal)
         sym = batch_symbol_of(head.z.meta["val"])
         loss = find_in_graph_loss(graph, head, backward_nodes(graph))
+        recompute_row_indices(graph, sym)  # before the proof: the backward must not read arange(N)
         layouts = insert_select.prove_layout(graph, sym, exclude=loss.nodes if loss else ())
         masked = insert_select.select_head(graph, head, loss, ctx.key)
     except Refused as e:

@@ -1,0 +1,188 @@
+"""Heads other than one Linear: a Linear scaled by a number (a temperature), a sum of Linear heads
+(distilled models), and the refused forms (a learnable scale, a normalised / cosine head).
+
+Gradients are checked against a float64 dense reference of the same selection; CAPSkip's bound against
+the per-example gradients of every head parameter, computed one example at a time."""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+import torch.nn as nn
+import torch.nn.functional as F
+
+import capskip_fx
+
+N = 16
+pytestmark = pytest.mark.usefixtures("many_compiles")  # conftest: every test compiles its own model
+
+
+class Net(nn.Module):
+    def __init__(self, kind):
+        super().__init__()
+        self.kind = kind
+        self.body = nn.Linear(6, 2 * 8)
+        self.head, self.head_dist = nn.Linear(8, 3), nn.Linear(8, 3)
+        self.scale = nn.Parameter(torch.tensor(3.0))
+
+    def forward(self, x):
+        f = self.body(x).tanh().view(x.shape[0], 2, 8)
+        x0, x1 = f.sum(1), f.prod(1)
+        if self.kind == "scaled":
+            return 10.0 * self.head(x0)
+        if self.kind == "temperature":
+            return self.head(x0) / 0.07
+        if self.kind == "distilled":
+            return (self.head(x0) + self.head_dist(x1)) / 2
+        if self.kind == "distilled_tokens":  # timm's deit_*_distilled: two tokens of one sequence
+            return (self.head(f[:, 0]) + self.head_dist(f[:, 1])) / 2
+        if self.kind == "one_input":  # two heads of one input, weights 0.7 and 0.3
+            return 0.7 * self.head(x0) + 0.3 * self.head_dist(x0)
+        if self.kind == "weighted":
+            return 0.7 * self.head(x0) - 0.3 * self.head_dist(x1)
+        if self.kind == "learnable":
+            return self.scale * self.head(x0)
+        return 10 * F.normalize(x0, dim=-1) @ F.normalize(self.head.weight, dim=-1).T  # cosine
+
+
+def _data(seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(N, 6, generator=g), torch.randint(0, 3, (N,), generator=g)
+
+
+def _head_params(kind):
+    return ["head.weight", "head.bias"] + (["head_dist.weight", "head_dist.bias"] if kind != "scaled" and kind != "temperature" else [])
+
+
+def _step(kind, rule, backend_="aot_eager", **opts):
+    torch.manual_seed(0)
+    model = Net(kind)
+    ref = copy.deepcopy(model).double()
+    x, y = _data()
+    cm = capskip_fx.compile(model, rule=rule, backend=backend_, **opts)
+    F.cross_entropy(cm(x), y).backward()
+    st = capskip_fx.stats(cm)
+    w = st.weight.double() if st.weight is not None else torch.ones(N, dtype=torch.float64)  # dense: every row
+    (F.cross_entropy(ref(x.double()), y, reduction="none") * w).mean().backward()
+    for k, p in model.named_parameters():
+        r = dict(ref.named_parameters())[k].grad
+        if r is None:
+            assert p.grad is None or p.grad.abs().max() == 0
+            continue
+        assert (p.grad.double() - r).norm() <= 1e-5 * max(r.norm(), 1e-6), k
+    return model, ref, st, x, y
+
+
+@pytest.mark.parametrize("kind", ["scaled", "temperature"])
+def test_scaled_linear_head_selects_rows(kind):
+    _, _, st, _, _ = _step(kind, "random", keep=0.5)
+    assert (st.mode, st.kept, st.rows) == ("selected", 8, 8), st
+
+
+def _per_example(ref, kind, x, y):
+    rows = []
+    params = dict(ref.named_parameters())
+    for i in range(N):
+        ref.zero_grad()
+        (F.cross_entropy(ref(x[i:i + 1].double()), y[i:i + 1]) / N).backward()
+        rows.append(torch.cat([params[k].grad.flatten() for k in _head_params(kind)]))
+    return torch.stack(rows)
+
+
+@pytest.mark.parametrize("kind", ["scaled", "temperature", "distilled", "distilled_tokens", "weighted", "one_input"])
+def test_capskip_bound_follows_every_head_parameter(kind):
+    """The bound CAPSkip reports is ||S_k|| / ||G|| of the per-example gradients of all head parameters
+    (for two heads, both), and no longer prefix in increasing-norm order of the correct rows fits."""
+    torch.manual_seed(0)
+    model = Net(kind)
+    ref = copy.deepcopy(model).double()
+    x, _ = _data(1)
+    with torch.no_grad():
+        y = ref(x.double()).argmax(1)  # every row correct
+    cm = capskip_fx.compile(model, rule="capskip", budget=0.3, backend="aot_eager")
+    F.cross_entropy(cm(x), y).backward()
+    st = capskip_fx.stats(cm)
+    per = _per_example(ref, kind, x, y)
+    skipped = st.weight.double() == 0
+    k = int(skipped.sum())
+    assert 0 < k < N, st
+    total = per.sum(0).norm()
+    assert abs(float(st.bound) - (per[skipped].sum(0).norm() / total).item()) < 1e-4
+    order = per.norm(dim=1).argsort().tolist()
+    assert set(order[:k]) == set(torch.nonzero(skipped).flatten().tolist())
+    assert all(per[order[:kk]].sum(0).norm() > 0.3 * total for kk in range(k + 1, N + 1))
+
+
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+@pytest.mark.parametrize("kind", ["distilled", "distilled_tokens", "one_input"])
+def test_distilled_head_selects_rows(kind, backend):
+    _, _, st, _, _ = _step(kind, "random", keep=0.5, backend_=backend)
+    assert (st.mode, st.kept, st.rows) == ("selected", 8, 8), st
+
+
+def test_heads_with_unequal_weights_run_dense_masked_exactly():
+    """0.7 * head - 0.3 * head_dist: the Gram features are scaled copies the forward does not need, so
+    they are computed in the backward: the rule still applies, exact, on all rows."""
+    _, _, st, _, _ = _step("weighted", "random", keep=0.5)
+    assert (st.mode, st.kept) == ("dense-masked", 8), st
+
+
+@pytest.mark.parametrize("kind,why", [("learnable", "learnable temperature"), ("cosine", "computed, not a parameter")])
+def test_heads_capskip_cannot_follow_are_refused_with_the_reason(kind, why):
+    _, _, st, _, _ = _step(kind, "random", keep=0.5)
+    assert st.mode == "dense" and "no classifier head" in st.fallback and why in st.fallback, st
+
+
+class Heads(nn.Module):
+    """sum_k c_k * Linear_k(input_k): inputs drawn from two features, biases on or off."""
+
+    def __init__(self, weights, inputs, biases):
+        super().__init__()
+        self.body = nn.Linear(6, 16)
+        self.heads = nn.ModuleList(nn.Linear(8, 3, bias=b) for b in biases)
+        self.weights, self.inputs = weights, inputs
+
+    def forward(self, x):
+        f = self.body(x).tanh().view(x.shape[0], 2, 8)
+        feats = (f.sum(1), f.prod(1))
+        z = None
+        for c, i, head in zip(self.weights, self.inputs, self.heads):
+            term = c * head(feats[i])
+            z = term if z is None else z + term
+        return z
+
+
+@settings(max_examples=8, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck))
+@given(st.lists(st.tuples(st.sampled_from([0.5, 1.0, -0.3, 2.0]), st.integers(0, 1), st.booleans()),
+                min_size=1, max_size=3))
+def test_capskip_gram_of_any_sum_of_heads_is_the_parameters(heads):
+    """Any sum of scaled Linear heads: exact gradients, and CAPSkip's bound equals ||S_k|| / ||G|| of the
+    per-example gradients of every head's weight and bias."""
+    torch.manual_seed(0)
+    model = Heads(*zip(*heads))
+    ref = copy.deepcopy(model).double()
+    x, _ = _data(2)
+    with torch.no_grad():
+        y = ref(x.double()).argmax(1)
+    cm = capskip_fx.compile(model, rule="capskip", budget=0.3, backend="aot_eager")
+    F.cross_entropy(cm(x), y).backward()
+    st_ = capskip_fx.stats(cm)
+    assert st_.mode in ("selected", "dense-masked"), st_
+    w = st_.weight.double()
+    (F.cross_entropy(ref(x.double()), y, reduction="none") * w).mean().backward()
+    for (k, p), (_, r) in zip(model.named_parameters(), ref.named_parameters()):
+        assert (p.grad.double() - r.grad).norm() <= 1e-5 * max(r.grad.norm(), 1e-6), k
+    params = [p for k, p in ref.named_parameters() if k.startswith("heads.")]
+    per = []
+    for i in range(N):
+        ref.zero_grad()
+        (F.cross_entropy(ref(x[i:i + 1].double()), y[i:i + 1]) / N).backward()
+        per.append(torch.cat([p.grad.flatten() for p in params]))
+    per = torch.stack(per)
+    total = per.sum(0).norm()
+    if total == 0:
+        return
+    assert abs(float(st_.bound) - (per[w == 0].sum(0).norm() / total).item()) < 1e-4
