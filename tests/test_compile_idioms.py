@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import capskip_fx
+from helpers.torch_features import needs_dynamic_sources
 
 pytestmark = pytest.mark.usefixtures("many_compiles")  # conftest: every test compiles its own model
 
@@ -84,6 +85,7 @@ def _steps(model, make_x, steps=3):
     return out
 
 
+@needs_dynamic_sources
 def test_each_linear_compiled_in_place_runs_the_rule_once_per_backward():
     """Regression: ``layer.compile()`` on every Linear of an MLP made every graph a head, each drawing
     its own rows in one backward (rel. error 0.4-0.9, stats kept 24/16)."""
@@ -97,6 +99,7 @@ def test_each_linear_compiled_in_place_runs_the_rule_once_per_backward():
     assert roles.count("head") == 1, f"exactly one head graph (the logits'), got roles {roles}"
 
 
+@needs_dynamic_sources
 def test_root_module_compiled_in_place():
     torch.manual_seed(1)
     model = _mlp().double()
@@ -107,6 +110,7 @@ def test_root_module_compiled_in_place():
     assert not any(k.startswith("_orig_mod") for k in model.state_dict()), "in-place compile keeps clean keys"
 
 
+@needs_dynamic_sources
 def test_regional_compile_skips_rows_in_every_block():
     torch.manual_seed(2)
     model = _compile_regions(Tokens().double())
@@ -119,6 +123,7 @@ def test_regional_compile_skips_rows_in_every_block():
         assert r["backward"] == "selected rows" and r["row_counts"] == [N // 2], f"graph ran all rows: {r}"
 
 
+@needs_dynamic_sources
 def test_regional_compile_with_the_head_left_eager_is_dense_with_a_reason():
     """Regression: blocks compiled, head eager: stats showed n=0 and no reason."""
     torch.manual_seed(3)
@@ -132,6 +137,7 @@ def test_regional_compile_with_the_head_left_eager_is_dense_with_a_reason():
     assert "not the output of a compiled graph" in results[-1][5]
 
 
+@needs_dynamic_sources
 def test_two_models_compiled_in_place_keep_their_own_state():
     torch.manual_seed(4)
     a, b = _mlp().double(), _mlp().double()
@@ -145,6 +151,7 @@ def test_two_models_compiled_in_place_keep_their_own_state():
     assert capskip_fx.stats(a).n == N and capskip_fx.stats(b).n == N
 
 
+@needs_dynamic_sources
 @pytest.mark.parametrize("idiom", ["whole", "in_place"])
 def test_step_reason_is_its_own(idiom):
     """Regression: a reason from an earlier dense step stayed in stats().fallback on later selected steps."""
@@ -310,6 +317,7 @@ def _vit():
     return timm.create_model("vit_tiny_patch16_224", img_size=32, patch_size=8, depth=2, num_classes=5)
 
 
+@needs_dynamic_sources
 @pytest.mark.parametrize("backend", ["aot_eager", pytest.param("inductor", marks=pytest.mark.inductor)])
 def test_compile_regions_on_timm_vit_selects_in_every_graph(backend):
     """Regression: timm ViT with blocks and head compiled in place ran every graph dense-masked (the pooled
@@ -377,7 +385,8 @@ def _stateful_idiom(idiom, seed):
     return capskip_fx.compile_regions(model, blocks=model.blocks, head=model.head, **opts)
 
 
-@pytest.mark.parametrize("idiom", ["capskip_module", "whole", "in_place", "regional"])
+@pytest.mark.parametrize("idiom", ["capskip_module"] + [pytest.param(i, marks=needs_dynamic_sources)
+                                                     for i in ("whole", "in_place", "regional")])
 def test_rule_state_resumes_through_every_idiom(idiom):
     """The rule's state (here the generator the random rule draws from) saved with capskip_fx.state_dict
     and loaded before the first step of a fresh model continues the same draws."""
@@ -420,6 +429,7 @@ def test_verify_runs_again_when_the_first_checked_step_kept_a_prefix():
     assert head.checks == 2 and head.verified and head.verified_unordered, (head.checks, head.verified_unordered)
 
 
+@needs_dynamic_sources
 def test_a_deep_copy_of_an_in_place_compiled_model_leaves_its_stats_alone():
     """Regression: the logits hook travels with ``copy.deepcopy`` (an EMA, a reference model); the copy's
     forwards recorded dense steps into the original's stats."""
