@@ -204,13 +204,30 @@ class Report(list):
     def rows(self) -> list[dict]:
         return list(self)
 
+    LEGEND = (
+        "role: head (runs the rule on its logits) | body (uses its forward's head selection) | - (neither)",
+        "backward: selected rows (kept rows gathered) | dense-masked (all rows, skipped ones weighted 0: the "
+        "rule's gradient, no speed-up) | dense (rule not applied)",
+        "gathered_inputs: saved tensors gathered per step; row_counts: gathered row counts seen",
+        "verified: yes = a gathered step matched the dense-masked backward; not yet = no informative step "
+        "(some rows kept, some dropped) has run; - = nothing to verify (not a gathered backward)",
+    )
+
     def __str__(self) -> str:
-        cells = [[str(c) for c in self.COLUMNS]] + [[_cell(r.get(c)) for c in self.COLUMNS] for r in self]
+        cells = [[str(c) for c in self.COLUMNS]] + [[_display(r, c) for c in self.COLUMNS] for r in self]
         width = [max(len(row[i]) for row in cells) for i in range(len(self.COLUMNS) - 1)]
         lines = ["  ".join(v.ljust(w) for v, w in zip(row, width)) + "  " + row[-1] for row in cells]
-        return "\n".join(line.rstrip() for line in lines)
+        return "\n".join([line.rstrip() for line in lines] + ["", *self.LEGEND])
 
     __repr__ = __str__
+
+
+def _display(row: dict, column: str) -> str:
+    if column == "verified":  # a bool for code; for readers, "not yet" is no failure
+        if row.get("backward") != str(BackwardMode.SELECTED):
+            return "-"
+        return "yes" if row.get("verified") else "not yet"
+    return _cell(row.get(column))
 
 
 def _cell(v: Any) -> str:

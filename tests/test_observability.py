@@ -38,6 +38,22 @@ def test_stats_repr_and_report_table():
     assert lines[0].split()[:3] == ["graph", "role", "backward"] and lines[1].split()[:2] == ["0", "head"]
 
 
+def test_report_says_not_yet_verified_and_explains_its_columns():
+    """A gathered graph no informative step has checked reads "not yet", not as a failure; "yes" once one
+    has; the table ends with what its columns mean."""
+    cm = capskip_fx.compile(_model(), rule="forced", keep=1.0, backend="aot_eager")
+    _step(cm)  # every row kept: nothing to compare, so not verified yet
+    rep = capskip_fx.report(cm)
+    assert rep[0]["backward"] == "selected rows" and rep[0]["verified"] is False, rep.rows
+    text = str(rep)
+    assert "not yet" in text.splitlines()[1], text
+    assert "verified: yes = a gathered step matched" in text and "dense-masked (all rows" in text, text
+    cm2 = capskip_fx.compile(_model(), rule="forced", keep=0.5, backend="aot_eager")
+    _step(cm2)
+    line = str(capskip_fx.report(cm2)).splitlines()[1]
+    assert " yes " in line and "not yet" not in line, line
+
+
 def test_info_line_rate_limited(caplog, monkeypatch):
     monkeypatch.setattr(stats_mod, "LOG_EVERY_S", 3600.0)
     cm = capskip_fx.compile(_model(), rule="forced", keep=0.5, backend="aot_eager")
