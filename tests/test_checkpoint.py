@@ -16,6 +16,7 @@ import torch
 
 from capskip_fx import train
 from capskip_fx.train import checkpoint, loop
+from helpers.runs import run_killed_at_evaluation
 
 torch.set_num_threads(1)
 
@@ -28,8 +29,6 @@ EXACT = ("epoch", "steps", "train_loss", "eval_top1", "eval_loss", "backward_row
          "checks", "violations", "fallbacks")
 
 
-class Crash(Exception):
-    pass
 
 
 def _summary(out: Path) -> list[dict]:
@@ -52,18 +51,7 @@ def test_resume_is_bit_exact(tmp_path, monkeypatch, backend, rule):
     full = train.run([*argv, "--out", str(tmp_path / "full")])
 
     # the same run killed in epoch 2 after its steps (they reach steps.jsonl) but before its checkpoint
-    real_evaluate, calls = loop.evaluate, []
-
-    def evaluate(*a, **k):
-        calls.append(1)
-        if len(calls) == 2:
-            raise Crash
-        return real_evaluate(*a, **k)
-
-    monkeypatch.setattr(loop, "evaluate", evaluate)
-    with pytest.raises(Crash):
-        train.run([*argv, "--out", str(tmp_path / "cut")])
-    monkeypatch.setattr(loop, "evaluate", real_evaluate)
+    run_killed_at_evaluation(monkeypatch, loop, 2, lambda: train.run([*argv, "--out", str(tmp_path / "cut")]))
     cut = tmp_path / "cut"
     ck = torch.load(cut / "checkpoint.pt", weights_only=True)  # plain containers and tensors only
     assert ck["epoch"] == 1 and ck["counters"]["step"] == 3 and "_capskip" in ck["model"]

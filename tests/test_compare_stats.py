@@ -1,26 +1,17 @@
 """The comparison table's statistics: t intervals over seeds, paired differences, time to accuracy."""
 from __future__ import annotations
 
-import csv
 import math
 
 import pytest
-import yaml
 
 from capskip_fx.train import cli, plots, report
+from helpers.runs import write_run
 
 T975_DF2 = 4.302652729911275  # Student t, 97.5% quantile, 2 degrees of freedom
 
 
-def _run(root, name, seed, curve, **cfg):
-    d = root / name
-    d.mkdir(parents=True)
-    (d / "config.yaml").write_text(yaml.safe_dump({"dataset": "mnist", "seed": seed, **cfg}))
-    with open(d / "summary.csv", "w", newline="") as f:
-        w = csv.DictWriter(f, ["epoch", "eval_top1", "wall_clock_s", "backward_rows", "rows"])
-        w.writeheader()
-        for e, (t, acc) in enumerate(curve, 1):
-            w.writerow({"epoch": e, "eval_top1": acc, "wall_clock_s": t, "backward_rows": 10, "rows": 10})
+_run = write_run
 
 
 def test_intervals_paired_differences_and_time_to_accuracy(tmp_path):

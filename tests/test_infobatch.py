@@ -22,6 +22,7 @@ from hypothesis import given, settings, strategies as st
 from capskip_fx import train
 from capskip_fx.train import loop
 from capskip_fx.train.infobatch import InfoBatchSampler
+from helpers.runs import run_killed_at_evaluation
 
 torch.set_num_threads(1)
 
@@ -297,8 +298,6 @@ def _jsonl(path: Path) -> list[dict]:
     return [json.loads(l) for l in path.read_text().splitlines()]
 
 
-class Crash(Exception):
-    pass
 
 
 @pytest.mark.parametrize("rule", [["--rule", "infobatch"], ["--rule", "capskip+infobatch", "--budget", "0.5"]])
@@ -322,18 +321,8 @@ def test_cli_prunes_forwards_and_resumes_exactly(tmp_path, monkeypatch, rule):
         for c in checks:
             assert c["rel_l2_head"] == pytest.approx(c["bound"], abs=1e-5) and c["rel_l2_head"] <= 0.5 + 1e-4
 
-    real_evaluate, calls = loop.evaluate, []
-
-    def evaluate(*a, **k):
-        calls.append(1)
-        if len(calls) == 3:  # killed in epoch 3, after epoch 2's checkpoint
-            raise Crash
-        return real_evaluate(*a, **k)
-
-    monkeypatch.setattr(loop, "evaluate", evaluate)
-    with pytest.raises(Crash):
-        train.run([*argv, "--out", str(tmp_path / "cut")])
-    monkeypatch.setattr(loop, "evaluate", real_evaluate)
+    # killed in epoch 3, after epoch 2's checkpoint
+    run_killed_at_evaluation(monkeypatch, loop, 3, lambda: train.run([*argv, "--out", str(tmp_path / "cut")]))
     ck = torch.load(tmp_path / "cut" / "checkpoint.pt", weights_only=True)
     assert ck["epoch"] == 2 and ck["infobatch"]["scores"].shape == (192,)
     res = train.run(["--resume", str(tmp_path / "cut" / "checkpoint.pt")])

@@ -8,10 +8,10 @@ import math
 
 import pytest
 import torch
-import yaml
 
 from capskip_fx import train
 from capskip_fx.train import loop, report
+from helpers.runs import write_run
 
 torch.set_num_threads(1)
 
@@ -61,14 +61,7 @@ def test_steps_of_errors_name_the_fix(tmp_path):
 
 
 def _run(root, name, seed, acc, **cfg):
-    d = root / name
-    d.mkdir(parents=True)
-    (d / "config.yaml").write_text(yaml.safe_dump({"dataset": "mnist", "seed": seed, **cfg}))
-    with open(d / "summary.csv", "w", newline="") as f:
-        w = csv.DictWriter(f, ["epoch", "eval_top1", "wall_clock_s", "backward_rows", "rows"])
-        w.writeheader()
-        w.writerow({"epoch": 1, "eval_top1": acc, "wall_clock_s": 10, "backward_rows": 5, "rows": 10})
-    return d
+    return write_run(root, name, seed, [(10, acc)], backward_rows=5, **cfg)
 
 
 def test_compare_pairs_each_rule_with_its_own_step_matched_dense(tmp_path):
