@@ -27,11 +27,12 @@ def pytest_collection_modifyitems(config, items):
 torch.set_num_threads(2)
 
 
-@pytest.fixture
+@pytest.fixture(autouse=True)
 def many_compiles():
-    """Files whose tests each compile their own model (or one cache entry per instance: in-place and
-    per-block compiles) use this: past Dynamo's per-code recompile_limit (8) later compiles of the same
-    forward code would run eagerly."""
+    """Every test: each compiled model gets its own cache entry (capskip guards a graph on its module),
+    and past Dynamo's per-code recompile_limit (8) a later compile of the same forward code (nn.Sequential's,
+    a test file's shared class) would run eagerly, so a test's outcome would depend on which ran before it.
+    Tests of the limit itself patch it lower inside."""
     with torch._dynamo.config.patch(recompile_limit=64):
         yield
 
