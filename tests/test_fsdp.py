@@ -3,7 +3,6 @@ regionally compiled model, on gloo with 2 CPU ranks: gradients equal an eager re
 selection (each rank's rows weighted by its rule, averaged over ranks), and every graph skips rows."""
 from __future__ import annotations
 
-import copy
 import os
 import warnings
 

@@ -8,8 +8,6 @@ graphs then claim it instead of starting another.
 """
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 
 from .stats import RunLog, RunSummary, StepStats

@@ -263,7 +263,6 @@ class RunState:
         """Start ``epoch`` (1-based); returns its batches (a progress bar over the train loader)."""
         from tqdm.auto import tqdm
 
-        cfg = self.cfg
         self.epoch = epoch
         self.ep = EpochStats(wall0=self.clock.wall_s)
         self.cm.set_epoch(epoch - 1)
