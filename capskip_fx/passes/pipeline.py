@@ -36,9 +36,9 @@ from ..records import BackwardMode, Refusal, RefusalKind, Refused
 from ..symbolic import batch_symbol_of, check_not_specialised, fake_mode_of
 from . import insert_select
 from .find_head import find_head, find_in_graph_loss
-from .row_index import recompute_row_indices
 from .gather_in_graph import check_full_rows_free, gather_in_graph
 from .insert_select import SELECT
+from .row_index import recompute_row_indices
 from .selected_rows import BackwardPlan, plan_backward
 
 STRIDE_SYMBOL = "a saved view has a symbolic stride (gathered as a contiguous copy, eagerly)"
