@@ -28,13 +28,13 @@ def test_intervals_paired_differences_and_time_to_accuracy(tmp_path):
     assert rows["dense"][1] == f"91.00 [{91 - half:.2f}, {91 + half:.2f}]"
     d = [a - b for a, b in zip(finals["capskip"], finals["tm"])]  # +2.5, +0.5, +1.5
     m, sd = sum(d) / 3, math.sqrt(sum((x - sum(d) / 3) ** 2 for x in d) / 2)
-    assert rows["capskip b=0.3"][3] == f"{m:+.2f} [{m - T975_DF2 * sd / math.sqrt(3):+.2f}, {m + T975_DF2 * sd / math.sqrt(3):+.2f}]"
-    assert rows["dense time-matched"][3] == "n/a" and rows["capskip b=0.3"][2] == "n/a"
+    assert rows["capskip b=0.3"][4] == f"{m:+.2f} [{m - T975_DF2 * sd / math.sqrt(3):+.2f}, {m + T975_DF2 * sd / math.sqrt(3):+.2f}]"
+    assert rows["dense time-matched"][4] == "n/a" and rows["capskip b=0.3"][2] == "n/a"
     # time to 91: dense seeds 1, 2 reach it at 20 and 10 + 10 * (91 - 80) / (92 - 80); median of those two
     dense_t = sorted([20.0, 10 + 10 * 11 / 12])
     cap_t = sorted([5 + 6 * (91 - 81) / (91.5 - 81), 5 + 6 * (91 - 81) / (92.5 - 81)])
-    assert rows["capskip b=0.3"][6] == f"{(sum(cap_t) / 2) / (sum(dense_t) / 2):.2f} (2/3)"
-    assert rows["dense time-matched"][6] == f"{12 / (sum(dense_t) / 2):.2f} (1/3)"  # only seed 2: 91.0 at 12 s
+    assert rows["capskip b=0.3"][7] == f"{(sum(cap_t) / 2) / (sum(dense_t) / 2):.2f} (2/3)"
+    assert rows["dense time-matched"][7] == f"{12 / (sum(dense_t) / 2):.2f} (1/3)"  # only seed 2: 91.0 at 12 s
 
 
 def test_one_seed_has_no_interval_and_plots_draw_bands(tmp_path):
@@ -82,10 +82,10 @@ def test_table_marks_missed_budgets_and_loaded_machines(tmp_path, capsys):
     rows = {line.split("|")[1].strip(): [c.strip() for c in line.split("|")[2:-1]]
             for line in table.splitlines()[2:] if line.startswith("| ")}
     assert "dense time-matched †" in rows  # the row itself
-    assert rows["capskip b=0.3"][3].endswith("†")  # its Δ is against a run that was not time-matched
-    assert rows["capskip b=0.3"][5].endswith("‡") and not rows["sb keep=0.5"][5].endswith("‡")
+    assert rows["capskip b=0.3"][4].endswith("†")  # its Δ is against a run that was not time-matched
+    assert rows["capskip b=0.3"][6].endswith("‡") and not rows["sb keep=0.5"][6].endswith("‡")
     # data ms/step: the steady steps' median (27.3 x 1.01), the compile step's 5 s left out
-    assert rows["dense"][12] == "27.6 ± 0.0"
+    assert rows["dense"][13] == "27.6 ± 0.0"
     missed, = [l for l in table.splitlines() if l.startswith("†")]
     loaded, = [l for l in table.splitlines() if l.startswith("‡")]
     assert "seed(s) 0 finished all epochs before the time budget (20 s < 27 s)" in missed

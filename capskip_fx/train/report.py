@@ -312,9 +312,12 @@ def table_warnings(runs: Sequence[Run], drift: float = LOAD_DRIFT) -> list[str]:
     for label, members in groups.items():
         missed = [r for r in members if r.budget_missed]
         if missed:
-            walls = ", ".join(f"{float(r.final.get('wall_clock_s') or math.nan):.0f}" for r in missed)
+            budget = float(missed[0].config["time_budget"])
+            secs = [float(r.final.get("wall_clock_s") or math.nan) for r in missed]
+            digits = 0 if all(round(w) < round(budget) for w in secs) else 2  # never "25 s < 25 s"
+            walls = ", ".join(f"{w:.{digits}f}" for w in secs)
             out.append(f"{MISSED} {label}: seed(s) {', '.join(str(r.seed) for r in missed)} finished all epochs "
-                       f"before the time budget ({walls} s < {float(missed[0].config['time_budget']):.0f} s): not "
+                       f"before the time budget ({walls} s < {budget:.{digits}f} s): not "
                        f"time-matched, so a Δ against it compares with a longer run than the rule's")
         if dense is None or members is dense:
             continue
@@ -353,10 +356,10 @@ def _table(runs: Sequence[Run], drift: float = LOAD_DRIFT) -> str:
     by_seed = lambda g: {r.seed: r.final.get("eval_top1") for r in g}  # noqa: E731
     lines = [
         "| run | seeds | final top-1 (%) [95% CI] | Δ vs own step-matched dense (pp, paired) [95% CI] "
-        "| Δ vs time-matched dense (pp, paired) [95% CI] "
+        "| step-time r (interleaved) | Δ vs time-matched dense (pp, paired) [95% CI] "
         "| wall-clock (s) | × dense wall-clock (paired) [95% CI] | time to dense's final top-1 (× dense) | to 99% of it "
         "| mean kept | forwarded | backward rows | check violations | data ms/step |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     matched_missed = matched is not None and any(r.budget_missed for r in matched)
     for label, members in groups.items():
@@ -384,7 +387,7 @@ def _table(runs: Sequence[Run], drift: float = LOAD_DRIFT) -> str:
         data_ms = _mean_std([1e3 * r.data_s for r in members], ".1f")
         lines.append(
             f"| {label}{f' {MISSED}' if missed else ''} | {len(members)} | {fmt_interval([r.final.get('eval_top1') for r in members])} "
-            f"| {_step_matched_diff(members, runs)} | {diff} "
+            f"| {_step_matched_diff(members, runs)} | {_step_ratio(members, runs)} | {diff} "
             f"| {_mean_std([r.final.get('wall_clock_s') for r in members], '.1f')} | {ratio} "
             f"| {reach[0]} | {reach[1]} | {_mean_std([r.kept_frac for r in members], '.3f')} "
             f"| {_mean_std([r.forward_frac for r in members], '.3f')} "
@@ -412,6 +415,12 @@ def _step_matched_diff(members: Sequence[Run], runs: Sequence[Run]) -> str:
     diffs = [m.final.get("eval_top1") - d.final.get("eval_top1") for m, d in step_matched_pairs(members, runs)
              if m.final.get("eval_top1") is not None and d.final.get("eval_top1") is not None]
     return f"{fmt_interval(diffs, '.2f', signed=True)} (n={len(diffs)})" if diffs else "n/a"
+
+
+def _step_ratio(members: Sequence[Run], runs: Sequence[Run]) -> str:
+    """The step-time ratio r the rule's step-matched dense runs were made with (``--ratio``)."""
+    ratios = sorted({float(d.config["ratio"]) for _, d in step_matched_pairs(members, runs) if d.config.get("ratio")})
+    return ", ".join(f"{r:g}" for r in ratios) if ratios else "n/a"
 
 
 def compare_page(runs: Sequence[Run], table: str, figures: Sequence[str]) -> str:
