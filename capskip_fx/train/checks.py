@@ -53,7 +53,7 @@ def _norms(a: list[torch.Tensor], b: list[torch.Tensor]) -> dict[str, float]:
 
 
 def distortion_check(model: nn.Module, head: nn.Module, x, y, autocast, rng_state,
-                     weights=None) -> dict[str, float]:
+                     weights=None, loss_of=F.cross_entropy) -> dict[str, float]:
     """Dense backward of the full loss on the same batch through the eager model; compare with the
     selected gradients currently in ``.grad``, then put those back.  ``weights``: per-sample loss
     weights (InfoBatch's), the loss then being ``mean(weights * per-sample loss)`` as in training."""
@@ -68,8 +68,7 @@ def distortion_check(model: nn.Module, head: nn.Module, x, y, autocast, rng_stat
         torch.cuda.set_rng_state(cuda_state, x.device)
     with autocast():
         z = model(x)
-        loss = F.cross_entropy(z, y) if weights is None else \
-            (F.cross_entropy(z.float(), y, reduction="none") * weights).mean()
+        loss = loss_of(z, y) if weights is None else (loss_of(z.float(), y, reduction="none") * weights).mean()
     loss.backward()
     dense = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
     sel = [g if g is not None else torch.zeros_like(p) for g, p in zip(selected, params)]

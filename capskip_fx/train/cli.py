@@ -11,7 +11,7 @@ from typing import Any, Optional, Sequence
 
 import yaml
 
-from .config import AMP, BACKENDS, DATASETS, FIELDS, RULE_NAMES, TrainConfig, default, normalise_keys, read_yaml
+from .config import AMP, BACKENDS, DATASETS, TASKS, FIELDS, RULE_NAMES, TrainConfig, default, normalise_keys, read_yaml
 
 DESCRIPTION = "Training harness: fine-tune a timm model with a selective-backprop rule, log everything."
 
@@ -46,7 +46,10 @@ def build_parser() -> argparse.ArgumentParser:
     g = t
     t.add_argument("--config", dest="config_file", help="YAML file of config keys; flags override it")
     g = t.add_argument_group("data")
+    add("--task", str, "classify images, or lm: a tiny causal LM (--model gpt2 | llama) on pytext, the Python "
+                       "standard library's source as byte tokens; a row is a sequence", choices=TASKS)
     add("--dataset", str, choices=DATASETS)
+    add("--seq-len", int, "--task lm: tokens per row")
     add("--data-dir", _optional(str), "folder with the dataset files")
     add("--train-subset", _optional(int), "use a fixed random subset of this many training images")
     add("--eval-subset", _optional(int), "use a fixed random subset of this many eval images")

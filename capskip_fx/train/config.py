@@ -14,7 +14,9 @@ import yaml
 
 from capskip_fx.config import BACKENDS
 
-DATASETS = ("fashion-mnist", "mnist", "cifar10", "cifar100", "digits")  # loaded by .datasets
+DATASETS = ("fashion-mnist", "mnist", "cifar10", "cifar100", "digits", "pytext")  # .datasets; pytext: .text
+TASKS = ("classify", "lm")  # lm: next-byte language modelling on pytext (.text)
+LM_MODELS = ("gpt2", "llama")  # transformers causal LMs at a tiny size (--task lm)
 # capskip_fx.RULES' names, and VCAS (all rows, sampled inside the backward)
 RULE_NAMES = ["capskip", "dense", "forced", "kabena", "random", "sb", "stale_sb", "ub", "vcas"]
 # the harness's data-side rules: InfoBatch prunes at the sampler, the model runs the named rule
@@ -27,7 +29,9 @@ AMP = ("none", "bf16")
 @dataclass(frozen=True)
 class TrainConfig:
     # data
+    task: str = "classify"  # or "lm": a causal LM on pytext, a row is a sequence
     dataset: str = "fashion-mnist"
+    seq_len: int = 64  # --task lm: tokens per row
     data_dir: Optional[str] = None
     train_subset: Optional[int] = None
     eval_subset: Optional[int] = None
@@ -90,6 +94,16 @@ class TrainConfig:
 
         if self.dataset not in DATASETS:
             bad(f"dataset {self.dataset!r} not in {DATASETS}")
+        if self.task not in TASKS:
+            bad(f"task {self.task!r} not in {TASKS}")
+        if (self.task == "lm") != (self.dataset == "pytext"):
+            bad(f"task {self.task!r} with dataset {self.dataset!r}: --task lm trains on --dataset pytext, and pytext "
+                f"is text (pass both, or neither)")
+        if self.task == "lm" and self.model not in LM_MODELS:
+            bad(f"--task lm: model {self.model!r} not in {LM_MODELS} (tiny transformers configs: --depth, "
+                f"--embed-dim, --num-heads size them)")
+        if self.seq_len < 2:
+            bad(f"seq_len must be >= 2, got {self.seq_len}")
         if self.rule not in RULE_NAMES:
             bad(f"rule {self.rule!r} not in {RULE_NAMES}")
         if self.backend not in BACKENDS:

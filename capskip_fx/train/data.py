@@ -23,6 +23,11 @@ def resolve_device(name: str) -> torch.device:
 
 def load_data(cfg: TrainConfig, device: torch.device) -> tuple[DataBundle, TrainConfig]:
     """The dataset, and the config with the sizes the data decided (image size, channels, patch)."""
+    if cfg.task == "lm":
+        from .text import load_pytext
+
+        data = load_pytext(cfg.seq_len, cfg.train_subset, cfg.eval_subset, cfg.val_split)
+        return data, dataclasses.replace(cfg, img_size=None, in_chans=None, patch_size=None, device=str(device))
     data = load_dataset(cfg.dataset, cfg.data_dir, img_size=cfg.img_size, in_chans=cfg.in_chans,
                         train_subset=cfg.train_subset, eval_subset=cfg.eval_subset, augment=cfg.augment,
                         val_split=cfg.val_split)

@@ -29,7 +29,7 @@ from . import checkpoint, plots, report
 from .checks import CompileClock, distortion_check
 from .config import TrainConfig, model_rule, rule_options, uses_infobatch, write_yaml
 from .data import load_data, make_loaders, resolve_device
-from .model import build_model, check_pretrained, find_head
+from .model import build_model, check_pretrained, find_head, loss_fn
 
 
 def lr_at(cfg: TrainConfig, progress: float) -> float:
@@ -62,8 +62,8 @@ def _vcas_log(v: Optional[dict]) -> Optional[dict]:
 
 
 @torch.no_grad()
-def evaluate(model: nn.Module, loader, device, autocast) -> tuple[float, float]:
-    """Top-1 (%) and mean loss, in eval mode, through the eager model."""
+def evaluate(model: nn.Module, loader, device, autocast, loss=F.cross_entropy) -> tuple[float, float]:
+    """Top-1 (%) and mean loss, in eval mode, through the eager model (per token for ``--task lm``)."""
     was = model.training
     model.eval()
     correct, total, loss_sum = 0, 0, 0.0
@@ -71,8 +71,8 @@ def evaluate(model: nn.Module, loader, device, autocast) -> tuple[float, float]:
         x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
         with autocast():
             z = model(x)
-        loss_sum += F.cross_entropy(z.float(), y, reduction="sum").item()
-        correct += (z.argmax(1) == y).sum().item()
+        loss_sum += loss(z.float(), y, reduction="sum").item()
+        correct += (z.argmax(-1) == y).sum().item()
         total += y.numel()
     model.train(was)
     return 100.0 * correct / max(total, 1), loss_sum / max(total, 1)
@@ -189,6 +189,7 @@ class RunState:
               f"backend {cfg.backend}, out {out}")
 
         self.head = find_head(model)
+        self.loss = loss_fn(cfg)
         if init_sd is not None:
             checkpoint.load_weights(model, self.head, init_sd, cfg.initial_checkpoint, reset_head=cfg.reset_head)
         model.to(device)
@@ -303,11 +304,12 @@ class RunState:
         # InfoBatch's weights and scores live on the host: index them with the loader's CPU indices
         weights = self.infobatch.weights_for(batch[2]).to(device) if self.infobatch is not None else None
         with self.autocast():
-            logits = self.cm(x, capskip_targets=y, capskip_index=idx)
+            # an LM's targets are per token: the rules read them from the in-graph loss, not capskip_targets
+            logits = self.cm(x, capskip_targets=y if y.dim() == 1 else None, capskip_index=idx)
             if weights is None:
-                loss = F.cross_entropy(logits, y)
+                loss = self.loss(logits, y)
             else:  # InfoBatch: kept low-loss samples weigh 1/(1-r); scores from the unweighted losses
-                per = F.cross_entropy(logits.float(), y, reduction="none")
+                per = self.loss(logits.float(), y, reduction="none")
                 self.infobatch.update(batch[2], per.detach())
                 loss = (per * weights).mean()
         loss.backward()
@@ -359,7 +361,7 @@ class RunState:
     def _check(self, x, y, rng, kept: int, n: int, bound, weights=None) -> None:
         """The exact distortion check of this step's batch, logged to ``checks.jsonl``."""
         cfg, c = self.cfg, self.counters
-        chk = distortion_check(self.model, self.head, x, y, self.autocast, rng, weights)
+        chk = distortion_check(self.model, self.head, x, y, self.autocast, rng, weights, self.loss)
         c.checks += 1
         violation = bool(model_rule(cfg) == "capskip" and chk["rel_l2_head"] > self.tol_limit)
         c.violations += violation
@@ -389,7 +391,7 @@ class RunState:
         self.bar.close()
         self.steps_f.flush()
         self.checks_f.flush()
-        top1, eval_loss = evaluate(self.model, self.eval_loader, self.device, self.autocast)
+        top1, eval_loss = evaluate(self.model, self.eval_loader, self.device, self.autocast, self.loss)
         self.summary.append({
             "epoch": epoch, "steps": c.step, "train_loss": ep.loss / max(ep.steps, 1), "eval_top1": top1,
             "eval_loss": eval_loss, "wall_clock_s": clock.wall_s, "compile_s": clock.compile_s,

@@ -4,7 +4,10 @@ from __future__ import annotations
 import dataclasses
 import warnings
 
+from typing import Callable
+
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from .config import TrainConfig
@@ -32,7 +35,12 @@ def check_pretrained(model: str) -> None:
 
 
 def build_model(cfg: TrainConfig, num_classes: int, pretrained: bool = False) -> tuple[nn.Module, TrainConfig]:
-    """timm model from the config; returns the config with what was actually passed."""
+    """timm model from the config (``--task lm``: a tiny transformers causal LM); returns the config with
+    what was actually passed."""
+    if cfg.task == "lm":
+        from .text import build_lm
+
+        return build_lm(cfg.model, cfg.seq_len, cfg.depth, cfg.embed_dim, cfg.num_heads), cfg
     import timm
 
     shape = {k: getattr(cfg, k) for k in ("depth", "embed_dim", "num_heads") if getattr(cfg, k) is not None}
@@ -47,6 +55,16 @@ def build_model(cfg: TrainConfig, num_classes: int, pretrained: bool = False) ->
         print(f"[model] {cfg.model} takes no img_size/patch_size ({e}); creating it without them")
         kw = {k: v for k, v in kw.items() if k not in vit}
         return timm.create_model(cfg.model, **kw), dataclasses.replace(cfg, patch_size=None)
+
+
+def loss_fn(cfg: TrainConfig) -> Callable[..., torch.Tensor]:
+    """``loss(logits, targets, reduction="mean")``: cross-entropy per row (classify) or the next-token loss
+    (``--task lm``: the mean over every token; ``reduction="none"``: each sequence's mean)."""
+    if cfg.task == "lm":
+        from .text import lm_loss
+
+        return lm_loss
+    return F.cross_entropy
 
 
 def find_head(model: nn.Module) -> nn.Module:
