@@ -85,6 +85,12 @@ class CapskipModule(nn.Module):
         if self.config.dynamic_batch and n >= 2:
             _mark_batch_dynamic((args, kwargs), n)
         out = self._compiled(*args, **kwargs)
+        if capskip_targets is not None and capskip_targets.dim() == 2:
+            z = logits_of(out, self._backend.logits_index)
+            if isinstance(z, Tensor) and z.shape[:-1] != capskip_targets.shape:
+                raise ValueError(f"capskip_targets must be a 1-D integer tensor of class labels for logits (N, C), "
+                                 f"or (N, T) for token-shaped logits (N, T, C); got {tuple(capskip_targets.shape)} "
+                                 f"for logits of shape {tuple(z.shape)}")
         if train:
             bound = self._state.end_forward(fwd, logits_of(out, self._backend.logits_index))
             if not self._backend.records:
@@ -173,10 +179,12 @@ def _check_targets(t) -> None:
     """Shape and dtype only (no device sync); the label range is checked with the selection."""
     if t is None:
         return
-    if not isinstance(t, Tensor) or t.dim() != 1 or t.dtype.is_floating_point or t.dtype.is_complex \
+    # 2-D: token-shaped logits (N, T, C), one label per position (-100 ignored); the runtime checks the shape
+    if not isinstance(t, Tensor) or t.dim() not in (1, 2) or t.dtype.is_floating_point or t.dtype.is_complex \
             or t.dtype == torch.bool:
         what = f"{t.dtype} tensor of shape {tuple(t.shape)}" if isinstance(t, Tensor) else type(t).__name__
-        raise ValueError(f"capskip_targets must be a 1-D integer tensor of class labels (-1 = unknown), got {what}")
+        raise ValueError(f"capskip_targets must be a 1-D integer tensor of class labels (-1 = unknown), or 2-D "
+                         f"(N, T) for token-shaped logits, got {what}")
 
 
 def _batch_size(args, kwargs=None) -> int:

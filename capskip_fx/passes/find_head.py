@@ -11,7 +11,10 @@ every head parameter:
 * a sum of Linear heads with numeric weights ``sum_k c_k (W_k h_k + b_k)``: ``h`` is a new node
   ``[c_1 h_1, c_1, c_2 h_2, c_2, ...]`` (the constant columns for the heads with a bias), bias False;
 * ``L[arange(N), j]`` with ``L`` (s, T, C) from a Linear and ``j`` one index per row (a decoder
-  classifier's last token): ``h`` is a new node ``H[arange(N), j]`` of the Linear's (s, T, d) input.
+  classifier's last token): ``h`` is a new node ``H[arange(N), j]`` of the Linear's (s, T, d) input;
+* token-shaped logits ``(s, T, C)`` (a causal LM, token classification) from one Linear applied per
+  token: a row is a sequence; ``h`` is the (s, T, d) value the Linear's (s*T, d) input is a view of
+  (``Head.tokens``), and the rules read per-sequence quantities (rules/base.py ``head_gram``).
 
 A weight that is not a parameter (normalised: a cosine head) or a scale that is a tensor (learnable)
 is refused with the reason.  The logits output is found from AOT output descriptors when available
@@ -43,6 +46,7 @@ class Head:
     output_index: int  # which user output holds the logits
     rows: Optional[tuple] = None  # (arange(N), j): the logits are L[arange(N), j] of per-token logits L
     linear_in: Optional[fx.Node] = None  # a sum of heads: the first head's input (h holds the Gram features)
+    tokens: Optional[fx.Node] = None  # token-shaped logits (s, T, C): the Linear's (s*T, d) input (h is (s, T, d))
 
 
 def outputs_and_tangents(graph: fx.Graph) -> list[tuple[int, fx.Node, Optional[fx.Node]]]:
@@ -275,6 +279,37 @@ def _token_input(graph: fx.Graph, h2d: fx.Node, L: fx.Node, r: fx.Node, j: fx.No
     return h
 
 
+def _sequence_input(h2d: fx.Node, z: fx.Node) -> Optional[fx.Node]:
+    """The (s, T, d) value the Linear's (s*T, d) input is a view of, for token-shaped logits z (s, T, C)."""
+    n, want = h2d, shape_exprs(z.meta["val"])[:2]
+    while True:
+        v = n.meta.get("val")
+        if isinstance(v, torch.Tensor) and v.dim() == 3 and shape_exprs(v)[:2] == want:
+            return n
+        if n.op != "call_function" or n.target not in _VIEWS:
+            return None
+        n = n.args[0]
+
+
+def _token_head(idx: int, z: fx.Node, g: fx.Node) -> tuple[Optional[Head], Optional[str]]:
+    """(Head, None) for token-shaped logits (s, T, C) from one Linear per token, else (None, why not)."""
+    try:
+        terms = _terms(z)
+    except _Unsupported as e:
+        return None, f"output {idx}: {e}"
+    if terms is None or len(terms) != 1:
+        return None, (f"output {idx}: token-shaped logits (N, T, C) not produced by one Linear per token"
+                      + (" (a sum of Linear heads)" if terms else ""))
+    _, h2d, bias, _ = terms[0]
+    hv = h2d.meta.get("val")
+    if not isinstance(hv, torch.Tensor) or hv.dim() != 2:
+        return None, f"output {idx}: token-shaped logits from a Linear whose input is not (N*T, d)"
+    h = _sequence_input(h2d, z)
+    if h is None:
+        return None, f"output {idx}: token-shaped logits from a Linear whose input is not a view of (N, T, d)"
+    return Head(z=z, g=g, h=h, bias=bias, output_index=idx, tokens=h2d), None
+
+
 def find_head(graph: fx.Graph, logits_index: Optional[int] = None) -> Head:
     candidates = outputs_and_tangents(graph)
     reasons = []
@@ -282,8 +317,14 @@ def find_head(graph: fx.Graph, logits_index: Optional[int] = None) -> Head:
         if logits_index is not None and idx != logits_index:
             continue
         val = z.meta.get("val")
+        if g is not None and isinstance(val, torch.Tensor) and val.dim() == 3 and val.dtype.is_floating_point:
+            head, why = _token_head(idx, z, g)
+            if head is not None:
+                return head
+            reasons.append(why)
+            continue
         if g is None or not isinstance(val, torch.Tensor) or val.dim() != 2:
-            reasons.append(f"output {idx}: not a 2-D differentiable tensor")
+            reasons.append(f"output {idx}: not a 2-D (N, C) or token-shaped (N, T, C) differentiable tensor")
             continue
         per_row = _per_row(z)
         try:
@@ -324,7 +365,7 @@ def find_head(graph: fx.Graph, logits_index: Optional[int] = None) -> Head:
                            "(a Linear over reshaped rows, e.g. multiple choice)")
             continue
         return Head(z=z, g=g, h=h, bias=bias, output_index=idx)
-    raise Refused("no classifier head: the model output must be logits (N, C) from a final Linear"
+    raise Refused("no classifier head: the model output must be logits (N, C) or (N, T, C) from a final Linear"
                   + (f" ({'; '.join(reasons)})" if reasons else ""), RefusalKind.NO_HEAD)
 
 
@@ -333,7 +374,8 @@ class InGraphLoss:
     """A loss computed inside the graph from the logits (Hugging Face models given ``labels``)."""
 
     nodes: frozenset  # the forward nodes after z that compute it (not analysed for row mixing)
-    grad: fx.Node  # the backward node holding dL/dz, every path into the logits summed
+    grad: fx.Node  # the backward node holding dL/dz, every path into the logits summed (token-shaped logits:
+    # flattened to (s*T, C), as the head's mm's read it)
 
 
 def find_in_graph_loss(graph: fx.Graph, head: Head, backward: set) -> Optional[InGraphLoss]:
@@ -381,12 +423,15 @@ def find_in_graph_loss(graph: fx.Graph, head: Head, backward: set) -> Optional[I
                      and list(u.args[1]) == [r, j]), None)
     else:
         grad = None
-    lin = head.linear_in if head.linear_in is not None else head.h
+    lin = head.linear_in if head.linear_in is not None else head.tokens if head.tokens is not None else head.h
     grad = grad or next((u.args[0].args[0] for u in lin.users
                  if u in backward and u.target == aten.mm.default and u.args[1] is lin
                  and isinstance(u.args[0], fx.Node) and u.args[0].target in (aten.permute.default, aten.t.default)),
                 None)
-    if grad is None or tuple(grad.meta["val"].shape) != tuple(head.z.meta["val"].shape):
+    # token-shaped logits: the gradient the head's mm's read is (s*T, C), the logits' gradient flattened
+    want = tuple(head.z.meta["val"].shape) if head.tokens is None else \
+        tuple(head.tokens.meta["val"].shape[:1]) + tuple(head.z.meta["val"].shape[-1:])
+    if grad is None or tuple(grad.meta["val"].shape) != want:
         raise Refused("in-graph loss: the gradient into the logits was not found (a frozen head?)",
                       RefusalKind.IN_GRAPH_LOSS)
     return InGraphLoss(frozenset(region), grad)

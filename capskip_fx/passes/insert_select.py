@@ -65,11 +65,42 @@ def select_head(graph: fx.Graph, head: Head, loss: Optional[InGraphLoss], key: i
     else:  # select on the gradient into the logits, in the backward (runtime: prefix on all rows)
         outs = _output_nodes(graph)
         masked = [t for t, o in zip(*outs) if t in masked and o not in loss.nodes and o is not head.z]
-        w = _insert(graph, loss.grad, SELECT, (head.h, head.z, loss.grad, key))
-        masked = [loss.grad] + masked
+        grad = loss.grad
+        if head.tokens is not None:  # (s*T, C): select and mask its (s, T, C) view, the flat users read it back
+            grad = _view(graph, loss.grad, [-1] + _sizes(graph, head.z, (1, 2), loss.grad), after=loss.grad)
+        w = _insert(graph, grad, SELECT, (head.h, head.z, grad, key))
+        masked = [grad] + masked
     _mask_tangents(graph, w, masked)
+    if loss is not None and head.tokens is not None:  # the flat gradient's other readers get the masked one
+        masked_3d = next(u for u in grad.users if u.target is aten.mul.Tensor)
+        flat = _view(graph, masked_3d, [-1] + _sizes(graph, head.z, (2,), masked_3d), after=masked_3d)
+        loss.grad.replace_all_uses_with(flat, delete_user_cb=lambda u: u is not grad)
     graph.lint()
     return len(masked)
+
+
+def _sizes(graph: fx.Graph, z: fx.Node, dims: tuple, before: fx.Node) -> list:
+    """z's sizes in ``dims``: ints, or sym_size nodes where symbolic (a dynamic sequence length)."""
+    out = []
+    for d in dims:
+        size = z.meta["val"].shape[d]
+        if isinstance(size, int):
+            out.append(size)
+            continue
+        with graph.inserting_before(before):
+            n = graph.call_function(aten.sym_size.int, (z, d))
+        n.meta["val"] = size
+        out.append(n)
+    return out
+
+
+def _view(graph: fx.Graph, t: fx.Node, shape: list, after: fx.Node) -> fx.Node:
+    with graph.inserting_after(after):
+        v = graph.call_function(aten.view.default, (t, shape))
+    vals = [s.meta["val"] if isinstance(s, fx.Node) else s for s in shape]
+    with t.meta["val"].fake_mode:
+        v.meta["val"] = t.meta["val"].view(vals)
+    return v
 
 
 def body_symbol(graph: fx.Graph):

@@ -25,6 +25,7 @@ device; its state is part of ``state_dict()``.
 """
 from __future__ import annotations
 
+import math
 import warnings
 from dataclasses import dataclass, field
 from typing import Any, Optional
@@ -32,7 +33,7 @@ from typing import Any, Optional
 import torch
 from torch import Tensor
 
-from .labels import infer_targets, per_example_ce
+from .labels import infer_targets, per_example_ce, sequence_losses
 
 
 def selection_dtype(t: Tensor) -> torch.dtype:
@@ -44,6 +45,9 @@ def selection_dtype(t: Tensor) -> torch.dtype:
 class HeadView:
     """What the head saw in one step.  All row-indexed tensors have N rows."""
 
+    # token-shaped heads (a causal LM, token classification): delta and z are (N, T, C), h (N, T, d) and
+    # targets (N, T); a row is a sequence (``tokens``), and the rules read per-sequence quantities
+    # (view_losses, head_gram)
     delta: Tensor  # (N, C) dL/dz: the logits' incoming gradient (includes 1/N and any loss scale)
     h: Tensor  # (N, d) head input (penultimate features)
     z: Tensor  # (N, C) logits
@@ -58,11 +62,63 @@ class HeadView:
     def n(self) -> int:
         return self.delta.shape[0]
 
+    @property
+    def tokens(self) -> bool:
+        """Token-shaped logits (N, T, C): a row is a sequence."""
+        return self.delta.dim() == 3
+
 
 def view_losses(view: HeadView, dtype: torch.dtype) -> Tensor:
-    """Per-example CE in ``dtype``; NaN where the label is unknown."""
+    """Per-example CE in ``dtype``; NaN where the label is unknown.  Token-shaped heads: the per-sequence
+    loss over the tokens that count (labels.sequence_losses)."""
+    if view.tokens:
+        return sequence_losses(view.delta, view.z, view.targets).to(dtype)
     targets = infer_targets(view.delta) if view.targets is None else view.targets.to(view.z.device).long()
     return per_example_ce(view.z, targets).to(dtype)
+
+
+#: token-shaped heads: the exact sequence Gram is computed while its per-sequence gradients, N x C x (d+1)
+#: numbers, fit in this many elements; above it, the sketch
+EXACT_GRAM_ELEMENTS = 1 << 24
+#: the sketch's width k (columns of the vocabulary projection P)
+SKETCH_DIM = 128
+
+
+def head_gram(delta: Tensor, h: Tensor, bias: bool = True, sketch: Optional[int] = None,
+              generator: Optional[torch.Generator] = None) -> tuple[Tensor, Tensor, bool]:
+    """``(K, diag, exact)``: the Gram ``K_ij = <g_i, g_j>`` of the rows' head (last-layer) gradients,
+    ``g_i = delta_i (x) [h_i; 1]`` (no ``1`` without a bias), its diagonal from row-wise sums, and whether
+    K is exact, in the selection dtype.
+
+    (N, C) delta: ``K = (D D^T) * (H H^T + 1)``, exact.  Token-shaped (N, T, C) delta, h (N, T, d): a row is
+    a sequence, ``G_i = sum_t delta_it (x) [h_it; 1] = D_i^T H~_i`` (C x (d+1)):
+      * exact (``sketch=0``, or ``None`` while N*C*(d+1) <= EXACT_GRAM_ELEMENTS): the G_i materialised;
+      * sketched (``sketch=k``, or ``None`` above that, k = SKETCH_DIM): ``G~_i = P^T D_i^T H~_i`` (k x (d+1))
+        with P (C x k) of i.i.d. N(0, 1/k) entries drawn from ``generator``, so
+        ``E[<G~_i, G~_j>] = <G_i, G_j>`` (unbiased: ``E[P P^T] = I``), with
+        ``Var[<G~_i, G~_j>] = (||S||_F^2 + tr(S^2)) / k <= 2 ||G_i||^2 ||G_j||^2 / k`` (``S = G_j G_i^T``):
+        any sum of rows' gradients A (a prefix S_k, the batch's G) has ``||P^T A||^2`` unbiased for
+        ``||A||^2`` with relative standard deviation at most sqrt(2/k) (docs/rules.md).
+        Cost N*T*C*k for D P, N*T*k*(d+1) for the rest.
+    """
+    dt = selection_dtype(delta)
+    d, x = delta.to(dt), h.to(dt)
+    if d.dim() == 2:
+        one = 1 if bias else 0
+        K = (d @ d.T) * (x @ x.T + one)
+        # from row-wise sums, not diag(K): GEMM may round equal rows differently (CAPSkip's ties)
+        return K, (d * d).sum(1) * ((x * x).sum(1) + one), True
+    if bias:
+        x = torch.cat([x, torch.ones_like(x[..., :1])], -1)
+    n, _, c = d.shape
+    k = sketch if sketch is not None else (0 if n * c * x.shape[-1] <= EXACT_GRAM_ELEMENTS else SKETCH_DIM)
+    if k:
+        dev = generator.device if generator is not None else d.device
+        p = torch.randn(c, k, generator=generator, device=dev, dtype=dt).to(d.device) / math.sqrt(k)
+        d = d @ p  # (N, T, k)
+    g = torch.einsum("ntc,nte->nce", d, x).reshape(n, -1)
+    K = g @ g.T
+    return K, (g * g).sum(1), not k
 
 
 @dataclass

@@ -24,27 +24,25 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from .base import HeadView, Rule, Selection, check_normalize, selection_dtype
+from .base import HeadView, Rule, Selection, check_normalize, head_gram, selection_dtype
 from .labels import correct_mask
 
 
-def capskip_weights(delta: Tensor, h: Tensor, correct: Tensor, budget: float, bias: bool = True):
+def capskip_weights(delta: Tensor, h: Tensor, correct: Tensor, budget: float, bias: bool = True,
+                    sketch: Optional[int] = None, generator: Optional[torch.Generator] = None):
     """Pure tensor core of CAPSkip (no host sync).  Returns ``(weight, bound, n_skip)``.
 
     ``weight``: (N,) 1 for kept rows, 0 for skipped.  ``bound``: ``||S_k|| / ||G||`` of the
     chosen prefix (0 when nothing is skipped; 0 when G = 0).  ``n_skip``: 0-dim int64.
+    Token-shaped delta (N, T, C) and h (N, T, d): rows are sequences, the Gram is the sequences'
+    (exact, or sketched with ``sketch`` columns: base.head_gram).
     """
     dt = selection_dtype(delta)
-    d = delta.to(dt)
-    x = h.to(dt)
-    n = d.shape[0]
-    gram_h = x @ x.T
-    if bias:
-        gram_h = gram_h + 1
-    K = (d @ d.T) * gram_h
-    # sort key from row-wise sums, not diag(K): GEMM may round equal rows differently, and
+    n = delta.shape[0]
+    # the sort key from row-wise sums, not diag(K): GEMM may round equal rows differently, and
     # exactly tied rows (duplicates, cancelling pairs) must keep batch order
-    diag = (d * d).sum(1) * ((x * x).sum(1) + (1 if bias else 0))
+    K, diag, _ = head_gram(delta, h, bias, sketch, generator)
+    d = delta
     # correct rows first, by increasing ||g_i||^2; stable sort keeps batch order for ties
     key = torch.where(correct, diag, torch.full_like(diag, math.inf))
     order = torch.argsort(key, stable=True)
@@ -71,9 +69,9 @@ def capskip_weights(delta: Tensor, h: Tensor, correct: Tensor, budget: float, bi
     return weight, bound, n_skip
 
 
-def _select_eager(delta, h, z, targets, budget: float, bias: bool):
+def _select_eager(delta, h, z, targets, budget: float, bias: bool, sketch=None, generator=None):
     correct = correct_mask(delta, z, targets)
-    weight, bound, _ = capskip_weights(delta, h, correct, budget, bias)
+    weight, bound, _ = capskip_weights(delta, h, correct, budget, bias, sketch, generator)
     return weight, bound, correct
 
 
@@ -89,13 +87,16 @@ class CAPSkip(Rule):
     ``normalize``: ``"batch"`` (default: the loss's own 1/N, so the bound ``||S_k|| <= b ||G||``
     is the bound on the applied head gradient's change) or ``"kept"`` (mean over the kept rows;
     the bound then no longer holds as stated, algorithms.md §1.3).
+    Token-shaped logits (N, T, C): a row is a sequence, every sequence is a candidate, and the Gram is the
+    sequences' head gradients ``G_i = sum_t delta_it (x) [h_it; 1]``: exact while it is small, else a
+    random sketch of width ``sketch`` (None: auto; 0: always exact), base.head_gram.
     """
 
     name = "capskip"
     needs_labels = True  # skips among the correctly classified rows
 
     def __init__(self, budget: float = 0.1, bias: bool = True, compile: Optional[bool] = None,
-                 normalize: str = "batch"):
+                 normalize: str = "batch", sketch: Optional[int] = None):
         budget = float(budget)
         if not (0.0 <= budget <= 1.0):  # also rejects NaN
             raise ValueError(f"capskip budget must be in [0, 1], got {budget!r}; "
@@ -103,19 +104,27 @@ class CAPSkip(Rule):
         self.budget = budget
         self.normalize = check_normalize(normalize, "capskip")
         self.bias = bias
+        if sketch is not None and (int(sketch) != sketch or sketch < 0):
+            raise ValueError(f"capskip sketch must be None (auto), 0 (exact) or a width k >= 1, got {sketch!r}")
+        self.sketch = None if sketch is None else int(sketch)
         self.compile = compile
         self._compiled = None
 
-    def _fn(self, device: torch.device):
-        if not (self.compile or (self.compile is None and device.type == "cuda")):
+    def _fn(self, device: torch.device, tokens: bool = False):
+        if tokens or not (self.compile or (self.compile is None and device.type == "cuda")):
             return _select_eager
         if self._compiled is None:
             self._compiled = torch.compile(_select_eager, dynamic=True, fullgraph=True)
         return self._compiled
 
     def select(self, view: HeadView) -> Selection:
+        bias = self.bias and view.head_bias
+        if view.tokens:  # per sequence (eager: the sketch draws from a generator)
+            weight, bound, correct = _select_eager(view.delta, view.h, view.z, view.targets, self.budget, bias,
+                                                   self.sketch, view.generator)
+            return self.finish(Selection(weight=weight, bound=bound, info={"n_correct": correct.sum()}))
         weight, bound, correct = self._fn(view.delta.device)(
-            view.delta, view.h, view.z, view.targets, self.budget, self.bias and view.head_bias)
+            view.delta, view.h, view.z, view.targets, self.budget, bias)
         return self.finish(Selection(weight=weight, bound=bound, info={"n_correct": correct.sum()}))
 
     def __repr__(self) -> str:

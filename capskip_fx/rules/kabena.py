@@ -21,30 +21,38 @@ The rule, per batch (losses ``l``, per-example last-layer gradients ``g_i = delt
     the expected backward fraction is ``mean(pi)``, and weights are at most ``1 / pi_min``.
 K thus adapts every step: many rows are excluded when the easy rows' gradients are small next to
 the batch gradient, few when they are not.  ``tau`` is scale invariant (1/N and loss scale cancel).  Without a head bias (``bias=False``, or
-``view.head_bias`` False) the ``+1`` terms are dropped.
+``view.head_bias`` False) the ``+1`` terms are dropped.  Token-shaped logits (N, T, C): rows are
+sequences, ``l`` their per-sequence losses and ``g_i`` their head gradients (base.head_gram: exact, or
+sketched for a vocabulary-sized C, whose V(K) is then an unbiased estimate).
 """
 from __future__ import annotations
 
 import math
+from typing import Optional
 
 import torch
 from torch import Tensor
 
-from .base import HeadView, SeededRule, Selection, check_normalize, selection_dtype, view_losses
+from .base import HeadView, SeededRule, Selection, check_normalize, head_gram, selection_dtype, view_losses
 
 
-def kabena_probs(loss: Tensor, delta: Tensor, h: Tensor, tau: float, pi_min: float, bias: bool = True):
+def kabena_probs(loss: Tensor, delta: Tensor, h: Tensor, tau: float, pi_min: float, bias: bool = True,
+                 sketch: Optional[int] = None, generator: Optional[torch.Generator] = None):
     """Pure tensor core (no host sync).  Returns ``(pi, K, ratio)``: (N,) inclusion probabilities,
     the number of excluded candidates (0-dim int64) and ``V(K) / ||G||^2`` (0 when G = 0)."""
     dt = selection_dtype(delta)
     d = delta.to(dt)
-    x = h.to(dt)
     loss = loss.to(dt)
     n = d.shape[0]
-    sq_h = (x * x).sum(1) + (1.0 if bias else 0.0)
-    gn2 = (d * d).sum(1) * sq_h  # ||g_i||^2
-    xh = torch.cat([x, torch.ones_like(x[:, :1])], 1) if bias else x
-    total = (d.T @ xh).square().sum()  # ||G||^2
+    if d.dim() == 3:  # token-shaped: rows are sequences, their Gram exact or sketched (base.head_gram)
+        K, gn2, _ = head_gram(d, h, bias, sketch, generator)
+        total = K.sum()
+    else:
+        x = h.to(dt)
+        sq_h = (x * x).sum(1) + (1.0 if bias else 0.0)
+        gn2 = (d * d).sum(1) * sq_h  # ||g_i||^2
+        xh = torch.cat([x, torch.ones_like(x[:, :1])], 1) if bias else x
+        total = (d.T @ xh).square().sum()  # ||G||^2
     valid = ~torch.isnan(loss)
     key = torch.where(valid, loss, torch.full_like(loss, math.inf))
     order = torch.argsort(key, stable=True)
@@ -93,7 +101,7 @@ class KABENA(SeededRule):
         dt = selection_dtype(view.delta)
         loss = view_losses(view, dt)
         pi, k, rel = kabena_probs(loss, view.delta, view.h, self.tau, self.pi_min,
-                                  self.bias and view.head_bias)
+                                  self.bias and view.head_bias, generator=self.generator(view))
         u = self.uniform(view, view.n, dt)
         w = torch.where(u < pi, 1.0 / pi, torch.zeros_like(pi))
         return self.finish(Selection(weight=w, info={"prob": pi, "K": k, "var_ratio": rel}))

@@ -6,30 +6,74 @@ With label smoothing an over-confident row can have other negative entries too, 
 inferred label is only trusted when it is the row's argmin AND negative; pass explicit
 targets (``capskip_targets=``) for other losses or soft targets.
 A row whose delta is exactly zero contributes nothing to any gradient: it is "free".
+
+Token-shaped heads (a causal LM, token classification): ``delta`` and ``z`` are (N, T, C), a row is a
+sequence and the functions here work per token, then per sequence.  A token whose delta is exactly zero
+(label -100 / ``ignore_index``, the position the shifted labels drop, padding) is ignored: it counts in no
+sequence's loss.
 """
 from __future__ import annotations
 
 from typing import Optional
+
+import math
 
 import torch
 from torch import Tensor
 
 
 def infer_targets(delta: Tensor) -> Tensor:
-    """(N,) int64 labels from dL/dz; -1 where no negative entry exists (label unknown)."""
-    mn, arg = delta.min(dim=1)
+    """(N,) int64 labels from dL/dz; -1 where no negative entry exists (label unknown);
+    (N, T) per token for token-shaped ``delta`` (N, T, C)."""
+    mn, arg = delta.min(dim=-1)
     return torch.where(mn < 0, arg, torch.full_like(arg, -1))
 
 
 def zero_rows(delta: Tensor) -> Tensor:
-    return (delta == 0).all(dim=1)
+    """(N,) rows (sequences, for token-shaped delta) whose gradient is exactly zero."""
+    return (delta == 0).flatten(1).all(dim=1)
 
 
 def correct_mask(delta: Tensor, z: Tensor, targets: Optional[Tensor]) -> Tensor:
-    """Rows the model classifies correctly, plus zero-gradient rows (free to skip)."""
+    """Rows the model classifies correctly, plus zero-gradient rows (free to skip).  Token-shaped heads:
+    every sequence (a sequence has no one class; CAPSkip's bound alone decides, docs/rules.md)."""
+    if delta.dim() == 3:
+        return torch.ones(delta.shape[0], dtype=torch.bool, device=delta.device)
     y = infer_targets(delta) if targets is None else targets.to(z.device).long()
     correct = (z.argmax(dim=1) == y) & (y >= 0)
     return correct | zero_rows(delta)
+
+
+def sequence_losses(delta: Tensor, z: Tensor, targets: Optional[Tensor]) -> Tensor:
+    """(N,) per-sequence loss of token-shaped logits (N, T, C): its tokens' cross-entropy reduced as the
+    loss reduces them, over the tokens that count (a label >= 0 and a nonzero delta): 0 for a sequence without
+    one (it adds nothing to the loss), NaN for one with a token that has a gradient but no label.
+
+    The reduction is read from delta, ``delta_t = s_t (softmax(z_t) - onehot(y_t))``: ``s_t`` is the
+    token's weight in the loss.  One weight for every counted token (a mean or a sum over the batch's
+    tokens, Hugging Face's causal-LM loss): the sum of the sequence's token losses; weights that differ
+    between sequences (a mean per sequence, then over the batch): the mean over its tokens.
+    """
+    dt = torch.float64 if z.dtype == torch.float64 else torch.float32
+    y = infer_targets(delta) if targets is None else targets.to(z.device).long()
+    d = delta.to(dt)
+    valid = (y >= 0) & (d != 0).any(-1)
+    ce = per_example_ce(z.flatten(0, 1), torch.where(valid, y, -1).flatten()).view(y.shape)
+    ce = torch.where(valid, ce, torch.zeros_like(ce))
+    count = valid.sum(1)
+    total = ce.sum(1)
+    # the token's weight s_t = -delta[y] / (1 - p_y), read where 1 - p_y is not rounding noise
+    p_y = torch.softmax(z.to(dt), -1).gather(-1, y.clamp_min(0)[..., None]).squeeze(-1)
+    d_y = d.gather(-1, y.clamp_min(0)[..., None]).squeeze(-1)
+    readable = valid & (1 - p_y > 1e-2)
+    s = torch.where(readable, -d_y / (1 - p_y).clamp_min(1e-2), torch.zeros_like(p_y))
+    s_max = torch.where(readable, s, torch.full_like(s, -math.inf)).amax()
+    s_min = torch.where(readable, s, torch.full_like(s, math.inf)).amin()
+    per_sequence = (s_min > 0) & (s_max > s_min * (1 + 1e-3))  # weights differ: a mean per sequence
+    loss = torch.where(per_sequence, total / count.clamp_min(1), total)
+    # a token with gradient but no label (none given, none inferable) makes its sequence's loss unknown
+    unknown = ((y < 0) & (d != 0).any(-1)).any(1)
+    return torch.where(unknown, torch.full_like(loss, float("nan")), loss)
 
 
 def per_example_ce(z: Tensor, targets: Tensor) -> Tensor:
@@ -54,6 +98,7 @@ def softmax_residual(delta: Tensor) -> Tensor:
     logits is not: its rows sum to ~their norm.  Rows of zeros (ignore_index) count for nothing.
     """
     d = delta.double() if delta.dtype == torch.float64 else delta.float()
+    d = d.flatten(0, -2) if d.dim() > 2 else d  # token-shaped: one row per token
     den = torch.linalg.vector_norm(d, dim=1).sum()
     return d.sum(1).abs().sum() / den.clamp_min(torch.finfo(d.dtype).tiny)
 

@@ -56,9 +56,10 @@ from .base import HeadView, SeededRule, Selection, check_normalize, selection_dt
 
 
 def ub_probs(delta: Tensor, smooth: float = 0.0) -> Tensor:
-    """(N,) sampling probabilities from ``||delta_i||`` (uniform when every score is 0)."""
+    """(N,) sampling probabilities from ``||delta_i||`` (uniform when every score is 0).  Token-shaped
+    delta (N, T, C): the sequence's norm over all its tokens (ignored tokens have delta 0)."""
     dt = selection_dtype(delta)
-    s = torch.linalg.vector_norm(delta.to(dt), dim=1)
+    s = torch.linalg.vector_norm(delta.to(dt).flatten(1), dim=1)
     if smooth > 0:
         s = s + smooth * s.mean()
     tot = s.sum()
@@ -140,7 +141,7 @@ class UpperBoundIS(SeededRule):
             return Selection(weight=view.delta.new_zeros(0, dtype=dt))
         b = self.draws(n)
         p = ub_probs(view.delta, self.smooth)
-        s = torch.linalg.vector_norm(view.delta.to(dt), dim=1)
+        s = torch.linalg.vector_norm(view.delta.to(dt).flatten(1), dim=1)
         ema = self.tau_ema
         ema = p.new_zeros(()) if ema is None else ema.to(device=p.device, dtype=dt)
         th = self.threshold(n, b)

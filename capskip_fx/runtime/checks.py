@@ -20,7 +20,9 @@ def head_checks(h: Tensor, z: Tensor, g: Tensor, targets: Optional[Tensor],
     checks = {"finite": torch.isfinite(g).all() & torch.isfinite(z).all() & torch.isfinite(h).all()}
     if targets is not None:
         targets = targets.to(g.device)
-        bad = (targets < -1) | (targets >= g.shape[1])
+        if g.dim() == 3:  # token-shaped logits: per-token labels, -100 (cross_entropy's ignore_index) ignored
+            targets = torch.where(targets == -100, torch.full_like(targets, -1), targets)
+        bad = (targets < -1) | (targets >= g.shape[-1])
         checks["bad_targets"] = bad.any()
         targets = torch.where(bad, torch.full_like(targets, -1), targets)
     if g.shape[0] > 0 and needs_labels:

@@ -53,13 +53,17 @@ def running_forward() -> Optional[ForwardContext]:
 
 def logits_of(out: Any, index: Optional[int]) -> Optional[Tensor]:
     """The logits among a model's outputs: the tensor itself, the ``index``-th value of a tuple/list/dict,
-    else the first 2-D tensor (a Hugging Face ModelOutput's ``logits`` after its 0-d ``loss``)."""
+    else a dict's ``logits`` (a Hugging Face ModelOutput), else the first 2-D tensor, else the first
+    token-shaped (3-D) one (a causal LM's)."""
     if isinstance(out, Tensor):
         return out
     vals = list(out.values()) if isinstance(out, dict) else list(out) if isinstance(out, (tuple, list)) else []
     if index is not None and index < len(vals):
         return vals[index]
-    return next((v for v in vals if isinstance(v, Tensor) and v.dim() == 2), None)
+    if isinstance(out, dict) and isinstance(out.get("logits"), Tensor):
+        return out["logits"]
+    return next((v for v in vals if isinstance(v, Tensor) and v.dim() == 2),
+                next((v for v in vals if isinstance(v, Tensor) and v.dim() == 3), None))
 
 
 def _compiled_node(node):

@@ -131,6 +131,9 @@ class RuntimeState:
         fwd = fwd if fwd is not None else ForwardContext()
         if fwd.targets is not None and fwd.targets.shape[0] != n:
             raise ValueError(f"capskip_targets has {fwd.targets.shape[0]} rows but the batch has {n}")
+        if fwd.targets is not None and fwd.targets.shape != g.shape[:-1]:
+            raise ValueError(f"capskip_targets has shape {tuple(fwd.targets.shape)}; logits of shape {tuple(g.shape)} "
+                             f"need one label per {'token (N, T), aligned with the logits' if g.dim() == 3 else 'row (N,)'}")
         view = global_view(self.scope, h.detach(), z.detach(), g.detach(), fwd.targets, fwd.index)
         h, z, g, targets = view.h, view.z, view.g, view.targets
         names, flags, safe_targets = head_checks(h, z, g, targets, self.rule.needs_labels)
@@ -160,7 +163,7 @@ class RuntimeState:
                 self.rule.load_state_dict(saved[0])
                 gen.set_state(saved[1])
             if checks.get("bad_targets"):
-                raise bad_targets_error(targets.to(g.device), g.shape[1])
+                raise bad_targets_error(targets.to(g.device), g.shape[-1])
             if fallback is not None:
                 self.warn_once(fallback)
                 sel = Selection(weight=g.new_ones(n))  # no bound either
