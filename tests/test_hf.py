@@ -223,3 +223,75 @@ def test_distilbert_with_labels_selects_rows(backend):
     grads = _grads(model)
     refs = {k: p.grad for k, p in ref.named_parameters() if k in grads}
     assert _rel_err(grads, refs) < 1e-4
+
+
+# ------------------------------------------------------------------------------------------
+# token-shaped logits (N, T, C): causal LMs with labels= (shifted, -100 ignored) and token classification
+# select sequences (tests/test_seq_heads.py has the rules' side)
+
+
+def _causal_lm(kind: str):
+    if kind == "gpt2":  # tied embeddings: lm_head.weight is wte.weight
+        cfg = transformers.GPT2Config(vocab_size=50, n_positions=16, n_embd=16, n_layer=1, n_head=2, resid_pdrop=0.0,
+                                      embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=1, eos_token_id=1, pad_token_id=0)
+        return transformers.GPT2LMHeadModel(cfg)
+    cls = {"llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
+           "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM)}[kind]
+    cfg = cls[0](vocab_size=50, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+                 num_key_value_heads=1, max_position_embeddings=16, bos_token_id=1, eos_token_id=1, pad_token_id=0)
+    return cls[1](cfg)
+
+
+def _weighted_token_loss(logits, labels, w, shift: bool):
+    """Hugging Face's token loss (mean over the batch's counted tokens) with sequence i's tokens weighted w_i."""
+    if shift:
+        logits, labels = logits[:, :-1], labels[:, 1:]
+    per = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), ignore_index=-100,
+                          reduction="none").view(labels.shape)
+    return (per * w[:, None]).sum() / (labels != -100).sum()
+
+
+@pytest.mark.parametrize("kind,rule", [("gpt2", "random"), ("llama", "random"), ("qwen2", "random"),
+                                       ("llama", "capskip")])
+def test_causal_lm_with_labels_selects_sequences_exactly(kind, rule):
+    """labels= with padding: the loss inside the model (Llama, Qwen2: one graph) or after a graph break
+    (GPT-2's loss_function lookup logs); either way the backward runs the kept sequences, exactly."""
+    torch.manual_seed(0)
+    model = _causal_lm(kind)
+    ref = copy.deepcopy(model).double()
+    ids, mask = _padded_batch(8, 6, "right")
+    labels = ids.masked_fill(mask == 0, -100)
+    opts = {"keep": 0.5} if rule == "random" else {"budget": 0.6}
+    cm = capskip_fx.compile(model, rule=rule, backend="aot_eager", **opts)
+    cm(input_ids=ids, attention_mask=mask, labels=labels).loss.backward()
+    st = capskip_fx.stats(cm)
+    assert st.mode == "selected" and 0 < st.kept < 8 and st.rows < 8, st
+    heads = [r for r in capskip_fx.report(cm) if r["role"] == "head"]
+    assert heads and heads[0]["backward"] == "selected rows", capskip_fx.report(cm)
+    head = next(r for r in cm.backend.records if r.head)
+    assert head.in_graph_loss == (kind != "gpt2"), f"{kind}: in-graph loss {head.in_graph_loss}"
+    assert head.verified, "the gathered backward was not checked against the dense-masked one"
+    _weighted_token_loss(ref(input_ids=ids, attention_mask=mask).logits, labels, st.weight.double(), True).backward()
+    grads = _grads(model)
+    refs = {k: p.grad for k, p in ref.named_parameters() if k in grads}
+    assert refs.keys() == grads.keys(), "parameters with a gradient differ"
+    assert _rel_err(grads, refs) < 1e-4
+
+
+def test_token_classification_with_labels_selects_sequences_exactly():
+    torch.manual_seed(0)
+    cfg = transformers.BertConfig(vocab_size=50, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+                                  intermediate_size=32, max_position_embeddings=16, num_labels=5,
+                                  hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, classifier_dropout=0.0)
+    model = transformers.BertForTokenClassification(cfg)
+    ref = copy.deepcopy(model).double()
+    ids, mask = _padded_batch(8, 6, "right")
+    labels = (ids % 5).masked_fill(mask == 0, -100)
+    cm = capskip_fx.compile(model, rule="random", keep=0.5, backend="aot_eager")
+    cm(input_ids=ids, attention_mask=mask, labels=labels).loss.backward()
+    st = capskip_fx.stats(cm)
+    assert (st.mode, st.kept, st.rows) == ("selected", 4, 4), st
+    _weighted_token_loss(ref(input_ids=ids, attention_mask=mask).logits, labels, st.weight.double(), False).backward()
+    grads = _grads(model)
+    refs = {k: p.grad for k, p in ref.named_parameters() if k in grads}
+    assert refs.keys() == grads.keys() and _rel_err(grads, refs) < 1e-4
