@@ -35,7 +35,7 @@ from capskip_fx.backend import backend_of
 from capskip_fx.cpu import retain_freed_memory
 from results_io import write_results
 from capskip_fx.rules.stale_sb_filter import StaleBatchFilter
-from capskip_fx.rules import CAPSkip, Forced, RandomSkip, StaleSB, make_rule
+from capskip_fx.rules import CAPSkip, Forced, RandomSkip, Rule, StaleSB, make_rule
 
 
 def parse():
@@ -70,6 +70,15 @@ def parse():
     p.add_argument("--amp", choices=["none", "bf16"], default="none")
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--out", default=None, help="results file stem (default benchmarks/results/<device>_<model>)")
+    p.add_argument("--lm", action="store_true",
+                   help="a tiny causal LM (transformers GPT-2 config, loss from labels= with padding) instead of the "
+                        "timm model: sequences are the rows; rows forced f, the rules, and the CAPSkip selection's cost")
+    p.add_argument("--lm-embd", type=int, default=64)
+    p.add_argument("--lm-layers", type=int, default=2)
+    p.add_argument("--lm-heads", type=int, default=4)
+    p.add_argument("--vocab", type=int, default=50257)
+    p.add_argument("--seq-len", type=int, default=64)
+    p.add_argument("--sketch", type=int, default=None, help="CAPSkip's sketch width (None: auto; 0: exact)")
     p.add_argument("--no-malloc-tuning", action="store_true",
                    help="leave glibc malloc's defaults (else capskip_fx.cpu.retain_freed_memory on CPU)")
     return p.parse_args()
@@ -83,6 +92,8 @@ def sync(device):
 def main():
     a = parse()
     malloc_tuned = not a.no_malloc_tuning and not a.device.startswith("cuda") and retain_freed_memory()
+    if a.lm:
+        return main_lm(a, malloc_tuned)
     import timm
 
     if a.threads:
@@ -275,6 +286,146 @@ def main():
     for r in vcas_table:
         r["setting"] = list(r["setting"])
     write_results(stem, {"meta": meta, "rows": rows, "vcas": vcas_table}, f"{json.dumps(meta)}\n\n{table}")
+
+
+class _Recording(Rule):
+    """A rule that delegates and keeps the last HeadView (to time the selection alone, synchronised)."""
+
+    def __init__(self, rule):
+        self.rule, self.view = rule, None
+        self.name, self.needs_labels = rule.name, rule.needs_labels
+
+    def state_dict(self):
+        return self.rule.state_dict()
+
+    def load_state_dict(self, state):
+        self.rule.load_state_dict(state)
+
+    def select(self, view):
+        self.view = view
+        return self.rule.select(view)
+
+
+def main_lm(a, malloc_tuned: bool) -> None:
+    """A tiny causal LM: GPT-2 config (tied embeddings), Hugging Face's loss from labels= (a quarter of the
+    sequences padded by a quarter, -100).  Rows: dense compiled, capskip forced f (bwd(f)/bwd(dense), expected
+    <= f + 0.05), the rules, and CAPSkip's selection alone (synchronised, median) as a fraction of the dense
+    step."""
+    import transformers
+
+    if a.threads:
+        torch.set_num_threads(a.threads)
+    dev, n, t = a.device, a.batch_size, a.seq_len
+    torch.manual_seed(0)
+    cfg = transformers.GPT2Config(vocab_size=a.vocab, n_positions=max(t, 16), n_embd=a.lm_embd, n_layer=a.lm_layers,
+                                  n_head=a.lm_heads, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    model = transformers.GPT2LMHeadModel(cfg).to(dev)
+    model.loss_type = "ForCausalLM"  # else a logged warning breaks the graph before the loss (both paths work)
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, a.vocab, (n, t), generator=g)
+    mask = torch.ones(n, t, dtype=torch.long)
+    mask[: n // 4, -(t // 4):] = 0
+    labels = ids.masked_fill(mask == 0, -100)
+    ids, mask, labels = ids.to(dev), mask.to(dev), labels.to(dev)
+    amp = torch.autocast(device_type=dev.split(":")[0], dtype=torch.bfloat16) if a.amp == "bf16" else None
+    cm = capskip_fx.compile(model, rule="dense", gather=a.gather, mode=a.mode)
+    # compiled first: after dense's dynamic=True compile of the same forward, Dynamo would make the sequence
+    # length symbolic too, and a saved (N*T, d) value with a symbolic T runs dense-masked (docs/limits.md)
+    cm(input_ids=ids, attention_mask=mask, labels=labels).loss.backward()
+    dense = torch.compile(model, dynamic=True, mode=a.mode)
+
+    def step(fwd):
+        model.zero_grad(set_to_none=True)
+        sync(dev)
+        t0 = time.perf_counter()
+        with (amp or torch.autocast(device_type="cpu", enabled=False)):
+            loss = fwd(input_ids=ids, attention_mask=mask, labels=labels).loss
+        sync(dev)
+        t1 = time.perf_counter()
+        loss.backward()
+        sync(dev)
+        return t1 - t0, time.perf_counter() - t1
+
+    variants = {"dense compiled": lambda: step(dense)}
+    for f in a.fractions:
+        keep = torch.randperm(n, generator=torch.Generator().manual_seed(1))[:max(1, round(f * n))].to(dev)
+
+        def run_forced(keep=keep):
+            cm.rule = Forced(keep=lambda _: keep)
+            return step(cm)
+        variants[f"capskip forced f={f:g}"] = run_forced
+    rules = {}
+    for r in a.rules:
+        if r == "capskip":
+            rules[f"rule capskip b={a.budget:g}"] = _Recording(CAPSkip(budget=a.budget, sketch=a.sketch))
+            if a.sketch != 0:
+                rules[f"rule capskip b={a.budget:g} exact"] = _Recording(CAPSkip(budget=a.budget, sketch=0))
+        elif r == "random":
+            rules[f"rule random b={a.budget:g}"] = RandomSkip(match=CAPSkip(budget=a.budget, sketch=a.sketch))
+        elif r in ("sb", "kabena", "ub"):
+            rules[f"rule {r}"] = make_rule(r, **({"keep": 0.5, "start": 0.0, "end": 1.0} if r == "sb" else {}))
+    for label, rule in rules.items():
+        def run_rule(rule=rule):
+            cm.rule = rule
+            return step(cm)
+        variants[label] = run_rule
+
+    times, kept, sel_ms = ({v: [] for v in variants} for _ in range(3))
+    t_compile = time.perf_counter()
+    for fn in variants.values():
+        for _ in range(a.warmup):
+            fn()
+    t_compile = time.perf_counter() - t_compile
+    for _ in range(a.reps):
+        for v, fn in variants.items():
+            times[v].append(fn())
+            st = capskip_fx.stats(cm)
+            kept[v].append(st.kept / st.n if v != "dense compiled" else 1.0)
+            sel_ms[v].append(st.selection_ms if v.startswith("rule") else None)
+    med = statistics.median
+    F0, B0 = med([x[0] for x in times["dense compiled"]]), med([x[1] for x in times["dense compiled"]])
+    rows = []
+    for v in variants:
+        fw, bw = med([x[0] for x in times[v]]), med([x[1] for x in times[v]])
+        row = {"variant": v, "kept": med(kept[v]), "fwd_ms": fw * 1e3, "bwd_ms": bw * 1e3, "bwd_ratio": bw / B0,
+               "step_ratio": (fw + bw) / (F0 + B0), "selection_ms": med(sel_ms[v]) if sel_ms[v][0] is not None else None}
+        if v.startswith("capskip forced"):
+            f = float(v.split("f=")[1])
+            row["expected_max"] = f + 0.05
+            row["ok"] = row["bwd_ratio"] <= f + 0.05
+        rule = rules.get(v)
+        if isinstance(rule, _Recording) and rule.view is not None:  # the selection alone, synchronised
+            alone = []
+            for _ in range(a.reps):
+                sync(dev)
+                t0 = time.perf_counter()
+                rule.rule.select(rule.view)
+                sync(dev)
+                alone.append(time.perf_counter() - t0)
+            row["selection_alone_ms"] = med(alone) * 1e3
+            row["selection_of_step"] = med(alone) / (F0 + B0)
+        rows.append(row)
+    fmt = lambda v, p=2: "" if v is None else f"{v:.{p}f}"
+    lines = ["| variant | kept | fwd ms | bwd ms | bwd/bwd_dense | expected <= | selection ms (stats) | "
+             "selection alone ms | selection / dense step |", "|---|---|---|---|---|---|---|---|---|"]
+    lines += [f"| {r['variant']} | {r['kept']:.2f} | {r['fwd_ms']:.1f} | {r['bwd_ms']:.1f} | {r['bwd_ratio']:.2f} | "
+              f"{fmt(r.get('expected_max'))}{'' if 'ok' not in r else (' ok' if r['ok'] else ' OVER')} | "
+              f"{fmt(r['selection_ms'])} | {fmt(r.get('selection_alone_ms'))} | "
+              f"{fmt(None if 'selection_of_step' not in r else 100 * r['selection_of_step'], 1)}{'' if 'selection_of_step' not in r else ' %'} |"
+              for r in rows]
+    device = torch.cuda.get_device_name() if dev.startswith("cuda") else \
+        f"{platform.processor() or platform.machine()} CPU, {torch.get_num_threads()} threads"
+    meta = {"device": device, "malloc_tuned": malloc_tuned, "torch": torch.__version__, "model": "gpt2 (transformers config)",
+            "n_embd": a.lm_embd, "n_layer": a.lm_layers, "vocab": a.vocab, "seq_len": t, "batch_size": n, "amp": a.amp,
+            "reps": a.reps, "warmup": a.warmup, "budget": a.budget, "sketch": a.sketch, "gather": a.gather,
+            "warmup_s": t_compile, "command": "python " + " ".join(sys.argv)}
+    table = "\n".join(lines)
+    print(f"# causal LM (GPT-2 config, d={a.lm_embd}, {a.lm_layers} layers, vocab {a.vocab}), N={n} x T={t}, {a.amp}, "
+          f"{device}; median of {a.reps} interleaved rounds, warm-up excluded ({t_compile:.0f} s)\n")
+    print(table)
+    stem = Path(a.out) if a.out else Path(__file__).parent / "results" / \
+        f"{dev.split(':')[0]}_lm_gpt2_d{a.lm_embd}_l{a.lm_layers}_v{a.vocab}_n{n}_t{t}"
+    write_results(stem, {"meta": meta, "rows": rows}, f"{json.dumps(meta)}\n\n{table}")
 
 
 def vcas_setting(spec: str) -> tuple:

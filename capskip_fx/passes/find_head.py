@@ -434,7 +434,36 @@ def find_in_graph_loss(graph: fx.Graph, head: Head, backward: set) -> Optional[I
     if grad is None or tuple(grad.meta["val"].shape) != want:
         raise Refused("in-graph loss: the gradient into the logits was not found (a frozen head?)",
                       RefusalKind.IN_GRAPH_LOSS)
+    region |= _label_values_of_loss_backward(grad, region, backward, head.z, needs_grad)
     return InGraphLoss(frozenset(region), grad)
+
+
+def _label_values_of_loss_backward(grad: fx.Node, region: set, backward: set, z: fx.Node, needs_grad) -> set:
+    """Forward values computed from labels and sizes only for the loss's backward (the nodes computing dL/dz),
+    e.g. a decomposed cross-entropy's one-hot ``scatter`` of the labels: they belong to the loss (the prefix
+    reads them, on all rows; never gathered).  Those with any other reader stay out."""
+    loss_bwd, stack = set(), [grad]
+    while stack:
+        n = stack.pop()
+        if n in loss_bwd or n not in backward:
+            continue
+        loss_bwd.add(n)
+        stack.extend(n.all_input_nodes)
+    found, stack = set(), [a for n in loss_bwd for a in n.all_input_nodes if a not in backward]
+    while stack:
+        a = stack.pop()
+        if a in found or a in region or a is z or a.op != "call_function" or _differentiable(a, needs_grad):
+            continue
+        found.add(a)
+        stack.extend(a.all_input_nodes)
+    changed = True
+    while changed:
+        changed = False
+        for a in list(found):
+            if any(u not in region and u not in loss_bwd and u not in found for u in a.users):
+                found.discard(a)
+                changed = True
+    return found
 
 
 def _is_reduced(n: fx.Node, zdim) -> bool:
