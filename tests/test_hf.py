@@ -251,18 +251,20 @@ def _weighted_token_loss(logits, labels, w, shift: bool):
     return (per * w[:, None]).sum() / (labels != -100).sum()
 
 
-@pytest.mark.parametrize("kind,rule", [("gpt2", "random"), ("llama", "random"), ("qwen2", "random"),
-                                       ("llama", "capskip")])
-def test_causal_lm_with_labels_selects_sequences_exactly(kind, rule):
+@pytest.mark.parametrize("kind,rule,backend", [("gpt2", "random", "aot_eager"), ("llama", "random", "aot_eager"),
+                                               ("qwen2", "random", "aot_eager"), ("llama", "capskip", "aot_eager"),
+                                               ("llama", "random", "inductor")])
+def test_causal_lm_with_labels_selects_sequences_exactly(kind, rule, backend):
     """labels= with padding: the loss inside the model (Llama, Qwen2: one graph) or after a graph break
-    (GPT-2's loss_function lookup logs); either way the backward runs the kept sequences, exactly."""
+    (GPT-2's loss_function lookup logs); either way the backward runs the kept sequences, exactly.
+    Inductor's decomposed cross-entropy saves a one-hot scatter of the labels for the loss's backward."""
     torch.manual_seed(0)
     model = _causal_lm(kind)
     ref = copy.deepcopy(model).double()
     ids, mask = _padded_batch(8, 6, "right")
     labels = ids.masked_fill(mask == 0, -100)
     opts = {"keep": 0.5} if rule == "random" else {"budget": 0.6}
-    cm = capskip_fx.compile(model, rule=rule, backend="aot_eager", **opts)
+    cm = capskip_fx.compile(model, rule=rule, backend=backend, **opts)
     cm(input_ids=ids, attention_mask=mask, labels=labels).loss.backward()
     st = capskip_fx.stats(cm)
     assert st.mode == "selected" and 0 < st.kept < 8 and st.rows < 8, st

@@ -206,6 +206,14 @@ def test_explicit_token_targets_with_ignore_index():
     assert losses[kept].min() >= losses[dropped].max(), f"kept losses {losses[kept]}, dropped {losses[dropped]}"
 
 
+def test_token_targets_of_the_wrong_shape_fail_at_the_forward():
+    model = TokenModel().double()
+    x, y = _batch()
+    cm = capskip_fx.compile(model, rule="sb", backend="aot_eager", **SB)
+    with pytest.raises(ValueError, match=r"\(N, T\) for token-shaped logits"):
+        cm(x, capskip_targets=y[:, :-1])
+
+
 # -- the sequence Gram ----------------------------------------------------------------------------------
 
 
