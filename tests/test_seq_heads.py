@@ -101,6 +101,17 @@ def test_token_head_selects_sequences_exactly(rule, options):
     assert err < 1e-10, f"{rule}: gradients differ from the float64 reference of the same selection: {err}"
 
 
+def test_the_logits_are_not_gathered_when_the_backward_never_reads_them():
+    """z (N, T, C) is read by the selection only: the gathered backward gets a view of its first rows."""
+    torch.manual_seed(0)
+    model = TokenModel().double()
+    x, y = _batch()
+    cm = capskip_fx.compile(model, rule="random", keep=0.5, backend="aot_eager")
+    _loss(cm(x), y).backward()
+    plan = next(r for r in cm.backend.records if r.head).plan
+    assert plan.select_args[1] in plan.unread, f"logits input {plan.select_args[1]} gathered (unread {plan.unread})"
+
+
 def test_token_head_without_bias_and_the_sketch_stay_exact():
     """A sketched Gram changes which sequences CAPSkip keeps, never the exactness of the backward."""
     torch.manual_seed(0)

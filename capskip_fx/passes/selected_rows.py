@@ -53,6 +53,9 @@ class BackwardPlan:
     sym: sympy.Symbol
     prefix: Optional[Prefix] = None
     stride_syms: tuple = ()  # symbolic strides of saved views, contiguous in the gathered copies (symbolic.py)
+    # batch inputs the rewritten graph never reads (the logits z, read only by the selection it replaced):
+    # the runtime passes their first rows as a view instead of gathering them (a causal LM's (N, T, C) z)
+    unread: tuple[int, ...] = ()
 
     @property
     def head(self) -> bool:
@@ -113,7 +116,9 @@ def plan_backward(gm: fx.GraphModule, example_inputs, layouts: dict) -> tuple[fx
     gm.recompile()
     tangents = tuple(i for i, n in enumerate(placeholders)
                      if n.name.startswith("tangents") and specs[i].kind == "batch")
-    plan = BackwardPlan(tuple(pos[a] for a in tensors), tangents, specs, out_specs, sym, prefix, tuple(strides))
+    unread = tuple(pos[a] for a in dict.fromkeys(tensors) if not a.users and specs[pos[a]].kind == "batch")
+    plan = BackwardPlan(tuple(pos[a] for a in tensors), tangents, specs, out_specs, sym, prefix, tuple(strides),
+                        unread)
     return gm, plan, w_val, example_inputs
 
 

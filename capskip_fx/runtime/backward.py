@@ -107,11 +107,13 @@ class SelectedRowBackward:
             new_args = [shape if s.kind == "symint" else a
                         for a, s, shape in zip(args, p.specs, shapes)] + [w_kb, idx, n]
         else:
-            gathered = iter(gather_all([a for a, s in zip(args, p.specs) if s.kind == "batch"],
-                                       [s for s in p.specs if s.kind == "batch"], idx, n,
-                                       [shape for shape, s in zip(shapes, p.specs) if s.kind == "batch"]))
-            new_args = [next(gathered) if s.kind == "batch" else shape if s.kind == "symint" else a
-                        for a, s, shape in zip(args, p.specs, shapes)] + [w_kb]
+            read = [i for i, s in enumerate(p.specs) if s.kind == "batch" and i not in p.unread]
+            gathered = iter(gather_all([args[i] for i in read], [p.specs[i] for i in read], idx, n,
+                                       [shapes[i] for i in read]))
+            # an input the graph never reads: its first kb rows, a view (no copy)
+            new_args = [args[i].narrow(s.dim, 0, kb * s.factor) if i in p.unread else next(gathered)
+                        if s.kind == "batch" else shape if s.kind == "symint" else a
+                        for i, (a, s, shape) in enumerate(zip(args, p.specs, shapes))] + [w_kb]
         args.clear()
         state.set_rows(stats, kb)
         rec.row_counts.add(kb)

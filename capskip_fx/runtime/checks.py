@@ -17,7 +17,10 @@ def head_checks(h: Tensor, z: Tensor, g: Tensor, targets: Optional[Tensor],
                 needs_labels: bool) -> tuple[list[str], Tensor, Optional[Tensor]]:
     """The checks' names and values as one (m,) int64 device tensor (no read); and the labels with
     out-of-range ones as -1 (unknown), so the rule, run before the read, never indexes with them."""
-    checks = {"finite": torch.isfinite(g).all() & torch.isfinite(z).all() & torch.isfinite(h).all()}
+    # one reduction per tensor: a NaN or inf anywhere makes its sum non-finite (a sum overflowing float32,
+    # ~1e38, would read as non-finite too: a dense step, never a wrong one)
+    acc = torch.float64 if g.dtype == torch.float64 else torch.float32
+    checks = {"finite": torch.isfinite(g.sum(dtype=acc) + z.sum(dtype=acc) + h.sum(dtype=acc))}
     if targets is not None:
         targets = targets.to(g.device)
         if g.dim() == 3:  # token-shaped logits: per-token labels, -100 (cross_entropy's ignore_index) ignored
