@@ -112,6 +112,23 @@ def test_the_logits_are_not_gathered_when_the_backward_never_reads_them():
     assert plan.select_args[1] in plan.unread, f"logits input {plan.select_args[1]} gathered (unread {plan.unread})"
 
 
+def test_stale_sb_pairs_sequence_losses_with_dataset_indices():
+    torch.manual_seed(0)
+    model = TokenModel().double()
+    x, y = _batch(5)
+    cm = capskip_fx.compile(model, rule="stale_sb", prime_epochs=0, backend="aot_eager")
+    ref_model = copy.deepcopy(model)
+    _loss(cm(x, capskip_index=torch.arange(N)), y).backward()
+    st = capskip_fx.stats(cm)
+    assert st.mode == "selected" and 0 < st.kept < N and st.rows < N, st
+    err = _rel_err(_grads(model), _weighted_reference(ref_model, x, y, st.weight.double()))
+    assert err < 1e-10, err
+    cached = cm.rule.cache_loss[:N]
+    with torch.no_grad():
+        want = _loss(ref_model(x), y, reduction="none").view(N, T).sum(1)  # a token mean: each sequence's sum
+    assert torch.allclose(cached.double(), want, rtol=1e-6), f"cached {cached} vs per-sequence losses {want}"
+
+
 def test_token_head_without_bias_and_the_sketch_stay_exact():
     """A sketched Gram changes which sequences CAPSkip keeps, never the exactness of the backward."""
     torch.manual_seed(0)
