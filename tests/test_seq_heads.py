@@ -16,7 +16,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import capskip_fx
-from capskip_fx.rules.base import HeadView, head_gram, view_losses
+from capskip_fx.rules.base import HeadView, head_gram, sequence_gram_exact, view_losses
 from capskip_fx.rules.capskip import capskip_weights
 
 N, T, C, D, V = 8, 5, 11, 6, 20
@@ -271,6 +271,10 @@ def test_exact_sequence_gram_equals_brute_force(n, t, c, d, bias, seed, ignored)
     assert exact, "sketch=0 must be exact"
     assert torch.allclose(K, G @ G.T, atol=1e-10), "sequence Gram != brute-force per-sequence inner products"
     assert torch.allclose(diag, (G * G).sum(1), atol=1e-10), "diagonal != per-sequence squared norms"
+    x = torch.cat([h, torch.ones_like(h[..., :1])], -1) if bias else h
+    for route in ("sequences", "tokens"):  # both exact forms, whichever head_gram picked
+        Kr = sequence_gram_exact(delta, x, route)
+        assert torch.allclose(Kr, G @ G.T, atol=1e-10), f"the {route} form != brute-force inner products"
 
 
 @settings(max_examples=6, deadline=None)

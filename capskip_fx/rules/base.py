@@ -77,8 +77,8 @@ def view_losses(view: HeadView, dtype: torch.dtype) -> Tensor:
     return per_example_ce(view.z, targets).to(dtype)
 
 
-#: token-shaped heads: the exact sequence Gram is computed while its per-sequence gradients, N x C x (d+1)
-#: numbers, fit in this many elements; above it, the sketch
+#: token-shaped heads: an exact form of the sequence Gram (the per-sequence gradients, N x C x (d+1) numbers,
+#: or the token Gram, (N*T)^2) is used while it fits in this many elements and costs at most twice the sketch
 EXACT_GRAM_ELEMENTS = 1 << 24
 #: the sketch's width k (columns of the vocabulary projection P)
 SKETCH_DIM = 128
@@ -87,12 +87,14 @@ SKETCH_DIM = 128
 def head_gram(delta: Tensor, h: Tensor, bias: bool = True, sketch: Optional[int] = None,
               generator: Optional[torch.Generator] = None) -> tuple[Tensor, Tensor, bool]:
     """``(K, diag, exact)``: the Gram ``K_ij = <g_i, g_j>`` of the rows' head (last-layer) gradients,
-    ``g_i = delta_i (x) [h_i; 1]`` (no ``1`` without a bias), its diagonal from row-wise sums, and whether
-    K is exact, in the selection dtype.
+    ``g_i = delta_i (x) [h_i; 1]`` (no ``1`` without a bias), its diagonal (for (N, C) rows from row-wise
+    sums, so equal rows tie exactly), and whether K is exact, in the selection dtype.
 
     (N, C) delta: ``K = (D D^T) * (H H^T + 1)``, exact.  Token-shaped (N, T, C) delta, h (N, T, d): a row is
     a sequence, ``G_i = sum_t delta_it (x) [h_it; 1] = D_i^T H~_i`` (C x (d+1)):
-      * exact (``sketch=0``, or ``None`` while N*C*(d+1) <= EXACT_GRAM_ELEMENTS): the G_i materialised;
+      * exact (``sketch=0``, or ``None`` while one of its forms fits in EXACT_GRAM_ELEMENTS and costs at most
+        twice the sketch): the G_i materialised (N*T*C*(d+1) multiply-adds), or the token Gram summed per
+        pair of sequences ((N*T)^2 (C+d+1)), whichever costs less (``sequence_gram_exact``);
       * sketched (``sketch=k``, or ``None`` above that, k = SKETCH_DIM): ``G~_i = P^T D_i^T H~_i`` (k x (d+1))
         with P (C x k) of i.i.d. N(0, 1/k) entries drawn from ``generator``, so
         ``E[<G~_i, G~_j>] = <G_i, G_j>`` (unbiased: ``E[P P^T] = I``), with
@@ -110,15 +112,35 @@ def head_gram(delta: Tensor, h: Tensor, bias: bool = True, sketch: Optional[int]
         return K, (d * d).sum(1) * ((x * x).sum(1) + one), True
     if bias:
         x = torch.cat([x, torch.ones_like(x[..., :1])], -1)
-    n, _, c = d.shape
-    k = sketch if sketch is not None else (0 if n * c * x.shape[-1] <= EXACT_GRAM_ELEMENTS else SKETCH_DIM)
-    if k:
-        dev = generator.device if generator is not None else d.device
-        p = torch.randn(c, k, generator=generator, device=dev, dtype=dt).to(d.device) / math.sqrt(k)
-        d = d @ p  # (N, T, k)
-    g = torch.einsum("ntc,nte->nce", d, x).reshape(n, -1)
-    K = g @ g.T
-    return K, (g * g).sum(1), not k
+    n, t, c = d.shape
+    e = x.shape[-1]
+    cost = {"sequences": n * t * c * e, "tokens": (n * t) ** 2 * (c + e)}  # multiply-adds of each exact form
+    size = {"sequences": n * c * e, "tokens": (n * t) ** 2}
+    if sketch is None:  # auto: exact where a form fits and costs at most twice the sketch, else the sketch
+        fits = [r for r in cost if size[r] <= EXACT_GRAM_ELEMENTS and cost[r] <= 2 * n * t * c * SKETCH_DIM]
+        sketch = 0 if fits else SKETCH_DIM
+    if sketch == 0:
+        route = min(cost, key=cost.__getitem__)
+        K = sequence_gram_exact(d, x, route)
+        return K, K.diagonal().clone(), True
+    dev = generator.device if generator is not None else d.device
+    p = torch.randn(c, sketch, generator=generator, device=dev, dtype=dt).to(d.device) / math.sqrt(sketch)
+    g = torch.einsum("ntk,nte->nke", d @ p, x).reshape(n, -1)  # P^T D_i^T H~_i, (N, k (d+1))
+    return g @ g.T, (g * g).sum(1), False
+
+
+def sequence_gram_exact(d: Tensor, x: Tensor, route: str) -> Tensor:
+    """The exact sequence Gram of (N, T, C) ``d`` and (N, T, e) ``x`` (``x`` already holds the bias column):
+    ``"sequences"`` materialises each ``G_i = D_i^T X_i`` (N C e numbers); ``"tokens"`` sums the token Gram
+    ``(D D^T) * (X X^T)`` ((N T)^2 numbers) over each pair of sequences' blocks."""
+    n, t, c = d.shape
+    if route == "sequences":
+        g = torch.einsum("ntc,nte->nce", d, x).reshape(n, -1)
+        return g @ g.T
+    if route != "tokens":
+        raise ValueError(f"route must be 'sequences' or 'tokens', got {route!r}")
+    df, xf = d.reshape(n * t, c), x.reshape(n * t, -1)
+    return ((df @ df.T) * (xf @ xf.T)).view(n, t, n, t).sum((1, 3))
 
 
 @dataclass
