@@ -117,7 +117,8 @@ def head_gram(delta: Tensor, h: Tensor, bias: bool = True, sketch: Optional[int]
     cost = {"sequences": n * t * c * e, "tokens": (n * t) ** 2 * (c + e)}  # multiply-adds of each exact form
     size = {"sequences": n * c * e, "tokens": (n * t) ** 2}
     if sketch is None:  # auto: exact where a form fits and costs at most twice the sketch, else the sketch
-        fits = [r for r in cost if size[r] <= EXACT_GRAM_ELEMENTS and cost[r] <= 2 * n * t * c * SKETCH_DIM]
+        sketch_cost = (n * t + 16) * c * SKETCH_DIM  # D P, and drawing P (~16 multiply-adds a normal)
+        fits = [r for r in cost if size[r] <= EXACT_GRAM_ELEMENTS and cost[r] <= 2 * sketch_cost]
         sketch = 0 if fits else SKETCH_DIM
     if sketch == 0:
         route = min(cost, key=cost.__getitem__)
