@@ -77,3 +77,97 @@ def test_structured_trace_has_the_rewritten_backward(tmp_path):
     assert out.returncode == 0, out.stderr[-2000:]
     text = "".join(p.read_text() for p in tmp_path.iterdir())
     assert "capskip_backward_graph_0" in text and "capskip_w" in text
+
+
+class _CentredMLP(nn.Module):
+    """Row mixing in the user's own line (h - h.mean(0)), then a library module that mixes rows."""
+
+    def __init__(self, bn: bool):
+        super().__init__()
+        self.fc, self.head = nn.Linear(6, 8), nn.Linear(8, 3)
+        self.bn = nn.BatchNorm1d(8) if bn else None
+
+    def forward(self, x):
+        h = self.fc(x)
+        if self.bn is not None:
+            h = self.bn(h)
+        else:
+            h = h - h.mean(0)
+        return self.head(h)
+
+
+def _refused_steps(cm, sizes):
+    """Train steps at the given batch sizes; the capskip_fx warnings they raised."""
+    import warnings
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for s, n in enumerate(sizes):
+            _step(cm, n=n, seed=s)
+    return [str(w.message) for w in caught if str(w.message).startswith("capskip_fx:")]
+
+
+def test_refusal_names_the_op_and_the_users_source_line():
+    """A refusal at a node in the user's code carries the aten op and the user's line, and report() and
+    the warning show them."""
+    torch.manual_seed(0)
+    cm = capskip_fx.compile(_CentredMLP(bn=False), rule="random", keep=0.5, backend="aot_eager")
+    warned = _refused_steps(cm, [8])
+    refusal = cm.backend.records[0].refusal
+    assert refusal is not None, "h - h.mean(0) mixes rows: the graph must be refused"
+    assert refusal.op == "aten.mean.dim", f"the refused op: {refusal.op!r}"
+    assert refusal.source_line is not None, "the user's line is in Dynamo's stack trace"
+    assert refusal.source_line.startswith("test_observability.py:"), refusal.source_line
+    assert refusal.source_line.endswith("h = h - h.mean(0)"), refusal.source_line
+    assert refusal.module is None or "Linear" not in refusal.module, f"the mean is in no submodule: {refusal.module}"
+    text = str(capskip_fx.report(cm))
+    assert "graph 0 refused at: op aten.mean.dim" in text, text
+    assert refusal.source_line in text, text
+    assert len(warned) == 1, warned
+    assert refusal.source_line in warned[0], warned
+
+
+def test_refusal_inside_batchnorm_names_the_module_path():
+    """Inside a library module the innermost frames are torch's: the refusal names the module path and
+    class, and the user's line that called it (not torch/nn/functional.py)."""
+    torch.manual_seed(0)
+    cm = capskip_fx.compile(_CentredMLP(bn=True), rule="random", keep=0.5, backend="aot_eager")
+    warned = _refused_steps(cm, [8])
+    refusal = cm.backend.records[0].refusal
+    assert refusal is not None, "BatchNorm in train mode mixes rows: the graph must be refused"
+    assert refusal.op is not None and "var_mean" in refusal.op, f"the refused op: {refusal.op!r}"
+    assert refusal.module == "bn (BatchNorm1d)", f"the module path: {refusal.module!r}"
+    assert refusal.source_line is not None, "the line that called self.bn is the user's"
+    assert refusal.source_line.endswith("h = self.bn(h)"), refusal.source_line
+    assert "functional.py" not in refusal.source_line, refusal.source_line
+    assert len(warned) == 1, warned
+    assert "in bn (BatchNorm1d)" in warned[0], warned
+
+
+def test_refusal_warns_once_per_graph():
+    """A refused graph warns once, however many steps and recompiles (new batch sizes) follow; a second
+    refused graph (after a graph break) warns once too, naming its own module."""
+    torch.manual_seed(0)
+    cm = capskip_fx.compile(_CentredMLP(bn=True), rule="random", keep=0.5, backend="aot_eager")
+    warned = _refused_steps(cm, [8, 9, 10, 8])
+    assert len(warned) == 1, f"one refused graph, warned {len(warned)} times: {warned}"
+
+    class TwoParts(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a = nn.Sequential(nn.Linear(6, 8), nn.BatchNorm1d(8))
+            self.b = nn.Sequential(nn.BatchNorm1d(8), nn.Linear(8, 3))
+
+        def forward(self, x):
+            h = self.a(x)
+            torch._dynamo.graph_break()
+            return self.b(h)
+
+    torch.manual_seed(0)
+    cm2 = capskip_fx.compile(TwoParts(), rule="random", keep=0.5, backend="aot_eager")
+    warned = _refused_steps(cm2, [8, 9, 10])
+    refused = [r for r in cm2.backend.records if r.refusal is not None]
+    assert len(refused) == 2, f"two refused graphs expected: {capskip_fx.report(cm2)}"
+    assert len(warned) == 2, f"two refused graphs, {len(warned)} warnings: {warned}"
+    assert "in a.1 (BatchNorm1d)" in warned[0], warned
+    assert "in b.0 (BatchNorm1d)" in warned[1], warned
