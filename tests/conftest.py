@@ -7,8 +7,10 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from hypothesis import settings
 
 import capskip_fx
+from helpers.examples import PROFILE, examples
 
 
 def pytest_addoption(parser):
@@ -25,6 +27,12 @@ def pytest_collection_modifyitems(config, items):
 
 
 torch.set_num_threads(2)
+
+# Hypothesis: HYPOTHESIS_PROFILE=ci (default; fewer, derandomised examples) or thorough (every test's full
+# count, a fresh draw each run).  Tests scale their own counts with helpers.examples.examples(n).
+settings.register_profile("ci", max_examples=examples(100), deadline=None, derandomize=True)
+settings.register_profile("thorough", max_examples=100, deadline=None)
+settings.load_profile(PROFILE)
 
 
 @pytest.fixture(autouse=True)

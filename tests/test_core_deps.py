@@ -44,5 +44,5 @@ def test_core_imports_and_compiles_without_the_train_extras():
     p = subprocess.run([sys.executable, "-c", SCRIPT, ",".join(EXTRAS)], cwd=ROOT, capture_output=True, text=True,
                        timeout=300)
     assert p.returncode == 0, p.stderr[-3000:]
-    assert "core ok" in p.stdout
-    assert "harness blocked:" in p.stdout
+    assert "core ok" in p.stdout, f'expected "core ok" in p.stdout, got p.stdout = {p.stdout!r}'
+    assert "harness blocked:" in p.stdout, f'expected "harness blocked:" in p.stdout, got p.stdout = {p.stdout!r}'

@@ -26,22 +26,38 @@ def test_tiny_run_reports_ratios_with_intervals(tmp_path):
     assert p.returncode == 0, p.stderr[-3000:]
     data = json.loads((tmp_path / "r.json").read_text())
     rows = {r["arm"]: r for r in data["rows"]}
-    assert list(rows) == ["torch.compile", "dense", "forced:keep=0.5", "infobatch"]
-    assert rows["forced:keep=0.5"]["kept_frac"] == 0.5 and rows["dense"]["kept_frac"] == 1.0
-    assert rows["torch.compile"]["ratio"] == 1.0
+    assert list(rows) == ["torch.compile", "dense", "forced:keep=0.5", "infobatch"], (
+        f'expected list(rows) == ["torch.compile", "dense", "forced:ke..., got {list(rows)!r}')
+    assert rows["forced:keep=0.5"]["kept_frac"] == 0.5, (
+        f'expected rows["forced:keep=0.5"]["kept_frac"] == 0.5, got {rows["forced:keep=0.5"]["kept_frac"]!r}')
+    assert rows["dense"]["kept_frac"] == 1.0, (
+        f'expected rows["dense"]["kept_frac"] == 1.0, got {rows["dense"]["kept_frac"]!r}')
+    assert rows["torch.compile"]["ratio"] == 1.0, (
+        f'expected rows["torch.compile"]["ratio"] == 1.0, got {rows["torch.compile"]["ratio"]!r}')
     for r in rows.values():
-        assert len(r["block_ratios"]) == 3 and all(x > 0 for x in r["block_ratios"])
-        assert r["ratio_lo"] <= r["ratio"] <= r["ratio_hi"] and math.isfinite(r["ratio_hi"])
-        assert r["ratio"] == pytest.approx(sum(r["block_ratios"]) / 3, rel=1e-12)
-    assert data["env"]["dataset"] == "digits" and data["env"]["blocks"] == 3
+        assert len(r["block_ratios"]) == 3, f'expected len(r["block_ratios"]) == 3, got {len(r["block_ratios"])!r}'
+        assert all(x > 0 for x in r["block_ratios"]), 'expected all(x > 0 for x in r["block_ratios"])'
+        assert r["ratio_lo"] <= r["ratio"] <= r["ratio_hi"], 'expected r["ratio_lo"] <= r["ratio"] <= r["ratio_hi"]'
+        assert math.isfinite(r["ratio_hi"]), 'expected math.isfinite(r["ratio_hi"])'
+        assert r["ratio"] == pytest.approx(sum(r["block_ratios"]) / 3, rel=1e-12), (
+            f'expected r["ratio"] == pytest.approx(sum(r["block_ratios"]) ..., got {r["ratio"]!r}')
+    assert data["env"]["dataset"] == "digits", (
+        f'expected data["env"]["dataset"] == "digits", got {data["env"]["dataset"]!r}')
+    assert data["env"]["blocks"] == 3, f'expected data["env"]["blocks"] == 3, got {data["env"]["blocks"]!r}'
     md = (tmp_path / "r.md").read_text()
-    assert "| forced:keep=0.5 | 0.500 |" in md and "r vs torch.compile [95% CI]" in md
+    assert "| forced:keep=0.5 | 0.500 |" in md, f'expected "| forced:keep=0.5 | 0.500 |" in md, got md = {md!r}'
+    assert "r vs torch.compile [95% CI]" in md, f'expected "r vs torch.compile [95% CI]" in md, got md = {md!r}'
 
 
 def test_bad_arms_fail_naming_the_fix(tmp_path):
     p = _bench("--arms", "stale_sb", "--out", str(tmp_path / "x"), *TINY)
-    assert p.returncode != 0 and "benchmarks/step_time.py" in p.stderr
+    assert p.returncode != 0, f"expected p.returncode != 0, got {p.returncode!r}"
+    assert "benchmarks/step_time.py" in p.stderr, (
+        f'expected "benchmarks/step_time.py" in p.stderr, got p.stderr = {p.stderr!r}')
     p = _bench("--arms", "sb:keep", "--out", str(tmp_path / "x"), *TINY)
-    assert p.returncode != 0 and "KEY=VALUE" in p.stderr
+    assert p.returncode != 0, f"expected p.returncode != 0, got {p.returncode!r}"
+    assert "KEY=VALUE" in p.stderr, f'expected "KEY=VALUE" in p.stderr, got p.stderr = {p.stderr!r}'
     p = _bench("--blocks", "1", *TINY)
-    assert p.returncode != 0 and "--blocks must be >= 2" in p.stderr
+    assert p.returncode != 0, f"expected p.returncode != 0, got {p.returncode!r}"
+    assert "--blocks must be >= 2" in p.stderr, (
+        f'expected "--blocks must be >= 2" in p.stderr, got p.stderr = {p.stderr!r}')

@@ -30,12 +30,16 @@ def test_stats_repr_and_report_table():
     _step(cm)
     text = repr(capskip_fx.stats(cm))
     for field in ("n=8", "kept=", "rows=", "bound=", "fallback=None", "variants=1"):
-        assert field in text
-    assert "tensor" not in text  # the weight is elided
+        assert field in text, f"expected field in text, got {field!r} vs {text!r}"
+    assert "tensor" not in text, f'expected "tensor" not in text, got text = {text!r}'  # the weight is elided
     rep = capskip_fx.report(cm)
-    assert rep[0]["role"] == "head" and rep.rows == list(rep)
+    assert rep[0]["role"] == "head", f'expected rep[0]["role"] == "head", got {rep[0]["role"]!r}'
+    assert rep.rows == list(rep), f"expected rep.rows == list(rep), got {rep.rows!r} vs {list(rep)!r}"
     lines = str(rep).splitlines()
-    assert lines[0].split()[:3] == ["graph", "role", "backward"] and lines[1].split()[:2] == ["0", "head"]
+    assert lines[0].split()[:3] == ["graph", "role", "backward"], (
+        f'expected lines[0].split()[:3] == ["graph", "role", "backward"], got {lines[0].split()[:3]!r}')
+    assert lines[1].split()[:2] == ["0", "head"], (
+        f'expected lines[1].split()[:2] == ["0", "head"], got {lines[1].split()[:2]!r}')
 
 
 def test_report_says_not_yet_verified_and_explains_its_columns():
@@ -44,14 +48,17 @@ def test_report_says_not_yet_verified_and_explains_its_columns():
     cm = capskip_fx.compile(_model(), rule="forced", keep=1.0, backend="aot_eager")
     _step(cm)  # every row kept: nothing to compare, so not verified yet
     rep = capskip_fx.report(cm)
-    assert rep[0]["backward"] == "selected rows" and rep[0]["verified"] is False, rep.rows
+    assert rep[0]["backward"] == "selected rows", rep.rows
+    assert rep[0]["verified"] is False, rep.rows
     text = str(rep)
     assert "not yet" in text.splitlines()[1], text
-    assert "verified: yes = a gathered step matched" in text and "dense-masked (all rows" in text, text
+    assert "verified: yes = a gathered step matched" in text, text
+    assert "dense-masked (all rows" in text, text
     cm2 = capskip_fx.compile(_model(), rule="forced", keep=0.5, backend="aot_eager")
     _step(cm2)
     line = str(capskip_fx.report(cm2)).splitlines()[1]
-    assert " yes " in line and "not yet" not in line, line
+    assert " yes " in line, line
+    assert "not yet" not in line, line
 
 
 def test_info_line_rate_limited(caplog, monkeypatch):
@@ -76,7 +83,8 @@ def test_structured_trace_has_the_rewritten_backward(tmp_path):
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
     text = "".join(p.read_text() for p in tmp_path.iterdir())
-    assert "capskip_backward_graph_0" in text and "capskip_w" in text
+    assert "capskip_backward_graph_0" in text, f'expected "capskip_backward_graph_0" in text, got text = {text!r}'
+    assert "capskip_w" in text, f'expected "capskip_w" in text, got text = {text!r}'
 
 
 class _CentredMLP(nn.Module):
@@ -135,7 +143,8 @@ def test_refusal_inside_batchnorm_names_the_module_path():
     warned = _refused_steps(cm, [8])
     refusal = cm.backend.records[0].refusal
     assert refusal is not None, "BatchNorm in train mode mixes rows: the graph must be refused"
-    assert refusal.op is not None and "var_mean" in refusal.op, f"the refused op: {refusal.op!r}"
+    assert refusal.op is not None, f"the refused op: {refusal.op!r}"
+    assert "var_mean" in refusal.op, f"the refused op: {refusal.op!r}"
     assert refusal.module == "bn (BatchNorm1d)", f"the module path: {refusal.module!r}"
     assert refusal.source_line is not None, "the line that called self.bn is the user's"
     assert refusal.source_line.endswith("h = self.bn(h)"), refusal.source_line

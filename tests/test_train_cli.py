@@ -72,6 +72,7 @@ def test_static_names_match_the_registries():
 
     assert set(config.RULE_NAMES) == set(RULES) | {"vcas"} | set(config.DATA_RULES), \
         f"train/config.py's RULE_NAMES {config.RULE_NAMES} differ from capskip_fx.RULES {sorted(RULES)} + vcas"
-    assert set(config.DATA_RULES.values()) <= set(RULES)  # the model half of each data-side rule is a rule
+    assert set(config.DATA_RULES.values()) <= set(RULES), (
+        f"expected set(config.DATA_RULES.values()) <= set(RULES), got {set(config.DATA_RULES.values())!r} vs {set(RULES)!r}")  # the model half of each data-side rule is a rule
     assert set(datasets.DEFAULT_IMG_SIZE) == set(config.DATASETS), \
         f"train/config.py's DATASETS {config.DATASETS} differ from the loaders' {sorted(datasets.DEFAULT_IMG_SIZE)}"
