@@ -17,7 +17,16 @@ def pytest_addoption(parser):
     parser.addoption("--runslow", action="store_true", default=False, help="run tests marked slow")
 
 
+def _inductor_param(item) -> bool:
+    """A parametrized case whose parameters include the backend "inductor" (alone or in a tuple)."""
+    params = getattr(getattr(item, "callspec", None), "params", {})
+    return any(v == "inductor" or (isinstance(v, tuple) and "inductor" in v) for v in params.values())
+
+
 def pytest_collection_modifyitems(config, items):
+    for item in items:  # the fast tier (-m "not slow and not inductor and not subprocess") leaves these out
+        if _inductor_param(item) and item.get_closest_marker("inductor") is None:
+            item.add_marker(pytest.mark.inductor)
     if config.getoption("--runslow"):
         return
     skip = pytest.mark.skip(reason="slow: run with --runslow")

@@ -86,6 +86,8 @@ def _run(code: str, tmp_path, gather: str = "eager") -> dict:
     return json.loads(r.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.subprocess
+@pytest.mark.inductor
 @pytest.mark.parametrize("gather", ["eager", "graph"])
 def test_restart_serves_cached_graphs_and_still_selects(tmp_path, gather):
     cold, warm = runs = [_run(_CHILD, tmp_path, gather) for _ in range(2)]
@@ -171,6 +173,8 @@ _WARM = textwrap.dedent("""
 """)
 
 
+@pytest.mark.subprocess
+@pytest.mark.inductor
 @pytest.mark.skipif(not aot_cache.available(), reason=f"torch {torch.__version__} has no CUDAGraphPolicy.wrap_output: "
                     "AOTAutogradCache stays off for capskip graphs")
 def test_warm_process_serves_other_models_their_own_state(tmp_path):

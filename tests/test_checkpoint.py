@@ -227,6 +227,7 @@ def test_bad_checkpoint_paths_fail_before_any_data(tmp_path, capsys, source_run)
     assert "[data]" not in capsys.readouterr().out, 'expected "[data]" not in capsys.readouterr().out'
 
 
+@pytest.mark.subprocess
 def test_pretrained_offline_fails_at_start_naming_initial_checkpoint(tmp_path):
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path / "hf"), "TORCH_HOME": str(tmp_path / "th"),
            "PYTHONPATH": str(ROOT)}

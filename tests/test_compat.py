@@ -22,6 +22,7 @@ def test_a_missing_internal_is_named_with_the_torch_version(monkeypatch):
         f"expected torch.__version__ in str(e.value), got {torch.__version__!r} vs {str(e.value)!r}")
 
 
+@pytest.mark.subprocess
 @pytest.mark.parametrize("entry", ["from capskip_fx import compile", "import capskip_fx.dynamo_entry"])
 def test_import_fails_loudly_when_an_internal_moved(entry):
     """The package itself loads lazily (a torch-free ``--help``); its two entry points, the API and the

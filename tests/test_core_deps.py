@@ -7,6 +7,10 @@ import sys
 import textwrap
 from pathlib import Path
 
+import pytest
+
+pytestmark = pytest.mark.subprocess  # starts Python processes
+
 ROOT = Path(__file__).resolve().parents[1]
 EXTRAS = ("timm", "torchvision", "matplotlib", "sklearn", "tqdm", "yaml")
 

@@ -8,6 +8,8 @@ import pytest
 
 from capskip_fx.cpu import retain_freed_memory
 
+pytestmark = pytest.mark.subprocess  # starts Python processes
+
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc only")
 def test_retain_freed_memory_applies_and_opts_out(monkeypatch):

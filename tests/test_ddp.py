@@ -17,6 +17,8 @@ import capskip_fx
 from capskip_fx.rules import CAPSkip
 from helpers.distributed import PG_TIMEOUT, finish, free_port, spawn
 
+pytestmark = pytest.mark.subprocess  # starts Python processes
+
 W, N = 2, 6
 KEEP = [torch.tensor([0, 3]), torch.tensor([1, 2, 5])]
 

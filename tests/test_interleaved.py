@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.subprocess  # starts Python processes
+
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ["--", "--depth", "1", "--embed-dim", "16", "--num-heads", "2", "--img-size", "16", "--patch-size", "4",
         "--train-subset", "256", "--batch-size", "32", "--backend", "eager"]

@@ -7,6 +7,8 @@ import subprocess
 import sys
 import textwrap
 
+import pytest
+
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -72,6 +74,7 @@ def test_info_line_rate_limited(caplog, monkeypatch):
                      "of rows over 1 steps"], lines
 
 
+@pytest.mark.subprocess
 def test_structured_trace_has_the_rewritten_backward(tmp_path):
     code = textwrap.dedent("""
         import torch, torch.nn as nn, torch.nn.functional as F, capskip_fx

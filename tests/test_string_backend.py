@@ -47,6 +47,7 @@ def _fresh(env_extra: dict) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-c", FRESH], env=env, capture_output=True, text=True, timeout=300)
 
 
+@pytest.mark.subprocess
 def test_entry_point_in_a_fresh_process_static_batch_env_settings():
     out = _fresh({"CAPSKIP_RULE": "forced", "CAPSKIP_OPTIONS": "keep=0.5,backend=aot_eager"})
     assert out.returncode == 0, out.stderr[-3000:]
@@ -64,6 +65,7 @@ def test_entry_point_in_a_fresh_process_static_batch_env_settings():
             f'expected "mark_dynamic(x, 0)" in out.stderr, got out.stderr = {out.stderr!r}')
 
 
+@pytest.mark.subprocess
 def test_bad_environment_setting_raises_naming_the_variable():
     out = _fresh({"CAPSKIP_OPTIONS": "gather_below=2,backend=aot_eager"})
     assert out.returncode != 0, f"expected out.returncode != 0, got {out.returncode!r}"

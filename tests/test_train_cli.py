@@ -45,6 +45,7 @@ def help_run():
     return p, _imported(p.stderr)
 
 
+@pytest.mark.subprocess
 def test_harness_parser_imports_no_torch():
     p = subprocess.run([sys.executable, "-c", HARNESS_ALONE, str(ROOT / "capskip_fx")], cwd=ROOT,
                        capture_output=True, text=True, timeout=120)
@@ -52,6 +53,7 @@ def test_harness_parser_imports_no_torch():
     assert "heavy: \n" in p.stdout, f"the parser imported {p.stdout.split('heavy:')[-1].strip()} for --help"
 
 
+@pytest.mark.subprocess
 def test_help_loads_nothing_a_run_needs(help_run):
     p, modules = help_run
     assert p.returncode == 0, f"capskip-train --help failed: {p.stderr[-3000:]}"
@@ -60,6 +62,7 @@ def test_help_loads_nothing_a_run_needs(help_run):
     assert not loaded, f"--help imported what only a run needs: {loaded}"
 
 
+@pytest.mark.subprocess
 def test_help_imports_no_torch(help_run):
     p, modules = help_run
     assert p.returncode == 0, f"capskip-train --help failed: {p.stderr[-3000:]}"

@@ -126,6 +126,7 @@ def test_autocast_bf16_selection_in_float32_and_gradients():
         'expected max_rel_err(_grads(model), _autocast_reference(model, x2, y2, st.we...')
 
 
+@pytest.mark.inductor
 def test_inductor_autocast_and_varying_batch_one_compile():
     """The Inductor path: bf16 autocast, batch sizes 8, 5, 8, 3 -> one graph, one backward variant."""
     torch.manual_seed(0)
