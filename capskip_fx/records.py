@@ -19,8 +19,6 @@ import re
 from dataclasses import dataclass, field, replace
 from typing import Any, Optional
 
-import torch
-
 
 class BackwardMode(str, enum.Enum):
     """How a graph's backward runs.  A ``str`` Enum: reports and tests compare it to plain strings."""
@@ -107,6 +105,8 @@ def node_origin(node: Any) -> tuple[Optional[str], Optional[str], Optional[str]]
         if m:
             code = lines[i + 1].strip() if i + 1 < len(lines) and not _FRAME.match(lines[i + 1]) else ""
             frames.append((m.group(1), m.group(2), code))
+    import torch  # here: the records stay importable without torch
+
     torch_dir = os.path.dirname(os.path.abspath(torch.__file__)) + os.sep
     user = [f for f in frames if not os.path.abspath(f[0]).startswith(torch_dir)]
     source = None

@@ -1,6 +1,7 @@
 """benchmarks/interleaved.py runs on the harness's model and data and reports per-arm ratios with intervals."""
 from __future__ import annotations
 
+import importlib.util
 import json
 import math
 import os
@@ -9,8 +10,6 @@ import sys
 from pathlib import Path
 
 import pytest
-
-pytestmark = pytest.mark.subprocess  # starts Python processes
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ["--", "--depth", "1", "--embed-dim", "16", "--num-heads", "2", "--img-size", "16", "--patch-size", "4",
@@ -22,6 +21,7 @@ def _bench(*argv):
                           text=True, timeout=600, env={**os.environ, "PYTHONPATH": str(ROOT)})
 
 
+@pytest.mark.subprocess
 def test_tiny_run_reports_ratios_with_intervals(tmp_path):
     p = _bench("--threads", "1", "--blocks", "3", "--rounds", "2", "--warmup", "1", "--arms", "dense",
                "forced:keep=0.5", "infobatch", "--out", str(tmp_path / "r"), *TINY)
@@ -51,15 +51,28 @@ def test_tiny_run_reports_ratios_with_intervals(tmp_path):
     assert "r vs torch.compile [95% CI]" in md, f'expected "r vs torch.compile [95% CI]" in md, got md = {md!r}'
 
 
-def test_bad_arms_fail_naming_the_fix(tmp_path):
-    p = _bench("--arms", "stale_sb", "--out", str(tmp_path / "x"), *TINY)
-    assert p.returncode != 0, f"expected p.returncode != 0, got {p.returncode!r}"
-    assert "benchmarks/step_time.py" in p.stderr, (
-        f'expected "benchmarks/step_time.py" in p.stderr, got p.stderr = {p.stderr!r}')
-    p = _bench("--arms", "sb:keep", "--out", str(tmp_path / "x"), *TINY)
-    assert p.returncode != 0, f"expected p.returncode != 0, got {p.returncode!r}"
-    assert "KEY=VALUE" in p.stderr, f'expected "KEY=VALUE" in p.stderr, got p.stderr = {p.stderr!r}'
-    p = _bench("--blocks", "1", *TINY)
-    assert p.returncode != 0, f"expected p.returncode != 0, got {p.returncode!r}"
-    assert "--blocks must be >= 2" in p.stderr, (
-        f'expected "--blocks must be >= 2" in p.stderr, got p.stderr = {p.stderr!r}')
+@pytest.fixture(scope="module")
+def interleaved():
+    """benchmarks/interleaved.py as a module: its argument checks run in this process (the tiny run above
+    runs the script as a process)."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))  # its results_io
+    try:
+        spec = importlib.util.spec_from_file_location("interleaved_bench", ROOT / "benchmarks" / "interleaved.py")
+        mod = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(mod)
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+    return mod
+
+
+def test_bad_arms_fail_naming_the_fix(interleaved, capsys):
+    """Bad arms and settings stop the benchmark before any data loads, saying what to do instead."""
+    with pytest.raises(SystemExit, match="benchmarks/step_time.py"):
+        interleaved.parse(["--arms", "stale_sb", "--out", "x", *TINY])
+    with pytest.raises(SystemExit, match="KEY=VALUE"):
+        interleaved.parse(["--arms", "sb:keep", "--out", "x", *TINY])
+    with pytest.raises(SystemExit) as stop:
+        interleaved.parse(["--blocks", "1", *TINY])
+    assert stop.value.code != 0, f"--blocks 1 exited with {stop.value.code!r}"
+    err = capsys.readouterr().err
+    assert "--blocks must be >= 2" in err, f"argparse's message for --blocks 1: {err!r}"
