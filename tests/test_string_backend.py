@@ -12,13 +12,13 @@ import textwrap
 
 import pytest
 import torch
-import torch.nn as nn
 import torch.nn.functional as F
 
 import capskip_fx
 from capskip_fx.config import options_from_env
 
 from conftest import max_rel_err
+from helpers.models import GraphBreak
 
 FRESH = textwrap.dedent("""
     import copy, json, sys, torch, torch.nn as nn, torch.nn.functional as F
@@ -92,23 +92,12 @@ def test_environment_parsing_types():
                    "verify_every": None}), f'expected got == {{"rule": "random", "budget": 0.3, "ke..., got {got!r}'
 
 
-class Broken(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.a, self.b, self.head = nn.Linear(6, 8), nn.Linear(8, 8), nn.Linear(8, 3)
-
-    def forward(self, x):
-        x = self.a(x).relu()
-        torch._dynamo.graph_break()
-        return self.head(self.b(x).relu())
-
-
 def test_graph_breaks_share_one_backend_and_skip_rows(monkeypatch):
     """With no options every graph of the module joins one backend (one rule state, one report)."""
     monkeypatch.setenv("CAPSKIP_RULE", "forced")
     monkeypatch.setenv("CAPSKIP_OPTIONS", "keep=0.25,backend=aot_eager")
     torch.manual_seed(0)
-    model = Broken().double()
+    model = GraphBreak().double()
     opt = torch.compile(model, backend="capskip")
     for step in range(2):
         x = torch.randn(8, 6, dtype=torch.float64)
@@ -134,7 +123,7 @@ def test_torch_compile_mode_reaches_the_backend(monkeypatch):
     monkeypatch.setenv("CAPSKIP_RULE", "forced")
     monkeypatch.setenv("CAPSKIP_OPTIONS", "keep=0.1875,backend=aot_eager")
     torch.manual_seed(0)
-    model = Broken().double()
+    model = GraphBreak().double()
     opt = torch.compile(model, backend="capskip", mode="reduce-overhead")
     x = torch.randn(16, 6, dtype=torch.float64)
     torch._dynamo.mark_dynamic(x, 0)

@@ -24,6 +24,20 @@ class MLP(nn.Module):
         return self.head(self.drop(F.gelu(self.fc(x))))
 
 
+class GraphBreak(nn.Module):
+    """Two Dynamo graphs: Linear + ReLU, a graph break, then Linear + ReLU + head (a body graph, then the
+    head graph)."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b, self.head = nn.Linear(6, 8), nn.Linear(8, 8), nn.Linear(8, 3)
+
+    def forward(self, x):
+        x = self.a(x).relu()
+        torch._dynamo.graph_break()
+        return self.head(self.b(x).relu())
+
+
 class Block(nn.Module):
     """A pre-norm residual block on (N, T, D) tokens: the unit regional compile compiles."""
 
