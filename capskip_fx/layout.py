@@ -841,8 +841,7 @@ def _matmul(w: _Walk, n: fx.Node) -> Result:
         return w.per_output(n, lambda v: bad)
     if len(n.args) < 2 or not all(isinstance(x, fx.Node) for x in n.args[:2]):
         return w.generic(n)
-    lay = _matmul_out(w, n, n.args[0], n.args[1])
-    return w.per_output(n, lambda v: lay if lay.kind == "free" else w.track(lay, v))
+    return _tracked(w, n, _matmul_out(w, n, n.args[0], n.args[1]))
 
 
 def _add_matmul(w: _Walk, n: fx.Node) -> Result:
@@ -859,15 +858,19 @@ def _add_matmul(w: _Walk, n: fx.Node) -> Result:
         if lay.kind == "batch":
             items.append((n.args[1], lay))
         lay = w.agree(n, items, "adds")
+    return _tracked(w, n, lay)
+
+
+def _tracked(w: _Walk, n: fx.Node, lay: Layout) -> Result:
     return w.per_output(n, lambda v: lay if lay.kind == "free" else w.track(lay, v))
 
 
 def _per_sample(w: _Walk, n: fx.Node) -> Result:
     ins = w.tensor_inputs(n)
+    batch = [(a, l) for a, l in ins if l.kind == "batch"]
     bad = w.first_unknown(ins)
     if bad is not None:
         return w.per_output(n, lambda v: bad)
-    batch = [(a, l) for a, l in ins if l.kind == "batch"]
     if not batch:
         return w.generic(n)
     if any(l.dim != 0 for _, l in batch):

@@ -197,6 +197,7 @@ def test_graph_break_body_graph_reuses_head_selection(backend):
         assert [s for _, s in body.matmul_shapes] == [[(8, 2), (2, 6)]]  # dW_a from the 2 kept rows
 
 
+@pytest.mark.inductor
 def test_varying_batch_and_k_on_inductor_deit_compiles_once():
     """Ragged batches and data-dependent k on a ViT through Inductor: one graph, one backward variant
     (LayerNorm backward with a dynamic batch must not specialise)."""

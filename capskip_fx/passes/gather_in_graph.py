@@ -59,7 +59,7 @@ def gather_in_graph(gm: fx.GraphModule, plan, example_inputs: list):
     batch = [(p, s) for p, s in zip(placeholders, plan.specs) if s.kind == "batch"]
     if readers := _stride_readers(gm, [p for p, _ in batch]):
         raise Refused(f"in-graph gather: {readers[0].name} reads a saved input's strides (as_strided)",
-                      RefusalKind.IN_GRAPH_GATHER)
+                      RefusalKind.IN_GRAPH_GATHER, node=readers[0])
     sym = plan.sym
     kept = example_inputs[-1].shape[0]  # w: the kept rows (s)
     # a distinct hint: nothing may conflate the full and the kept row counts while compiling
