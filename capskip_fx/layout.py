@@ -831,7 +831,7 @@ def _matmul_out(w: _Walk, n: fx.Node, a: fx.Node, b: fx.Node) -> Optional[Layout
             d = nd - (1 if ndb == 1 else 2) if lay.dim == ndi - 2 else lay.dim + nd - ndi
         else:
             d = nd - 1 if lay.dim == ndi - 1 else lay.dim + nd - ndi
-        lands.append((arg, Layout("batch", d, lay.outer, lay.inner)))
+        lands.append((arg, Layout("batch", d, lay.outer, lay.inner, lay.why)))
     if len(lands) == 2 and lands[0][1] != lands[1][1]:
         raise w.mixing(n, f"pairs rows of the batch ({a.name}: {la}, {b.name}: {lb}): an (N, N) product such as "
                           "a Gram matrix h @ h.T")
