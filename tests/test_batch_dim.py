@@ -216,3 +216,19 @@ def test_gather_and_scatter_follow_the_layout(outer, inner, n, before, after, da
     back = scatter_rows(y, spec, idx, n)
     kept = torch.isin(owner, idx).view([-1 if d == before else 1 for d in range(len(shape))]).expand(shape)
     assert torch.equal(back, torch.where(kept, x, torch.zeros_like(x))), (spec, idx)
+
+
+def test_vcas_runs_exact_on_a_token_major_graph():
+    """VCAS's segments read the backward's values batch-major from their sizes: on a graph holding a
+    token-major value it builds nothing, says why, and the backward is the exact dense one."""
+    torch.manual_seed(0)
+    model = MHAClassifier(batch_first=True).double()
+    cm = capskip_fx.compile(model, rule="vcas", backend="aot_eager")
+    x, y = _data("tokens", 0)
+    F.cross_entropy(cm(x), y).backward()
+    note = capskip_fx.report(cm)[0]["vcas"]
+    assert note is not None and "token-major" in note, note
+    assert not cm.backend.state.runners, "a VCAS runner was built"
+    grads = {k: p.grad for k, p in model.named_parameters()}
+    err = max_rel_err(grads, reference_grads(model, x, y, torch.ones(N, dtype=torch.float64)))
+    assert err < 1e-10, f"max rel. error {err:.3g}"
