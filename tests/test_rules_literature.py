@@ -17,7 +17,7 @@ from capskip_fx.rules import (KABENA, RULES, HeadView, RandomSkip, SelectiveBack
                               UpperBoundIS, make_rule)
 from capskip_fx.rules.capskip import CAPSkip
 from capskip_fx.rules.labels import per_example_ce
-from helpers.examples import examples
+from helpers.examples import draws as mc_draws, examples
 
 torch.set_num_threads(1)
 Z = 5.0  # width of every confidence interval, in standard errors
@@ -100,7 +100,7 @@ def test_kabena_unbiased_and_variance_matches_bound():
     pi, k = sel.info["prob"].double(), int(sel.info["K"])
     assert k > 0, "the test needs rows that are actually sampled"
     assert (pi < 1).sum() > 0, "the test needs rows that are actually sampled"
-    draws = 3000
+    draws = mc_draws(3000)
     w = mc_weights(rule, view, draws)
     grads = per_example_grads(view)
     assert_unbiased(w, grads)
@@ -116,7 +116,7 @@ def test_kabena_unbiased_and_variance_matches_bound():
 def test_ub_unbiased_with_multiplicities():
     view = make_view(5, n=16)
     rule = UpperBoundIS(b=5, tau_th=0.0, seed=2)  # tau_th <= 0: sampling from the first step
-    draws = 3000
+    draws = mc_draws(3000)
     sels = [rule.select(view) for _ in range(draws)]
     assert all(bool(s.info["on"]) for s in sels), 'expected all(bool(s.info["on"]) for s in sels)'
     w = torch.stack([s.weight.double() for s in sels])
@@ -283,7 +283,7 @@ def test_random_exact_count(seed, n, keep):
 
 
 def test_random_uniform_marginals():
-    n, k, draws = 6, 2, 3000
+    n, k, draws = 6, 2, mc_draws(3000)
     rule = RandomSkip(keep=k / n, seed=3)
     view = make_view(0, n=n)
     freq = torch.stack([rule.select(view).weight for _ in range(draws)]).mean(0)

@@ -30,6 +30,7 @@ from capskip_fx.rules import (KABENA, CAPSkip, Dense, Forced, HeadView, RandomSk
 from capskip_fx.rules.stale_sb_filter import StaleBatchFilter, StaleBatchSampler
 from capskip_fx.vcas.controller import VCAS, ProbeResult, VcasController
 from capskip_fx.vcas.sampling import sample_probs
+from helpers.examples import draws as mc_draws
 
 torch.set_num_threads(1)
 
@@ -173,7 +174,7 @@ def test_composer_draw_inclusion_probabilities():
         want[i] = incl_rank[r]
     rule = SelectiveBackprop(keep=keep, start=0.0, end=1.0, interrupt=0, seed=0)  # the default draw
     view = ce_view(losses)
-    draws = 20000
+    draws = mc_draws(20000)
     freq = torch.stack([(rule.select(view).weight > 0).double() for _ in range(draws)]).mean(0)
     se = (want * (1 - want) / draws).sqrt()
     assert ((freq - want).abs() <= 5 * se + 1e-12).all(), (freq, want)

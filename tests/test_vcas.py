@@ -18,6 +18,7 @@ import capskip_fx
 from capskip_fx import VCAS
 
 from conftest import make_deit, make_mlp
+from helpers.examples import derandomize, draws as mc_draws, examples
 
 NO_PROBE = 10 ** 9  # freq: only step 0 probes
 
@@ -119,7 +120,7 @@ def test_sampled_backward_drops_rows_and_is_unbiased(deit2, sampler):
         exact = _ref_grads(ref, x, y)
         cm.model.zero_grad(set_to_none=True)
         loss = F.cross_entropy(cm(x), y)
-        draws, seg_rows, w_rows, mm_rows = examples(300), [], [], []  # Monte-Carlo draws: 75 in the ci profile
+        draws, seg_rows, w_rows, mm_rows = mc_draws(300), [], [], []  # 75 in the ci profile
         acc = [torch.zeros_like(g) for g in exact]
         sq = [torch.zeros_like(g) for g in exact]
         for _ in range(draws):
@@ -549,7 +550,6 @@ class _ResMLP(nn.Module):
 
 from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
-from helpers.examples import derandomize, examples
 
 
 @settings(max_examples=examples(6), deadline=None, derandomize=derandomize(), suppress_health_check=list(HealthCheck))

@@ -57,7 +57,9 @@ def prove_layout(graph: fx.Graph, sym, exclude=()) -> dict:
 
 
 def _named_node(graph: fx.Graph, message: str) -> Optional[fx.Node]:
-    """The node a layout refusal names first: its messages name nodes as ``name (target)``."""
+    """The node a layout refusal names first (its messages name nodes as ``name (target)``), for the
+    refusal's op and source line.  Until layout.py's analysis returns the refusing node itself, this
+    finds it by that name: a refusal whose text names no node just carries no location."""
     found = [(m.start(), n) for n in graph.nodes
              for m in [re.search(rf"(?<![\w.]){re.escape(f'{n.name} ({n.target})')}", message)] if m]
     return min(found, key=lambda f: f[0])[1] if found else None

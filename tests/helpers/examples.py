@@ -25,3 +25,9 @@ def examples(n: int) -> int:
 def derandomize() -> bool:
     """ci draws the same examples every run (a stable CI); thorough a fresh draw."""
     return PROFILE != "thorough"
+
+
+def draws(n: int) -> int:
+    """Monte-Carlo draws of an unbiasedness test: ``n`` in thorough, a quarter in ci.  The tests' bounds
+    scale with the standard error, so fewer draws keep them valid (they detect a larger bias only)."""
+    return n if PROFILE == "thorough" else max(CI_MIN, math.ceil(n * CI_SHARE))
