@@ -12,6 +12,7 @@ import capskip_fx
 from capskip_fx.rules import Forced
 
 from conftest import compiled, make_input, max_rel_err, reference_grads, selected_step
+from helpers.models import GraphBreak
 
 N, T = 8, 65  # deit img 32 / patch 4: 64 patches + CLS
 
@@ -168,17 +169,6 @@ def test_string_backend_with_options():
     assert capskip_fx.stats(model).n == 6  # the original module finds its backend too
     with pytest.raises(TypeError, match="capskip_fx.compile"):
         capskip_fx.stats(nn.Linear(2, 2))  # a module no capskip backend compiled
-
-
-class GraphBreak(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.a, self.b, self.head = nn.Linear(6, 8), nn.Linear(8, 8), nn.Linear(8, 3)
-
-    def forward(self, x):
-        x = self.a(x).relu()
-        torch._dynamo.graph_break()
-        return self.head(self.b(x).relu())
 
 
 @pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
