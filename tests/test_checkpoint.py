@@ -16,7 +16,7 @@ import torch
 
 from capskip_fx import train
 from capskip_fx.train import checkpoint, loop
-from helpers.runs import run_killed_at_evaluation
+from helpers.runs import assert_resumed_exactly, run_killed_at_evaluation
 
 torch.set_num_threads(1)
 
@@ -24,9 +24,6 @@ ROOT = Path(__file__).resolve().parents[1]
 TINY = ["--dataset", "digits", "--img-size", "16", "--patch-size", "4", "--depth", "1", "--embed-dim", "16",
         "--num-heads", "2", "--batch-size", "32", "--train-subset", "96", "--eval-subset", "64",
         "--threads", "1", "--warmup-epochs", "0", "--lr", "1e-2"]
-# the per-epoch values a resumed run must reproduce exactly (times are measured, not computed)
-EXACT = ("epoch", "steps", "train_loss", "eval_top1", "eval_loss", "backward_rows", "rows", "rows_seen", "mean_kept_frac", "lr",
-         "checks", "violations", "fallbacks")
 
 
 
@@ -69,13 +66,7 @@ def test_resume_is_bit_exact(tmp_path, monkeypatch, backend, rule):
     a, b = _summary(tmp_path / "full"), _summary(cut)
     assert len(b) == 3, f"expected len(b) == 3, got {len(b)!r}"
     assert b[0] == epoch1[0], f"expected b[0] == epoch1[0], got {b[0]!r} vs {epoch1[0]!r}"  # rows continued, epoch 1's kept as written
-    for ra, rb in zip(a, b):
-        assert {k: ra[k] for k in EXACT} == {k: rb[k] for k in EXACT}, (
-            'expected {k: ra[k] for k in EXACT} == {k: rb[k] for k in EXACT}')
-    assert res["final_top1"] == full["final_top1"], (
-        f'expected res["final_top1"] == full["final_top1"], got {res["final_top1"]!r} vs {full["final_top1"]!r}')
-    assert res["steps"] == full["steps"], (
-        f'expected res["steps"] == full["steps"], got {res["steps"]!r} vs {full["steps"]!r}')
+    assert_resumed_exactly(a, b, full, res)
     assert full["steps"] == 9 if not stale else full["steps"] < 9 and full["forward_frac"] < 1, (
         'expected full["steps"] == 9 if not stale else full["steps"] < 9 and full["fo...')
     assert res["backward_rows"] == full["backward_rows"], (

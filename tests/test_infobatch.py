@@ -22,7 +22,7 @@ from hypothesis import given, settings, strategies as st
 from capskip_fx import train
 from capskip_fx.train import loop
 from capskip_fx.train.infobatch import InfoBatchSampler
-from helpers.runs import run_killed_at_evaluation
+from helpers.runs import assert_resumed_exactly, run_killed_at_evaluation
 from helpers.examples import examples
 
 torch.set_num_threads(1)
@@ -301,8 +301,6 @@ def test_bad_input_fails_early():
 TINY = ["--dataset", "digits", "--img-size", "16", "--patch-size", "4", "--depth", "1", "--embed-dim", "16",
         "--num-heads", "2", "--batch-size", "32", "--train-subset", "192", "--eval-subset", "64",
         "--threads", "1", "--warmup-epochs", "0", "--lr", "1e-2", "--backend", "eager"]
-EXACT = ("epoch", "steps", "train_loss", "eval_top1", "eval_loss", "backward_rows", "rows", "rows_seen",
-         "mean_kept_frac", "lr", "checks", "violations", "fallbacks")
 
 
 def _summary(out: Path) -> list[dict]:
@@ -355,13 +353,7 @@ def test_cli_prunes_forwards_and_resumes_exactly(tmp_path, monkeypatch, rule):
     assert ck["infobatch"]["scores"].shape == (192,), (
         f'expected ck["infobatch"]["scores"].shape == (192,), got {ck["infobatch"]["scores"].shape!r}')
     res = train.run(["--resume", str(tmp_path / "cut" / "checkpoint.pt")])
-    for ra, rb in zip(rows, _summary(tmp_path / "cut")):
-        assert {k: ra[k] for k in EXACT} == {k: rb[k] for k in EXACT}, (
-            'expected {k: ra[k] for k in EXACT} == {k: rb[k] for k in EXACT}')
-    assert res["final_top1"] == full["final_top1"], (
-        f'expected res["final_top1"] == full["final_top1"], got {res["final_top1"]!r} vs {full["final_top1"]!r}')
-    assert res["steps"] == full["steps"], (
-        f'expected res["steps"] == full["steps"], got {res["steps"]!r} vs {full["steps"]!r}')
+    assert_resumed_exactly(rows, _summary(tmp_path / "cut"), full, res)
     sa, sb = steps, _jsonl(tmp_path / "cut" / "steps.jsonl")
     assert [(s["step"], s["loss"], s["kept"]) for s in sa] == [(s["step"], s["loss"], s["kept"]) for s in sb], (
         f'expected [(s["step"], s["loss"], s["kept"]) fo... == [(s["step"], s["loss"], s["kept"]) fo..., got {[(s["step"], s["loss"], s["kept"]) for s in sa]!r} vs {[(s["step"], s["loss"], s["kept"]) for s in sb]!r}')
