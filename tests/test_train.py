@@ -216,11 +216,11 @@ def test_compare_renders_table_and_plots(tmp_path):
     table = train.run(["compare", str(runs / "cap-s0"), str(runs / "cap-s1"), str(runs / "dense-s0"),
                        str(runs / "dense-s1"), str(runs / "dense-tm-s0"), "--out", str(out)])
     lines = table.strip().splitlines()
-    assert lines[2].startswith("| dense | 2 | 86.00 [73.29, 98.71] | n/a | +10.00 | 20.0 ± 0.0 | 1.00 [1.00, 1.00] |"), (
-        'expected lines[2].startswith("| dense | 2 | 86.00 [73.29, 98.71] | n/a | +10...') # dense first
+    # dense first; no step-matched run, so its step-time column is n/a
+    assert lines[2].startswith("| dense | 2 | 86.00 [73.29, 98.71] | n/a | n/a | +10.00 | 20.0 ± 0.0 | 1.00 [1.00, 1.00] |"), (
+        f"dense row (top-1 CI, step-time r, Δ, time, ratio) wrong: {lines[2]!r}; header {lines[0]!r}")
     cap = next(l for l in lines if l.startswith("| capskip b=0.1 "))
-    assert "| 2 | 85.00 [72.29, 97.71] | n/a | +11.00 |" in cap, (
-        f'expected "| 2 | 85.00 [72.29, 97.71] | n/a | +... in cap, got cap = {cap!r}')
+    assert "| 2 | 85.00 [72.29, 97.71] | n/a | n/a | +11.00 |" in cap, f"capskip row wrong: {cap!r}"
     assert "| 0.50 [0.50, 0.50] |" in cap, f'expected "| 0.50 [0.50, 0.50] |" in cap, got cap = {cap!r}'
     assert "0.400" in cap, f'expected "0.400" in cap, got cap = {cap!r}'
     assert any(l.startswith("| dense time-matched | 1 | 75.00 | n/a | n/a |") for l in lines), (
@@ -232,6 +232,22 @@ def test_compare_renders_table_and_plots(tmp_path):
     # a parent folder is searched for run directories
     assert train.run(["compare", str(runs), "--out", str(tmp_path / "cmp2")]) == table, (
         'expected train.run(["compare", str(runs), "--out", str(tmp_path / "cmp2")]) ...')
+
+
+def test_compare_pairs_step_matched_dense_by_seed(tmp_path):
+    """A dense run made with --steps-of a rule run (and its --ratio) fills that rule's step-matched columns."""
+    runs = tmp_path / "runs"
+    _fake_run(runs / "dense-s0", "dense", 0, [80, 85], [10, 20], 1.0)
+    _fake_run(runs / "cap-s0", "capskip", 0, [81, 86], [5, 10], 0.4)
+    _fake_run(runs / "cap-s1", "capskip", 1, [80, 84], [5, 10], 0.4)
+    _fake_run(runs / "sm-s0", "dense", 0, [78, 83], [5, 10], 1.0, steps_of=str(runs / "cap-s0"), ratio=0.6)
+    _fake_run(runs / "sm-s1", "dense", 1, [79, 82], [5, 10], 1.0, steps_of=str(runs / "cap-s1"), ratio=0.6)
+    table = train.run(["compare", str(runs), "--out", str(tmp_path / "cmp")])
+    cap = next(l for l in table.splitlines() if l.startswith("| capskip b=0.1 "))
+    cells = [c.strip() for c in cap.split("|")[1:-1]]
+    # seed 0: 86 - 83 = +3, seed 1: 84 - 82 = +2 -> mean +2.50 over n=2
+    assert cells[3].startswith("+2.50") and cells[3].endswith("(n=2)"), f"step-matched Δ cell wrong: {cells[3]!r}"
+    assert cells[4] == "0.6", f"step-time r cell should be the step-matched runs' --ratio, got {cells[4]!r}"
 
 
 def test_cli_errors_come_before_any_work(tmp_path, capsys):
