@@ -216,7 +216,8 @@ class CapskipBackend:
         graph's first refusal is counted (GraphRecord.settle) and warned once."""
         refusal = rec.settle(**fields)
         if refusal is not None:
-            self.state.warn_once(f"{refusal.detail} -> dense backward for this graph")
+            where = f" [{refusal.where}]" if refusal.where else ""
+            self.state.warn_once(f"{refusal.detail} -> dense backward for this graph{where}")
 
     def __call__(self, gm: fx.GraphModule, example_inputs, **kwargs):
         from torch._dynamo.utils import counters as torch_counters

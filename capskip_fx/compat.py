@@ -16,22 +16,23 @@ import torch
 #: the torch releases CI tests (pyproject's range)
 TESTED = ("2.11", "2.14", "2.15")
 
-# (module, attribute path): required internals, each with the reason it is needed
-REQUIRED = (
-    ("torch._C", "_current_autograd_node", "binds each selection to the forward that made it"),
-    ("torch._C", "_current_graph_task_id", "one step per backward"),
-    ("torch._inductor.compile_fx", "compile_fx", "the backend compiles through Inductor"),
-    ("torch._inductor.compile_fx", "compile_fx_inner", "the backward's inner compile"),
-    ("torch._inductor.config", "joint_custom_pre_pass", "the selection pass runs on the joint graph"),
-    ("torch._inductor.custom_graph_pass", "CustomGraphPass", "the selection pass's base class"),
-    ("torch._functorch.config", "enable_autograd_cache", "the cache must not serve a dense backward"),
-    ("torch._guards", "TracingContext.try_get", "the forward metadata and the module guard"),
-    ("torch._dynamo.guards", "GuardBuilder.ID_MATCH", "each compiled module its own cache entry"),
-    ("torch._dynamo.eval_frame", "OptimizedModule", "the string backend finds its module"),
-    ("torch._dynamo.backends.registry", "register_backend", 'torch.compile(backend="capskip")'),
-    ("torch._dynamo.utils", "counters", "capskip's counters"),
-    ("torch._dynamo", "maybe_mark_dynamic", "the batch dim is made symbolic"),
-)
+# the required internals: module, attribute path, and why it is needed (one a line)
+_TABLE = """
+torch._C                            _current_autograd_node      binds each selection to the forward that made it
+torch._C                            _current_graph_task_id      one step per backward
+torch._inductor.compile_fx          compile_fx                  the backend compiles through Inductor
+torch._inductor.compile_fx          compile_fx_inner            the backward's inner compile
+torch._inductor.config              joint_custom_pre_pass       the selection pass runs on the joint graph
+torch._inductor.custom_graph_pass   CustomGraphPass             the selection pass's base class
+torch._functorch.config             enable_autograd_cache       the cache must not serve a dense backward
+torch._guards                       TracingContext.try_get      the forward metadata and the module guard
+torch._dynamo.guards                GuardBuilder.ID_MATCH       each compiled module its own cache entry
+torch._dynamo.eval_frame            OptimizedModule             the string backend finds its module
+torch._dynamo.backends.registry     register_backend            torch.compile(backend="capskip")
+torch._dynamo.utils                 counters                    capskip's counters
+torch._dynamo                       maybe_mark_dynamic          the batch dim is made symbolic
+"""
+REQUIRED = tuple(tuple(line.split(None, 2)) for line in _TABLE.strip().splitlines())
 
 
 def missing() -> list[str]:

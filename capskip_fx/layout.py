@@ -10,8 +10,12 @@ tangent placeholder) once, in topological order, and gives every tensor value a 
   index is ``(o*s + b)*inner + r`` (``o < outer``, ``r < inner``): row ``b`` of the model's input
   owns every element whose index along ``dim`` decomposes with that ``b``.  ``outer == 1`` is
   batch-major (``x.reshape(N*T, D)``: ``inner = T``); ``outer > 1`` is token-major
-  (``x.transpose(0, 1).reshape(T*N, D)``: ``outer = T``), whose rows a gather on that dim cannot
-  select.  The two have equal sizes (``s*T == T*s``): only the dataflow tells them apart.
+  (``x.transpose(0, 1).reshape(T*N, D)``: ``outer = T``; ``nn.MultiheadAttention``'s Linears over
+  its ``(T, N, E)`` values).  The two have equal sizes (``s*T == T*s``): only the dataflow tells them
+  apart.  Either is gathered along ``dim`` viewed as ``(outer, s, inner)``, at its middle axis.  The
+  batch need not be in dim 0 (``(T, N, E)``: ``dim = 1``); moves (transpose, permute) follow it, and
+  a reshape keeps it only where the new dim's index still decomposes as above (merging it with the
+  heads, ``(T, N*H, d)``: ``inner = H``); one that splits it or interleaves it otherwise is unknown.
 * ``unknown``: an op the analysis does not model consumed a batch-carrying value (``why`` names
   the op and its source line).  Every value computed from an unknown one is unknown too.
 
@@ -26,12 +30,12 @@ Invariants:
   slabs, a token-major value with the outers summed (``torch.stack(xs, 0)`` decomposes into exactly
   that plus a view, which the reshape rule turns back into batch-major).  Slicing or splitting whole
   slabs back out is allowed too; any other slice of the batch dim is mixing.
-* Unknown and token-major values are not refused where they appear, only where they matter: an
-  unknown or token-major value that is a forward output or is consumed by a backward node (saved
-  for the backward), and a token-major operand of a matmul, refuse the graph.
-* ``refusal is None`` means: the forward is row-separable and every value the backward reads or the
-  model returns is free or has a gatherable (batch-major) layout.  Then ``layouts`` tells, for each
-  saved activation, which dim to gather and with which ``inner`` factor.
+* Unknown values are not refused where they appear, only where they matter: an unknown value that
+  is a forward output or is consumed by a backward node (saved for the backward) refuses the graph.
+  So does a token-major forward output (its tangent is gathered from its sizes, batch-major).
+* ``refusal is None`` means: the forward is row-separable, every value the backward reads is free or
+  has a batch layout, and every value the model returns is free or batch-major.  Then ``layouts``
+  tells, for each saved activation, which dim to gather and its ``outer`` and ``inner`` factors.
 * Values whose rows are identical or i.i.d. random (``full``/``zeros``/``rand`` of a batch shape,
   ``expand`` of a free value) fit any layout: they take batch-major when created and never
   conflict with the other operand of a pointwise op or a cat.
@@ -96,7 +100,12 @@ class Layout:
 
     @property
     def gatherable(self) -> bool:
-        """Rows can be selected by an ``index_select`` on ``dim`` (viewed as ``(N, inner)``)."""
+        """Rows can be selected by an ``index_select`` on ``dim`` (viewed as ``(outer, N, inner)``)."""
+        return self.kind in ("free", "batch")
+
+    @property
+    def batch_major(self) -> bool:
+        """Free, or the batch with no outer factor: what a tangent (gathered from its sizes) must be."""
         return self.kind == "free" or (self.kind == "batch" and self.outer == 1)
 
     def __str__(self) -> str:
@@ -384,15 +393,15 @@ class _Walk:
         return []
 
     def check_uses(self) -> list:
-        """Unknown / token-major values that are forward outputs or are read by the backward."""
+        """Unknown values that are forward outputs or are read by the backward; token-major outputs."""
         out = []
         for n, r in self.lay.items():
-            if not isinstance(r, Layout) or r.gatherable:
+            if not isinstance(r, Layout) or r.batch_major:
                 continue
             for u in n.users:
                 if u.op == "output":
                     role = "is an output of the forward"
-                elif u in self.bwd:
+                elif u in self.bwd and r.kind == "unknown":
                     role = f"is saved for the backward (read by {u.name})"
                 else:
                     continue
@@ -402,7 +411,7 @@ class _Walk:
                 else:
                     out.append(f"{n.name} holds the batch token-major ({r}: index (o*N + b)*inner + r with "
                                f"o < {r.outer}{', since ' + r.why if r.why else ''}) and it {role}: "
-                               f"its rows can't be gathered{_where(n)}")
+                               f"the selected-row backward takes outputs batch-major only{_where(n)}")
                 break
         return out
 
@@ -815,11 +824,6 @@ def _matmul_out(w: _Walk, n: fx.Node, a: fx.Node, b: fx.Node) -> Optional[Layout
     for arg, lay, ndi, is_a in ((a, la, nda, True), (b, lb, ndb, False)):
         if lay is None or lay.kind != "batch":
             continue
-        if lay.outer != 1:
-            raise _Refuse(f"token-major value reaches a matmul: {_op(n)} multiplies {arg.name}, which holds the batch "
-                          f"as {lay} (index (o*N + b)*inner + r, o < {lay.outer}: a flattened (T, N) layout such as "
-                          f"x.transpose(0, 1).reshape(-1, D){'; since ' + lay.why if lay.why else ''}); "
-                          f"its rows can't be gathered{_where(n)}")
         contracted = (lay.dim == ndi - 1) if is_a else (ndi == 1 or lay.dim == ndi - 2)
         if contracted:
             raise w.mixing(n, f"contracts over the batch dim ({arg.name}: {lay})")
@@ -827,7 +831,7 @@ def _matmul_out(w: _Walk, n: fx.Node, a: fx.Node, b: fx.Node) -> Optional[Layout
             d = nd - (1 if ndb == 1 else 2) if lay.dim == ndi - 2 else lay.dim + nd - ndi
         else:
             d = nd - 1 if lay.dim == ndi - 1 else lay.dim + nd - ndi
-        lands.append((arg, Layout("batch", d, lay.outer, lay.inner)))
+        lands.append((arg, Layout("batch", d, lay.outer, lay.inner, lay.why)))
     if len(lands) == 2 and lands[0][1] != lands[1][1]:
         raise w.mixing(n, f"pairs rows of the batch ({a.name}: {la}, {b.name}: {lb}): an (N, N) product such as "
                           "a Gram matrix h @ h.T")
@@ -841,8 +845,7 @@ def _matmul(w: _Walk, n: fx.Node) -> Result:
         return w.per_output(n, lambda v: bad)
     if len(n.args) < 2 or not all(isinstance(x, fx.Node) for x in n.args[:2]):
         return w.generic(n)
-    lay = _matmul_out(w, n, n.args[0], n.args[1])
-    return w.per_output(n, lambda v: lay if lay.kind == "free" else w.track(lay, v))
+    return _tracked(w, n, _matmul_out(w, n, n.args[0], n.args[1]))
 
 
 def _add_matmul(w: _Walk, n: fx.Node) -> Result:
@@ -859,15 +862,19 @@ def _add_matmul(w: _Walk, n: fx.Node) -> Result:
         if lay.kind == "batch":
             items.append((n.args[1], lay))
         lay = w.agree(n, items, "adds")
+    return _tracked(w, n, lay)
+
+
+def _tracked(w: _Walk, n: fx.Node, lay: Layout) -> Result:
     return w.per_output(n, lambda v: lay if lay.kind == "free" else w.track(lay, v))
 
 
 def _per_sample(w: _Walk, n: fx.Node) -> Result:
     ins = w.tensor_inputs(n)
+    batch = [(a, l) for a, l in ins if l.kind == "batch"]
     bad = w.first_unknown(ins)
     if bad is not None:
         return w.per_output(n, lambda v: bad)
-    batch = [(a, l) for a, l in ins if l.kind == "batch"]
     if not batch:
         return w.generic(n)
     if any(l.dim != 0 for _, l in batch):

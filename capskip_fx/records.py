@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import enum
 import operator
+import os
+import re
 from dataclasses import dataclass, field, replace
 from typing import Any, Optional
 
@@ -52,24 +54,73 @@ class RefusalKind(str, enum.Enum):
 
 @dataclass(frozen=True)
 class Refusal:
-    """A typed refusal: ``kind`` for code and counters, ``detail`` (the reason text reports show),
-    ``op`` and ``source_line`` (the model's line) where the pass knows them."""
+    """A typed refusal: ``kind`` for code and counters, ``detail`` (the reason text reports show), and
+    where a pass met it at a graph node: ``op`` (the aten op), ``source_line`` (the model's line, from
+    Dynamo's stack trace) and ``module`` (the innermost module's path and class, which names the spot
+    when the op is inside a library module such as BatchNorm)."""
 
     kind: RefusalKind
     detail: str
     op: Optional[str] = None
     source_line: Optional[str] = None
+    module: Optional[str] = None
 
     def __str__(self) -> str:
         return self.detail
 
+    @property
+    def where(self) -> Optional[str]:
+        """``op aten.x in path (Class) at file.py:12: code``, or None where no node was known."""
+        parts = [f"op {self.op}" if self.op else "", f"in {self.module}" if self.module else "",
+                 f"at {self.source_line}" if self.source_line else ""]
+        return " ".join(p for p in parts if p) or None
+
 
 class Refused(Exception):
-    """A graph a pass will not rewrite; ``refusal`` says why (its detail is the message)."""
+    """A graph a pass will not rewrite; ``refusal`` says why (its detail is the message).  ``node``: the
+    graph node the pass refused at, whose op, source line and module the refusal then names."""
 
-    def __init__(self, detail: str, kind: RefusalKind, op: Optional[str] = None, source_line: Optional[str] = None):
+    def __init__(self, detail: str, kind: RefusalKind, op: Optional[str] = None, source_line: Optional[str] = None,
+                 node: Any = None):
         super().__init__(detail)
-        self.refusal = Refusal(RefusalKind(kind), detail, op, source_line)
+        module = None
+        if node is not None:
+            op, source_line, module = node_origin(node)
+        self.refusal = Refusal(RefusalKind(kind), detail, op, source_line, module)
+
+
+_FRAME = re.compile(r'^\s*File "([^"]+)", line (\d+), in ')
+
+
+def node_origin(node: Any) -> tuple[Optional[str], Optional[str], Optional[str]]:
+    """(op, source line, module) of an FX node, from its meta: the aten op's name; the innermost frame of
+    Dynamo's ``stack_trace`` outside torch itself as ``file.py:line: code`` (inside BatchNorm the
+    innermost frames are torch's own: the line that called the module is the user's); the innermost
+    entry of ``nn_module_stack`` as ``path (Class)``."""
+    op = str(node.target) if getattr(node, "op", None) == "call_function" else None
+    meta = getattr(node, "meta", {}) or {}
+    frames, lines = [], (meta.get("stack_trace") or "").splitlines()
+    for i, ln in enumerate(lines):
+        m = _FRAME.match(ln)
+        if m:
+            code = lines[i + 1].strip() if i + 1 < len(lines) and not _FRAME.match(lines[i + 1]) else ""
+            frames.append((m.group(1), m.group(2), code))
+    import torch  # here: the records stay importable without torch
+
+    torch_dir = os.path.dirname(os.path.abspath(torch.__file__)) + os.sep
+    user = [f for f in frames if not os.path.abspath(f[0]).startswith(torch_dir)]
+    source = None
+    if user:
+        path, line, code = user[-1]
+        source = f"{os.path.basename(path)}:{line}" + (f": {code}" if code else "")
+    module = None
+    stack = list((meta.get("nn_module_stack") or {}).values())
+    if stack:
+        path, cls = stack[-1]
+        path = re.sub(r"^L\['[^']*'\]\.?", "", str(path))
+        path = re.sub(r"^(__self__|_orig_mod)\.?", "", path) or "the model"
+        module = f"{path} ({getattr(cls, '__name__', str(cls).rsplit('.', 1)[-1])})"
+    return op, source, module
 
 
 def counters() -> Any:
@@ -178,7 +229,8 @@ class GraphRecord:
         c = self.compiled
         return {"graph": self.index, "nodes": self.nodes, "role": "head" if self.head else "body" if self.body else "-",
                 "backward": str(self.backward),
-                "reason": self.reason, "gathered_inputs": c.plan.gathered_inputs if c.plan else 0,
+                "reason": self.reason, "where": None if self.refusal is None else self.refusal.where,
+                "gathered_inputs": c.plan.gathered_inputs if c.plan else 0,
                 "row_counts": sorted(self.row_counts), "verified": self.verified, "vcas": c.vcas,
                 "gather": c.gather if c.gather_refused is None else f"eager ({c.gather_refused})"}
 
@@ -217,7 +269,8 @@ class Report(list):
         cells = [[str(c) for c in self.COLUMNS]] + [[_display(r, c) for c in self.COLUMNS] for r in self]
         width = [max(len(row[i]) for row in cells) for i in range(len(self.COLUMNS) - 1)]
         lines = ["  ".join(v.ljust(w) for v, w in zip(row, width)) + "  " + row[-1] for row in cells]
-        return "\n".join([line.rstrip() for line in lines] + ["", *self.LEGEND])
+        where = [f"graph {r['graph']} refused at: {r['where']}" for r in self if r.get("where")]
+        return "\n".join([line.rstrip() for line in lines] + where + ["", *self.LEGEND])
 
     __repr__ = __str__
 

@@ -1,9 +1,10 @@
 """The row gather / scatter of a backward input along its batch dim (a ``symbolic.Spec``).
 
 Specs are read from the *example inputs* of the compiled backward (real strides from the compiled
-forward, not node meta).  A batch-shaped input has one dim of size ``factor * s``, batch-major
-(index ``b * factor + r``); whether it really is batch-major is proven by the layout analysis of
-the forward (layout.py), not by this size match.
+forward, not node meta).  A batch-shaped input has one dim of size ``outer * s * factor``, index
+``(o * s + b) * factor + r``: batch-major when ``outer == 1``, token-major otherwise (the layout proof of
+the forward, layout.py, says which; the sizes alone cannot: ``T*s == s*T``).  Row ``b`` is gathered as
+the ``b``-th slice of that dim viewed ``(outer, s, factor)``.
 """
 from __future__ import annotations
 
@@ -25,10 +26,13 @@ def conform(x: torch.Tensor, sizes, strides) -> torch.Tensor:
 
 
 def gather_rows(x: torch.Tensor, spec: Spec, idx: torch.Tensor, n: int, sizes, strides) -> torch.Tensor:
-    if spec.factor == 1:
-        y = x.index_select(spec.dim, idx)
-    else:
-        y = x.unflatten(spec.dim, (n, spec.factor)).index_select(spec.dim, idx).flatten(spec.dim, spec.dim + 1)
+    d = spec.dim
+    if spec.factor == 1 and spec.outer == 1:
+        y = x.index_select(d, idx)
+    elif spec.outer == 1:
+        y = x.unflatten(d, (n, spec.factor)).index_select(d, idx).flatten(d, d + 1)
+    else:  # token-major: the batch is the middle of (outer, n, factor)
+        y = x.unflatten(d, (spec.outer, n, spec.factor)).index_select(d + 1, idx).flatten(d, d + 2)
     return conform(y, sizes, strides)  # Inductor asserts input strides
 
 
@@ -36,7 +40,8 @@ def _row_block(x: torch.Tensor, spec: Spec, n: int) -> Optional[tuple]:
     """((storage, dtype), start, R, elements per row) when row ``b`` of ``x`` lies in its storage's elements
     ``[start + b*R, start + (b+1)*R)`` (batch in dim 0, non-negative strides): then gathering those
     blocks and viewing them with ``x``'s own strides is the row gather.  None otherwise."""
-    if spec.dim != 0 or x.numel() == 0 or x.shape[0] != n * spec.factor or any(st < 0 for st in x.stride()):
+    if spec.dim != 0 or spec.outer != 1 or x.numel() == 0 or x.shape[0] != n * spec.factor or \
+            any(st < 0 for st in x.stride()):
         return None
     r = x.stride(0) * spec.factor
     if r <= 0:
@@ -83,10 +88,14 @@ def gather_all(args: list, specs: list, idx: torch.Tensor, n: int, shapes: list)
 
 def scatter_rows(y: torch.Tensor, spec: Spec, idx: torch.Tensor, n: int) -> torch.Tensor:
     shape = list(y.shape)
-    shape[spec.dim] = n * spec.factor
+    shape[spec.dim] = spec.outer * n * spec.factor
     full = y.new_zeros(shape)
-    if spec.factor == 1:
+    d = spec.dim
+    if spec.factor == 1 and spec.outer == 1:
         full.index_copy_(spec.dim, idx, y)
+    elif spec.outer != 1:
+        full.unflatten(d, (spec.outer, n, spec.factor)).index_copy_(
+            d + 1, idx, y.unflatten(d, (spec.outer, idx.numel(), spec.factor)))
     else:
         full.unflatten(spec.dim, (n, spec.factor)).index_copy_(
             spec.dim, idx, y.unflatten(spec.dim, (y.shape[spec.dim] // spec.factor, spec.factor)))

@@ -189,15 +189,18 @@ def stride_symbols(example_inputs, sym: sympy.Symbol) -> dict:
 
 @dataclass
 class Spec:
-    """A backward input's batch, from its sizes: ``kind == "batch"`` has one dim ``dim`` of size
-    ``factor * s`` (batch-major: index ``b * factor + r``; layout.py proves that it is)."""
+    """A backward input's batch: ``kind == "batch"`` has one dim ``dim`` of size ``outer * s * factor``,
+    index ``(o * s + b) * factor + r``.  ``spec_of`` reads the sizes only, so it gives ``outer = 1``
+    (batch-major, ``factor`` the whole multiple of ``s``); the layout proof (layout.py) says whether that
+    is so, or which ``outer`` (token-major: ``x.transpose(0, 1).reshape(T*N, D)``) the dim really has."""
 
     kind: str  # "static" | "symint" | "batch"
     expr: Optional[sympy.Expr] = None
     dim: int = 0
-    factor: int = 1
+    factor: int = 1  # the inner factor
     sizes: tuple = ()
     strides: tuple = ()
+    outer: int = 1
 
 
 def spec_of(v: Any, sym: sympy.Symbol, strides: Optional[dict] = None) -> Spec:

@@ -7,15 +7,26 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from hypothesis import settings
 
 import capskip_fx
+from helpers.examples import PROFILE, examples
 
 
 def pytest_addoption(parser):
     parser.addoption("--runslow", action="store_true", default=False, help="run tests marked slow")
 
 
+def _inductor_param(item) -> bool:
+    """A parametrized case whose parameters include the backend "inductor" (alone or in a tuple)."""
+    params = getattr(getattr(item, "callspec", None), "params", {})
+    return any(v == "inductor" or (isinstance(v, tuple) and "inductor" in v) for v in params.values())
+
+
 def pytest_collection_modifyitems(config, items):
+    for item in items:  # the fast tier (-m "not slow and not inductor and not subprocess") leaves these out
+        if _inductor_param(item) and item.get_closest_marker("inductor") is None:
+            item.add_marker(pytest.mark.inductor)
     if config.getoption("--runslow"):
         return
     skip = pytest.mark.skip(reason="slow: run with --runslow")
@@ -25,6 +36,12 @@ def pytest_collection_modifyitems(config, items):
 
 
 torch.set_num_threads(2)
+
+# Hypothesis: HYPOTHESIS_PROFILE=ci (default; fewer, derandomised examples) or thorough (every test's full
+# count, a fresh draw each run).  Tests scale their own counts with helpers.examples.examples(n).
+settings.register_profile("ci", max_examples=examples(100), deadline=None, derandomize=True)
+settings.register_profile("thorough", max_examples=100, deadline=None)
+settings.load_profile(PROFILE)
 
 
 @pytest.fixture(autouse=True)

@@ -275,4 +275,5 @@ def test_passes_see_graphs_and_contexts_only():
                 bad.append(f"{path.name}:{node.lineno} self.{node.attr}")
     assert not bad, f"passes holding the backend or runtime state: {bad}"
     for cls in (pipeline.JointContext, pipeline.JointResult, pipeline.BackwardContext, pipeline.BackwardResult):
-        assert dataclasses.is_dataclass(cls) and cls.__dataclass_params__.frozen, f"{cls.__name__} is not frozen"
+        assert dataclasses.is_dataclass(cls), f"{cls.__name__} is not frozen"
+        assert cls.__dataclass_params__.frozen, f"{cls.__name__} is not frozen"

@@ -20,20 +20,15 @@ import capskip_fx
 from capskip_fx.rules import CAPSkip, make_rule
 
 from conftest import max_rel_err, reference_grads
+from helpers.models import MLP, grads
 
 pytestmark = pytest.mark.usefixtures("many_compiles")  # conftest: every test compiles its own model
 
 N, C = 8, 5
 
 
-class Net(nn.Module):
-    def __init__(self, d=12, hidden=16, classes=C):
-        super().__init__()
-        self.fc = nn.Linear(d, hidden)
-        self.head = nn.Linear(hidden, classes)
-
-    def forward(self, x):
-        return self.head(F.gelu(self.fc(x)))
+def Net():
+    return MLP(d=12, hidden=16, classes=C)
 
 
 def _net(**opts):
@@ -46,9 +41,7 @@ def _x(n=N, seed=0):
     return torch.randn(n, 12, dtype=torch.float64, generator=torch.Generator().manual_seed(seed))
 
 
-def _grads(model):
-    return {k: (p.grad if p.grad is not None else torch.zeros_like(p)).detach().clone()
-            for k, p in model.named_parameters()}
+_grads = grads
 
 
 def _dense_grads(model, loss_fn):
@@ -114,18 +107,24 @@ def test_nan_logits_skip_selection_run_dense_warn_once_and_spare_the_rule_state(
             F.cross_entropy(cm(x_bad), y).backward()
 
     msgs = _recorded_warnings(two_bad_steps)
-    assert sum("non-finite" in m for m in msgs) == 1  # warned once over two steps
+    assert sum("non-finite" in m for m in msgs) == 1, (
+        f'expected sum("non-finite" in m for m in msgs) == 1, got {sum("non-finite" in m for m in msgs)!r}')  # warned once over two steps
     st = capskip_fx.stats(cm)
-    assert "non-finite" in st.fallback and st.kept == N and bool((st.weight == 1).all())
-    assert torch.allclose(cm.rule.history, hist, equal_nan=True)  # the rule never saw the NaN step
+    assert "non-finite" in st.fallback, f'expected "non-finite" in st.fallback, got st.fallback = {st.fallback!r}'
+    assert st.kept == N, f"expected st.kept == N, got {st.kept!r} vs {N!r}"
+    assert bool((st.weight == 1).all()), 'expected bool((st.weight == 1).all())'
+    assert torch.allclose(cm.rule.history, hist, equal_nan=True), (
+        'expected torch.allclose(cm.rule.history, hist, equal_nan=True)')  # the rule never saw the NaN step
     dense = _dense_grads(model, lambda m: F.cross_entropy(m(x_bad), y))
     for k, g in _grads(model).items():  # exactly the dense step's (NaN) gradient, as eager gives
-        assert torch.equal(torch.isnan(g), torch.isnan(dense[k]))
+        assert torch.equal(torch.isnan(g), torch.isnan(dense[k])), (
+            'expected torch.equal(torch.isnan(g), torch.isnan(dense[k]))')
     model.zero_grad(set_to_none=True)
     F.cross_entropy(cm(x), y).backward()  # the next finite step selects again
     st = capskip_fx.stats(cm)
-    assert st.fallback is None
-    assert max_rel_err(_grads(model), reference_grads(model, x, y, st.weight)) < 1e-10
+    assert st.fallback is None, f"expected st.fallback is None, got {st.fallback!r}"
+    assert max_rel_err(_grads(model), reference_grads(model, x, y, st.weight)) < 1e-10, (
+        'expected max_rel_err(_grads(model), reference_grads(model, x, y, st.weight))...')
 
 
 def test_inf_loss_scale_skips_selection():
@@ -136,7 +135,8 @@ def test_inf_loss_scale_skips_selection():
     model.zero_grad(set_to_none=True)
     (F.cross_entropy(cm(x), y) * math.inf).backward()
     st = capskip_fx.stats(cm)
-    assert "non-finite" in st.fallback and st.kept == N
+    assert "non-finite" in st.fallback, f'expected "non-finite" in st.fallback, got st.fallback = {st.fallback!r}'
+    assert st.kept == N, f"expected st.kept == N, got {st.kept!r} vs {N!r}"
 
 
 # ---------------------------------------------------------------- labels
@@ -152,7 +152,8 @@ def test_explicit_label_out_of_range_is_a_value_error_naming_the_option(bad):
     t[3] = -1  # -1 = unknown label: allowed, that row is kept
     model.zero_grad(set_to_none=True)
     F.cross_entropy(cm(_x(), capskip_targets=t), y).backward()
-    assert capskip_fx.stats(cm).weight[3] == 1
+    assert capskip_fx.stats(cm).weight[3] == 1, (
+        f"expected capskip_fx.stats(cm).weight[3] == 1, got {capskip_fx.stats(cm).weight[3]!r}")
 
 
 @pytest.mark.parametrize("t", [torch.zeros(N), torch.zeros(N, 1, dtype=torch.long), [0] * N],
@@ -175,11 +176,15 @@ def test_mse_on_logits_without_targets_runs_dense_and_names_the_option():
         F.mse_loss(cm(x), onehot).backward()
 
     msgs = _recorded_warnings(lambda: (mse_step(), mse_step()))
-    assert sum("capskip_targets=" in m for m in msgs) == 1
+    assert sum("capskip_targets=" in m for m in msgs) == 1, (
+        f'expected sum("capskip_targets=" in m for m in ... == 1, got {sum("capskip_targets=" in m for m in msgs)!r}')
     st = capskip_fx.stats(cm)
-    assert "capskip_targets=" in st.fallback and st.kept == N
+    assert "capskip_targets=" in st.fallback, (
+        f'expected "capskip_targets=" in st.fallback, got st.fallback = {st.fallback!r}')
+    assert st.kept == N, f"expected st.kept == N, got {st.kept!r} vs {N!r}"
     dense = _dense_grads(model, lambda m: F.mse_loss(m(x), onehot))
-    assert max_rel_err(_grads(model), dense) < 1e-10
+    assert max_rel_err(_grads(model), dense) < 1e-10, (
+        f"expected max_rel_err(_grads(model), dense) < 1e-10, got {max_rel_err(_grads(model), dense)!r}")
     # with the labels given, the selection runs and is exact for sum_i w_i mse_i / N
     with torch.no_grad():
         y = model(x).argmax(1)
@@ -187,12 +192,14 @@ def test_mse_on_logits_without_targets_runs_dense_and_names_the_option():
     model.zero_grad(set_to_none=True)
     F.mse_loss(cm(x, capskip_targets=y), onehot).backward()
     st = capskip_fx.stats(cm)
-    assert st.fallback is None and st.kept < N
+    assert st.fallback is None, f"expected st.fallback is None, got {st.fallback!r}"
+    assert st.kept < N, f"expected st.kept < N, got {st.kept!r} vs {N!r}"
     ref = copy.deepcopy(model)
     ref.zero_grad(set_to_none=True)
     per_row = F.mse_loss(ref(x), onehot, reduction="none").mean(1)
     (per_row * st.weight).sum().div(N).backward()
-    assert max_rel_err(_grads(model), _grads(ref)) < 1e-10
+    assert max_rel_err(_grads(model), _grads(ref)) < 1e-10, (
+        f"expected max_rel_err(_grads(model), _grads(ref)) < 1e-10, got {max_rel_err(_grads(model), _grads(ref))!r}")
 
 
 @pytest.mark.parametrize("loss", ["label_smoothing", "soft_targets", "class_weights"])
@@ -208,9 +215,10 @@ def test_softmax_losses_are_not_mistaken_for_mse(loss):
         out = F.cross_entropy(z, 0.8 * F.one_hot(y, C).double() + 0.04)
     else:
         out = F.cross_entropy(z, y, weight=torch.linspace(0.5, 2, C, dtype=torch.float64))
-    assert not _recorded_warnings(out.backward)
+    assert not _recorded_warnings(out.backward), 'expected not _recorded_warnings(out.backward)'
     st = capskip_fx.stats(cm)
-    assert st.fallback is None and st.kept < N
+    assert st.fallback is None, f"expected st.fallback is None, got {st.fallback!r}"
+    assert st.kept < N, f"expected st.kept < N, got {st.kept!r} vs {N!r}"
 
 
 # ---------------------------------------------------------------- batches
@@ -221,17 +229,24 @@ def test_batch_of_one_is_dense_with_reason_and_no_recompile():
     with torch.no_grad():
         y8 = model(x8).argmax(1)
     F.cross_entropy(cm(x8), y8).backward()
-    assert capskip_fx.stats(cm).kept < N
+    assert capskip_fx.stats(cm).kept < N, (
+        f"expected capskip_fx.stats(cm).kept < N, got {capskip_fx.stats(cm).kept!r} vs {N!r}")
     x1, y1 = _x(1, seed=3), torch.tensor([2])
     model.zero_grad(set_to_none=True)
     F.cross_entropy(cm(x1), y1).backward()
     st = capskip_fx.stats(cm)
-    assert st.n == 1 and st.kept == 1 and "size 1" in st.fallback
-    assert max_rel_err(_grads(model), _dense_grads(model, lambda m: F.cross_entropy(m(x1), y1))) < 1e-12
-    assert len(cm.backend.records) == 1  # no static-batch graph was compiled for it
+    assert st.n == 1, f"expected st.n == 1, got {st.n!r}"
+    assert st.kept == 1, f"expected st.kept == 1, got {st.kept!r}"
+    assert "size 1" in st.fallback, f'expected "size 1" in st.fallback, got st.fallback = {st.fallback!r}'
+    assert max_rel_err(_grads(model), _dense_grads(model, lambda m: F.cross_entropy(m(x1), y1))) < 1e-12, (
+        'expected max_rel_err(_grads(model), _dense_grads(model, lambda m: F.cross_en...')
+    assert len(cm.backend.records) == 1, f"expected len(cm.backend.records) == 1, got {len(cm.backend.records)!r}"  # no static-batch graph was compiled for it
     model.zero_grad(set_to_none=True)
     F.cross_entropy(cm(x8), y8).backward()  # and the next full batch selects as before
-    assert capskip_fx.stats(cm).fallback is None and capskip_fx.stats(cm).kept < N
+    assert capskip_fx.stats(cm).fallback is None, (
+        f"expected capskip_fx.stats(cm).fallback is None, got {capskip_fx.stats(cm).fallback!r}")
+    assert capskip_fx.stats(cm).kept < N, (
+        f"expected capskip_fx.stats(cm).kept < N, got {capskip_fx.stats(cm).kept!r} vs {N!r}")
 
 
 @pytest.mark.parametrize("case", ["all_wrong", "all_right_b1", "all_right_b03"])
@@ -245,14 +260,18 @@ def test_all_wrong_and_all_right(case):
     F.cross_entropy(cm(x), y).backward()
     st = capskip_fx.stats(cm)
     grads = _grads(model)
-    assert st.fallback is None
+    assert st.fallback is None, f"expected st.fallback is None, got {st.fallback!r}"
     if case == "all_wrong":
-        assert st.kept == N  # misclassified rows are never skipped
+        assert st.kept == N, f"expected st.kept == N, got {st.kept!r} vs {N!r}"  # misclassified rows are never skipped
     elif case == "all_right_b1":
-        assert st.kept == 0 and all(g.abs().max() == 0 for g in grads.values())  # S_N = G: skip all
+        assert st.kept == 0, f"expected st.kept == 0, got {st.kept!r}"
+        assert all(g.abs().max() == 0 for g in grads.values()), (
+            'expected all(g.abs().max() == 0 for g in grads.values())')  # S_N = G: skip all
     else:
-        assert 0 < st.kept < N and st.bound <= 0.3
-    assert max_rel_err(grads, reference_grads(model, x, y, st.weight)) < 1e-10
+        assert 0 < st.kept < N, 'expected 0 < st.kept < N'
+        assert st.bound <= 0.3, f"expected st.bound <= 0.3, got {st.bound!r}"
+    assert max_rel_err(grads, reference_grads(model, x, y, st.weight)) < 1e-10, (
+        'expected max_rel_err(grads, reference_grads(model, x, y, st.weight)) < 1e-10')
 
 
 # ---------------------------------------------------------------- model shapes
@@ -275,12 +294,16 @@ def test_no_linear_head_runs_dense_with_reason_and_exact_gradients():
     cm = capskip_fx.compile(model, rule="forced", keep=0.25, backend="aot_eager")
     x, y = torch.randn(N, 3, 6, 6, dtype=torch.float64), torch.randint(0, C, (N,))
     msgs = _recorded_warnings(lambda: F.cross_entropy(cm(x), y).backward())
-    assert any("no classifier head" in m for m in msgs)
+    assert any("no classifier head" in m for m in msgs), 'expected any("no classifier head" in m for m in msgs)'
     st = capskip_fx.stats(cm)
-    assert "no classifier head" in st.fallback and st.kept == N
+    assert "no classifier head" in st.fallback, (
+        f'expected "no classifier head" in st.fallback, got st.fallback = {st.fallback!r}')
+    assert st.kept == N, f"expected st.kept == N, got {st.kept!r} vs {N!r}"
     rec = cm.backend.records[0]  # the reason: refused graph's, or a head-less "body" graph's no_head
-    assert "no classifier head" in (rec.reason or getattr(rec, "no_head", None) or "")
-    assert max_rel_err(_grads(model), _dense_grads(model, lambda m: F.cross_entropy(m(x), y))) < 1e-10
+    assert "no classifier head" in (rec.reason or getattr(rec, "no_head", None) or ""), (
+        f'expected "no classifier head" in rec.reason or getattr(rec, "no_head",..., got rec.reason or getattr(rec, "no_head",... = {rec.reason or getattr(rec, "no_head", None) or ""!r}')
+    assert max_rel_err(_grads(model), _dense_grads(model, lambda m: F.cross_entropy(m(x), y))) < 1e-10, (
+        'expected max_rel_err(_grads(model), _dense_grads(model, lambda m: F.cross_en...')
 
 
 class Outputs(nn.Module):
@@ -317,14 +340,17 @@ def test_tuple_and_dict_outputs_pick_logits_and_keep_skipped_rows_aux_out(kind):
     z, a = _logits_aux(cm(x))
     (F.cross_entropy(z, y) + a.mean()).backward()
     st = capskip_fx.stats(cm)
-    assert st.kept == 3 and st.fallback is None
+    assert st.kept == 3, f"expected st.kept == 3, got {st.kept!r}"
+    assert st.fallback is None, f"expected st.fallback is None, got {st.fallback!r}"
     rec = cm.backend.records[0]
-    assert rec.backward == "selected rows" and rec.masked_tangents == 2
+    assert rec.backward == "selected rows", f'expected rec.backward == "selected rows", got {rec.backward!r}'
+    assert rec.masked_tangents == 2, f"expected rec.masked_tangents == 2, got {rec.masked_tangents!r}"
     ref = copy.deepcopy(model)
     ref.zero_grad(set_to_none=True)
     zr, ar = _logits_aux(ref(x))
     ((F.cross_entropy(zr, y, reduction="none") + ar) * st.weight).sum().div(N).backward()
-    assert max_rel_err(_grads(model), _grads(ref)) < 1e-10  # aux of skipped rows did not leak in
+    assert max_rel_err(_grads(model), _grads(ref)) < 1e-10, (
+        f"expected max_rel_err(_grads(model), _grads(ref)) < 1e-10, got {max_rel_err(_grads(model), _grads(ref))!r}")  # aux of skipped rows did not leak in
 
 
 def test_unused_2d_output_picked_as_logits_is_caught_and_logits_index_fixes_it():
@@ -336,15 +362,19 @@ def test_unused_2d_output_picked_as_logits_is_caught_and_logits_index_fixes_it()
         y = model(x)["logits"].argmax(1)
     out = cm(x)
     msgs = _recorded_warnings(lambda: F.cross_entropy(out["logits"], y).backward())
-    assert any("logits_index=" in m for m in msgs)  # not: "every row is free, skip them all"
+    assert any("logits_index=" in m for m in msgs), 'expected any("logits_index=" in m for m in msgs)'  # not: "every row is free, skip them all"
     st = capskip_fx.stats(cm)
-    assert "logits_index=" in st.fallback and st.kept == N
-    assert max_rel_err(_grads(model), _dense_grads(model, lambda m: F.cross_entropy(m(x)["logits"], y))) < 1e-10
+    assert "logits_index=" in st.fallback, f'expected "logits_index=" in st.fallback, got st.fallback = {st.fallback!r}'
+    assert st.kept == N, f"expected st.kept == N, got {st.kept!r} vs {N!r}"
+    assert max_rel_err(_grads(model), _dense_grads(model, lambda m: F.cross_entropy(m(x)["logits"], y))) < 1e-10, (
+        'expected max_rel_err(_grads(model), _dense_grads(model, lambda m: F.cross_en...')
     torch.manual_seed(0)
     model = Outputs("emb").double()
     cm = capskip_fx.compile(model, rule="capskip", budget=1.0, backend="aot_eager", logits_index=1)
     F.cross_entropy(cm(x)["logits"], y).backward()
-    assert capskip_fx.stats(cm).fallback is None and capskip_fx.stats(cm).kept == 0
+    assert capskip_fx.stats(cm).fallback is None, (
+        f"expected capskip_fx.stats(cm).fallback is None, got {capskip_fx.stats(cm).fallback!r}")
+    assert capskip_fx.stats(cm).kept == 0, f"expected capskip_fx.stats(cm).kept == 0, got {capskip_fx.stats(cm).kept!r}"
 
 
 class ScalarAux(nn.Module):
@@ -369,8 +399,12 @@ def test_batch_level_aux_output_is_refused_as_coupling():
         return F.cross_entropy(out[0], y) + out[1]
 
     loss(cm(x)).backward()
-    assert cm.backend.records[0].coupled and "cross-example" in capskip_fx.stats(cm).fallback
-    assert max_rel_err(_grads(model), _dense_grads(model, lambda m: loss(m(x)))) < 1e-10
+    assert cm.backend.records[0].coupled, (
+        f"expected cm.backend.records[0].coupled to be true, got {cm.backend.records[0].coupled!r}")
+    assert "cross-example" in capskip_fx.stats(cm).fallback, (
+        f'expected "cross-example" in capskip_fx.stats(cm).fallback, got capskip_fx.stats(cm).fallback = {capskip_fx.stats(cm).fallback!r}')
+    assert max_rel_err(_grads(model), _dense_grads(model, lambda m: loss(m(x)))) < 1e-10, (
+        'expected max_rel_err(_grads(model), _dense_grads(model, lambda m: loss(m(x))...')
 
 
 class NormNet(nn.Module):
@@ -390,12 +424,16 @@ def test_group_and_layer_norm_are_per_example_not_refused(norm):
     model = NormNet(norm).double()
     cm = capskip_fx.compile(model, rule="forced", keep=lambda n: torch.tensor([1, 2, 7]), backend="aot_eager")
     x, y = torch.randn(N, 3, 6, 6, dtype=torch.float64), torch.randint(0, C, (N,))
-    assert not _recorded_warnings(lambda: F.cross_entropy(cm(x), y).backward())
+    assert not _recorded_warnings(lambda: F.cross_entropy(cm(x), y).backward()), (
+        'expected not _recorded_warnings(lambda: F.cross_entropy(cm(x), y).backward())')
     rec = cm.backend.records[0]
-    assert not rec.coupled and rec.backward == "selected rows" and rec.row_counts == {3}
+    assert not rec.coupled, 'expected not rec.coupled'
+    assert rec.backward == "selected rows", f'expected rec.backward == "selected rows", got {rec.backward!r}'
+    assert rec.row_counts == {3}, f"expected rec.row_counts == {{3}}, got {rec.row_counts!r}"
     st = capskip_fx.stats(cm)
-    assert st.fallback is None
-    assert max_rel_err(_grads(model), reference_grads(model, x, y, st.weight)) < 1e-10
+    assert st.fallback is None, f"expected st.fallback is None, got {st.fallback!r}"
+    assert max_rel_err(_grads(model), reference_grads(model, x, y, st.weight)) < 1e-10, (
+        'expected max_rel_err(_grads(model), reference_grads(model, x, y, st.weight))...')
 
 
 class Lonely(nn.Module):
@@ -423,7 +461,11 @@ def test_no_graph_from_dynamo_is_reported_not_silent(monkeypatch):
         model = Lonely().double()
         cm = capskip_fx.compile(model, rule="forced", keep=0.5, backend="aot_eager")
         msgs = _recorded_warnings(lambda: F.cross_entropy(cm(x), y).backward())
-    assert any("produced no graph" in m for m in msgs)
+    assert any("produced no graph" in m for m in msgs), 'expected any("produced no graph" in m for m in msgs)'
     st = capskip_fx.stats(cm)
-    assert st.n == N and st.kept == N and "recompile_limit" in st.fallback
-    assert max_rel_err(_grads(model), _dense_grads(model, lambda m: F.cross_entropy(m(x), y))) < 1e-12
+    assert st.n == N, f"expected st.n == N, got {st.n!r} vs {N!r}"
+    assert st.kept == N, f"expected st.kept == N, got {st.kept!r} vs {N!r}"
+    assert "recompile_limit" in st.fallback, (
+        f'expected "recompile_limit" in st.fallback, got st.fallback = {st.fallback!r}')
+    assert max_rel_err(_grads(model), _dense_grads(model, lambda m: F.cross_entropy(m(x), y))) < 1e-12, (
+        'expected max_rel_err(_grads(model), _dense_grads(model, lambda m: F.cross_en...')

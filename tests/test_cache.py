@@ -26,13 +26,19 @@ def _joint_pass(key, config, logits_index=None) -> JointPass:
 
 def test_uuid_is_source_and_config_not_the_registry_key(tmp_path, monkeypatch):
     a = _joint_pass(1, CapskipConfig()).uuid()
-    assert a == _joint_pass(2, CapskipConfig()).uuid()  # another process numbers keys anew
-    assert a != _joint_pass(1, CapskipConfig(gather_below=0.5)).uuid()
-    assert a != _joint_pass(1, CapskipConfig(vcas=True)).uuid()
-    assert a != _joint_pass(1, CapskipConfig(), logits_index=1).uuid()  # another head
+    assert a == _joint_pass(2, CapskipConfig()).uuid(), (
+        f"expected a == _joint_pass(2, CapskipConfig()).uuid(), got {a!r}")  # another process numbers keys anew
+    assert a != _joint_pass(1, CapskipConfig(gather_below=0.5)).uuid(), (
+        f"expected a != _joint_pass(1, CapskipConfig(gather_b..., got {a!r}")
+    assert a != _joint_pass(1, CapskipConfig(vcas=True)).uuid(), (
+        f"expected a != _joint_pass(1, CapskipConfig(vcas=Tru..., got {a!r}")
+    assert a != _joint_pass(1, CapskipConfig(), logits_index=1).uuid(), (
+        f"expected a != _joint_pass(1, CapskipConfig(), logit..., got {a!r}")  # another head
     files = pipeline.source_files()
-    assert any(f.endswith(os.path.join("passes", "insert_select.py")) for f in files)
-    assert not any("train" in f.split(os.sep) for f in files)
+    assert any(f.endswith(os.path.join("passes", "insert_select.py")) for f in files), (
+        'expected any(f.endswith(os.path.join("passes", "insert_select.py")) for f in...')
+    assert not any("train" in f.split(os.sep) for f in files), (
+        'expected not any("train" in f.split(os.sep) for f in files)')
     uuids = []
     for i, text in enumerate(("x = 1\n", "x = 2\n")):  # an edited pass must not be served its old graphs
         src = tmp_path / f"v{i}" / "pass.py"  # torch caches each path's hash per process: one path per version
@@ -40,7 +46,7 @@ def test_uuid_is_source_and_config_not_the_registry_key(tmp_path, monkeypatch):
         src.write_text(text)
         monkeypatch.setattr(pipeline, "source_files", lambda src=src: (str(src),))
         uuids.append(_joint_pass(1, CapskipConfig()).uuid())
-    assert uuids[0] != uuids[1]
+    assert uuids[0] != uuids[1], f"expected uuids[0] != uuids[1], got {uuids[0]!r} vs {uuids[1]!r}"
 
 
 _CHILD = textwrap.dedent("""
@@ -80,18 +86,31 @@ def _run(code: str, tmp_path, gather: str = "eager") -> dict:
     return json.loads(r.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.subprocess
+@pytest.mark.inductor
 @pytest.mark.parametrize("gather", ["eager", "graph"])
 def test_restart_serves_cached_graphs_and_still_selects(tmp_path, gather):
     cold, warm = runs = [_run(_CHILD, tmp_path, gather) for _ in range(2)]
     if aot_cache.available():
-        assert cold["miss"] >= 3 and cold["aot_saved"] == 2 and cold["cached"] == [False, False], runs
+        assert cold["miss"] >= 3, runs
+        assert cold["aot_saved"] == 2, runs
+        assert cold["cached"] == [False, False], runs
         # AOTAutograd serves both graphs (training, inference) with our wrappers rebuilt; no Inductor compile
-        assert warm["aot_hit"] == 2 and warm["cached"] == [True, True] and warm["miss"] == 0 and warm["hit"] >= 3, runs
+        assert warm["aot_hit"] == 2, runs
+        assert warm["cached"] == [True, True], runs
+        assert warm["miss"] == 0, runs
+        assert warm["hit"] >= 3, runs
     else:  # a torch without the rebuild hook: AOTAutogradCache stays off for our graphs, Inductor's serves them
-        assert cold["aot_saved"] == warm["aot_hit"] == 0 and warm["cached"] == [False, False], runs
-        assert cold["miss"] >= 3 and warm["miss"] == 0 and warm["hit"] >= 3, runs
+        assert cold["aot_saved"] == warm["aot_hit"] == 0, runs
+        assert warm["cached"] == [False, False], runs
+        assert cold["miss"] >= 3, runs
+        assert warm["miss"] == 0, runs
+        assert warm["hit"] >= 3, runs
     for r in runs:  # the served backward still runs on the kept rows only, exactly
-        assert r["kept"] == 6 and r["rows"] == 6 and r["err"] < 1e-5 and r["same"], runs
+        assert r["kept"] == 6, runs
+        assert r["rows"] == 6, runs
+        assert r["err"] < 1e-5, runs
+        assert r["same"], runs
         assert r["gather"] == [gather], runs  # a served in-graph gather is rebuilt as one
 
 
@@ -154,22 +173,35 @@ _WARM = textwrap.dedent("""
 """)
 
 
+@pytest.mark.subprocess
+@pytest.mark.inductor
 @pytest.mark.skipif(not aot_cache.available(), reason=f"torch {torch.__version__} has no CUDAGraphPolicy.wrap_output: "
                     "AOTAutogradCache stays off for capskip graphs")
 def test_warm_process_serves_other_models_their_own_state(tmp_path):
     r = _run(_WARM, tmp_path)
     hit, miss, saved = "autograd_cache_hit", "autograd_cache_miss", "autograd_cache_saved"
-    assert r["a"][saved] == 1 and r["a"]["cached"] == [False] and (r["a"]["rows"], r["a"]["kept"]) == (6, 6), r
-    assert r["b"][hit] == 1 and r["b"]["cached"] == [True] and (r["b"]["rows"], r["b"]["kept"]) == (3, 3), r
+    assert r["a"][saved] == 1, r
+    assert r["a"]["cached"] == [False], r
+    assert (r["a"]["rows"], r["a"]["kept"]) == (6, 6), r
+    assert r["b"][hit] == 1, r
+    assert r["b"]["cached"] == [True], r
+    assert (r["b"]["rows"], r["b"]["kept"]) == (3, 3), r
     assert (r["a_again"]["rows"], r["a_again"]["kept"]) == (6, 6), r
-    assert r["c"][hit] == 0 and r["c"][miss] == 1, r
-    assert r["bn1"][saved] == 1 and r["bn2"][hit] == 1 and r["bn2"]["cached"] == [True], r
-    assert r["bn2"]["report"] == r["bn1"]["report"] and r["bn1"]["report"][0][0] == "dense", r
-    assert r["bn2"]["fallback"] == r["bn1"]["fallback"] and "cross-example" in r["bn2"]["fallback"], r
+    assert r["c"][hit] == 0, r
+    assert r["c"][miss] == 1, r
+    assert r["bn1"][saved] == 1, r
+    assert r["bn2"][hit] == 1, r
+    assert r["bn2"]["cached"] == [True], r
+    assert r["bn2"]["report"] == r["bn1"]["report"], r
+    assert r["bn1"]["report"][0][0] == "dense", r
+    assert r["bn2"]["fallback"] == r["bn1"]["fallback"], r
+    assert "cross-example" in r["bn2"]["fallback"], r
     for k in ("v1", "v2"):
         assert r[k][hit] == r[k][miss] == r[k][saved] == 0, r
-    assert r["d"][saved] == 0 and r["e"][hit] == 0, r  # the second model runs its own select
-    assert (r["d"]["rows"], r["d"]["kept"]) == (12, 6) and (r["e"]["rows"], r["e"]["kept"]) == (12, 3), r
+    assert r["d"][saved] == 0, r
+    assert r["e"][hit] == 0, r  # the second model runs its own select
+    assert (r["d"]["rows"], r["d"]["kept"]) == (12, 6), r
+    assert (r["e"]["rows"], r["e"]["kept"]) == (12, 3), r
     assert "AOTAutogradCache served a graph without" in r["skipped_hook"], r  # loud, never silently dense
     for k in ("a", "b", "a_again", "c", "v1", "v2", "d", "e"):
         assert r[k]["err"] < 1e-5, (k, r)

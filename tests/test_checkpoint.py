@@ -16,7 +16,7 @@ import torch
 
 from capskip_fx import train
 from capskip_fx.train import checkpoint, loop
-from helpers.runs import run_killed_at_evaluation
+from helpers.runs import assert_resumed_exactly, run_killed_at_evaluation
 
 torch.set_num_threads(1)
 
@@ -24,9 +24,6 @@ ROOT = Path(__file__).resolve().parents[1]
 TINY = ["--dataset", "digits", "--img-size", "16", "--patch-size", "4", "--depth", "1", "--embed-dim", "16",
         "--num-heads", "2", "--batch-size", "32", "--train-subset", "96", "--eval-subset", "64",
         "--threads", "1", "--warmup-epochs", "0", "--lr", "1e-2"]
-# the per-epoch values a resumed run must reproduce exactly (times are measured, not computed)
-EXACT = ("epoch", "steps", "train_loss", "eval_top1", "eval_loss", "backward_rows", "rows", "rows_seen", "mean_kept_frac", "lr",
-         "checks", "violations", "fallbacks")
 
 
 
@@ -54,29 +51,42 @@ def test_resume_is_bit_exact(tmp_path, monkeypatch, backend, rule):
     run_killed_at_evaluation(monkeypatch, loop, 2, lambda: train.run([*argv, "--out", str(tmp_path / "cut")]))
     cut = tmp_path / "cut"
     ck = torch.load(cut / "checkpoint.pt", weights_only=True)  # plain containers and tensors only
-    assert ck["epoch"] == 1 and ck["counters"]["step"] == 3 and "_capskip" in ck["model"]
-    assert {"torch", "numpy", "python", "loader"} <= set(ck["rng"]) and ck["config"]["backend"] == backend
+    assert ck["epoch"] == 1, f'expected ck["epoch"] == 1, got {ck["epoch"]!r}'
+    assert ck["counters"]["step"] == 3, f'expected ck["counters"]["step"] == 3, got {ck["counters"]["step"]!r}'
+    assert "_capskip" in ck["model"], f'expected "_capskip" in ck["model"], got ck["model"] = {ck["model"]!r}'
+    assert {"torch", "numpy", "python", "loader"} <= set(ck["rng"]), (
+        f'expected {{"torch", "numpy", "python", "loader"}} <= set(ck["rng"]), got set(ck["rng"]) = {set(ck["rng"])!r}')
+    assert ck["config"]["backend"] == backend, (
+        f'expected ck["config"]["backend"] == backend, got {ck["config"]["backend"]!r} vs {backend!r}')
     stale = "stale_sb" in rule
-    assert len(_jsonl(cut / "steps.jsonl")) == 6 or stale  # epoch 2's steps, past the checkpoint
+    assert len(_jsonl(cut / "steps.jsonl")) == 6 or stale, 'expected len(_jsonl(cut / "steps.jsonl")) == 6 or stale'  # epoch 2's steps, past the checkpoint
     epoch1 = _summary(cut)
 
     res = train.run(["--resume", str(cut / "checkpoint.pt")])  # the config comes from the checkpoint
     a, b = _summary(tmp_path / "full"), _summary(cut)
-    assert len(b) == 3 and b[0] == epoch1[0]  # rows continued, epoch 1's kept as written
-    for ra, rb in zip(a, b):
-        assert {k: ra[k] for k in EXACT} == {k: rb[k] for k in EXACT}
-    assert res["final_top1"] == full["final_top1"] and res["steps"] == full["steps"]
-    assert full["steps"] == 9 if not stale else full["steps"] < 9 and full["forward_frac"] < 1
-    assert res["backward_rows"] == full["backward_rows"] and res["resumed_from"] == str(cut / "checkpoint.pt")
+    assert len(b) == 3, f"expected len(b) == 3, got {len(b)!r}"
+    assert b[0] == epoch1[0], f"expected b[0] == epoch1[0], got {b[0]!r} vs {epoch1[0]!r}"  # rows continued, epoch 1's kept as written
+    assert_resumed_exactly(a, b, full, res)
+    assert full["steps"] == 9 if not stale else full["steps"] < 9 and full["forward_frac"] < 1, (
+        'expected full["steps"] == 9 if not stale else full["steps"] < 9 and full["fo...')
+    assert res["backward_rows"] == full["backward_rows"], (
+        f'expected res["backward_rows"] == full["backward_rows"], got {res["backward_rows"]!r} vs {full["backward_rows"]!r}')
+    assert res["resumed_from"] == str(cut / "checkpoint.pt"), (
+        f'expected res["resumed_from"] == str(cut / "checkpoint.pt"), got {res["resumed_from"]!r} vs {str(cut / "checkpoint.pt")!r}')
     # wall-clock continues from the checkpoint's
-    assert float(b[1]["wall_clock_s"]) > float(b[0]["wall_clock_s"]) == pytest.approx(ck["clock"]["total"] -
-                                                                                     float(b[0]["compile_s"]))
+    assert (float(b[1]["wall_clock_s"]) > float(b[0]["wall_clock_s"]) == pytest.approx(ck["clock"]["total"] -
+                                                                                     float(b[0]["compile_s"]))), (
+        'expected float(b[1]["wall_clock_s"]) > float(b[0]["wall_clock_s"]) == pytest...')
     sa, sb = _jsonl(tmp_path / "full" / "steps.jsonl"), _jsonl(cut / "steps.jsonl")
-    assert [(s["step"], s["loss"], s["kept"]) for s in sa] == [(s["step"], s["loss"], s["kept"]) for s in sb]
+    assert [(s["step"], s["loss"], s["kept"]) for s in sa] == [(s["step"], s["loss"], s["kept"]) for s in sb], (
+        f'expected [(s["step"], s["loss"], s["kept"]) fo... == [(s["step"], s["loss"], s["kept"]) fo..., got {[(s["step"], s["loss"], s["kept"]) for s in sa]!r} vs {[(s["step"], s["loss"], s["kept"]) for s in sb]!r}')
     ca, cb = _jsonl(tmp_path / "full" / "checks.jsonl"), _jsonl(cut / "checks.jsonl")
-    assert [(c["step"], c["rel_l2_head"]) for c in ca] == [(c["step"], c["rel_l2_head"]) for c in cb]
-    assert json.loads((cut / "result.json").read_text())["final_top1"] == full["final_top1"]
-    assert torch.load(cut / "checkpoint.pt", weights_only=True)["epoch"] == 3
+    assert [(c["step"], c["rel_l2_head"]) for c in ca] == [(c["step"], c["rel_l2_head"]) for c in cb], (
+        f'expected [(c["step"], c["rel_l2_head"]) for c ... == [(c["step"], c["rel_l2_head"]) for c ..., got {[(c["step"], c["rel_l2_head"]) for c in ca]!r} vs {[(c["step"], c["rel_l2_head"]) for c in cb]!r}')
+    assert json.loads((cut / "result.json").read_text())["final_top1"] == full["final_top1"], (
+        'expected json.loads((cut / "result.json").read_text())["final_top1"] == full...')
+    assert torch.load(cut / "checkpoint.pt", weights_only=True)["epoch"] == 3, (
+        'expected torch.load(cut / "checkpoint.pt", weights_only=True)["epoch"] == 3')
 
 
 def test_resume_needs_something_left_to_train(tmp_path):
@@ -85,7 +95,9 @@ def test_resume_needs_something_left_to_train(tmp_path):
     with pytest.raises(SystemExit, match="already finished epoch 1 of 1; pass --epochs"):
         train.run(["--resume", str(out / "checkpoint.pt")])
     res = train.run(["--resume", str(out / "checkpoint.pt"), "--epochs", "2"])  # flags override its config
-    assert res["steps"] == 6 and [r["epoch"] for r in _summary(out)] == ["1", "2"]
+    assert res["steps"] == 6, f'expected res["steps"] == 6, got {res["steps"]!r}'
+    assert [r["epoch"] for r in _summary(out)] == ["1", "2"], (
+        'expected [r["epoch"] for r in _summary(out)] == ["1", "2"]')
 
 
 def test_atomic_save_never_leaves_a_truncated_file(tmp_path):
@@ -99,8 +111,10 @@ def test_atomic_save_never_leaves_a_truncated_file(tmp_path):
     with pytest.raises(RuntimeError, match="disk full"):
         checkpoint.save({"epoch": 2, "w": torch.arange(10**6), "x": Unpicklable()}, path)
     old = torch.load(path, weights_only=True)
-    assert old["epoch"] == 1 and torch.equal(old["w"], torch.arange(1000))
-    assert [p.name for p in tmp_path.iterdir()] == ["checkpoint.pt"]  # no temp file left behind
+    assert old["epoch"] == 1, f'expected old["epoch"] == 1, got {old["epoch"]!r}'
+    assert torch.equal(old["w"], torch.arange(1000)), 'expected torch.equal(old["w"], torch.arange(1000))'
+    assert [p.name for p in tmp_path.iterdir()] == ["checkpoint.pt"], (
+        'expected [p.name for p in tmp_path.iterdir()] == ["checkpoint.pt"]')  # no temp file left behind
 
 
 # ---------------------------------------------------------------- --initial-checkpoint
@@ -130,10 +144,15 @@ def test_initial_checkpoint_formats(tmp_path, capsys, source_run, fmt):
     # lr 0: AdamW leaves the weights as loaded, so the eval loss must be the source run's final one
     train.run([*TINY, "--backend", "eager", "--epochs", "1", "--check-every", "0", "--lr", "0", "--min-lr", "0",
                "--initial-checkpoint", str(path), "--out", str(out)])
-    assert _summary(out)[0]["eval_loss"] == _summary(src)[0]["eval_loss"]
-    assert _summary(out)[0]["eval_top1"] == _summary(src)[0]["eval_top1"] != ""
+    assert _summary(out)[0]["eval_loss"] == _summary(src)[0]["eval_loss"], (
+        'expected _summary(out)[0]["eval_loss"] == _summary(src)[0]["eval_loss"]')
+    assert _summary(out)[0]["eval_top1"] == _summary(src)[0]["eval_top1"] != "", (
+        'expected _summary(out)[0]["eval_top1"] == _summary(src)[0]["eval_top1"] != ""')
     text = capsys.readouterr().out
-    assert "[init] missing keys (0): none" in text and "[init] unexpected keys (0): none" in text
+    assert "[init] missing keys (0): none" in text, (
+        f'expected "[init] missing keys (0): none" in text, got text = {text!r}')
+    assert "[init] unexpected keys (0): none" in text, (
+        f'expected "[init] unexpected keys (0): none" in text, got text = {text!r}')
 
 
 def test_initial_checkpoint_changes_class_count_and_reports_keys(tmp_path, capsys, source_run):
@@ -141,7 +160,9 @@ def test_initial_checkpoint_changes_class_count_and_reports_keys(tmp_path, capsy
 
     src, _ = source_run
     sd = checkpoint.read_weights(src / "checkpoint.pt")  # 10 digit classes
-    assert "_capskip" not in sd and sd["head.weight"].shape[0] == 10
+    assert "_capskip" not in sd, f'expected "_capskip" not in sd, got sd = {sd!r}'
+    assert sd["head.weight"].shape[0] == 10, (
+        f'expected sd["head.weight"].shape[0] == 10, got {sd["head.weight"].shape[0]!r}')
     sd["extra.weight"] = torch.zeros(2)
     del sd["norm.bias"]
     torch.manual_seed(1)
@@ -149,12 +170,18 @@ def test_initial_checkpoint_changes_class_count_and_reports_keys(tmp_path, capsy
                               depth=1, embed_dim=16, num_heads=2, in_chans=1)
     fresh_head = {k: v.clone() for k, v in model.head.state_dict().items()}
     rep = checkpoint.load_weights(model, model.head, sd, "src")
-    assert rep == {"missing": ["norm.bias"], "unexpected": ["extra.weight"], "reinitialised": ["head.bias", "head.weight"]}
-    assert all(torch.equal(model.head.state_dict()[k], v) for k, v in fresh_head.items())  # keeps its init
-    assert torch.equal(model.blocks[0].attn.qkv.weight, sd["blocks.0.attn.qkv.weight"])
+    assert rep == {"missing": ["norm.bias"], "unexpected": ["extra.weight"], "reinitialised": ["head.bias", "head.weight"]}, (
+        f'expected rep == {{"missing": ["norm.bias"], "unexpecte..., got {rep!r}')
+    assert all(torch.equal(model.head.state_dict()[k], v) for k, v in fresh_head.items()), (
+        'expected all(torch.equal(model.head.state_dict()[k], v) for k, v in fresh_he...')  # keeps its init
+    assert torch.equal(model.blocks[0].attn.qkv.weight, sd["blocks.0.attn.qkv.weight"]), (
+        'expected torch.equal(model.blocks[0].attn.qkv.weight, sd["blocks.0.attn.qkv....')
     text = capsys.readouterr().out
-    assert "missing keys (1): norm.bias" in text and "unexpected keys (1): extra.weight" in text
-    assert "re-initialised (class count differs): head.bias, head.weight" in text
+    assert "missing keys (1): norm.bias" in text, f'expected "missing keys (1): norm.bias" in text, got text = {text!r}'
+    assert "unexpected keys (1): extra.weight" in text, (
+        f'expected "unexpected keys (1): extra.weight" in text, got text = {text!r}')
+    assert "re-initialised (class count differs): head.bias, head.weight" in text, (
+        f'expected "re-initialised (class count differs)... in text, got text = {text!r}')
     # a body shape mismatch is an error, not a silent partial load
     sd["blocks.0.attn.qkv.weight"] = torch.zeros(3, 3)
     with pytest.raises(SystemExit, match=r"blocks.0.attn.qkv.weight: checkpoint \(3, 3\) vs model \(48, 16\)"):
@@ -187,10 +214,11 @@ def test_bad_checkpoint_paths_fail_before_any_data(tmp_path, capsys, source_run)
     for argv, msg in cases:
         with pytest.raises(SystemExit, match=msg):
             train.run([*TINY, "--backend", "eager", *argv, "--out", str(out)])
-        assert not out.exists()
-    assert "[data]" not in capsys.readouterr().out
+        assert not out.exists(), 'expected not out.exists()'
+    assert "[data]" not in capsys.readouterr().out, 'expected "[data]" not in capsys.readouterr().out'
 
 
+@pytest.mark.subprocess
 def test_pretrained_offline_fails_at_start_naming_initial_checkpoint(tmp_path):
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path / "hf"), "TORCH_HOME": str(tmp_path / "th"),
            "PYTHONPATH": str(ROOT)}
@@ -198,6 +226,10 @@ def test_pretrained_offline_fails_at_start_naming_initial_checkpoint(tmp_path):
     p = subprocess.run([sys.executable, "-m", "capskip_fx.train", *TINY, "--backend", "eager", "--pretrained",
                         "--out", str(out)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert p.returncode == 1, p.stderr[-2000:]
-    assert "Traceback" not in p.stderr and "--initial-checkpoint" in p.stderr
-    assert "could not fetch timm's pretrained weights for 'deit_tiny_patch16_224'" in p.stderr
-    assert "[data]" not in p.stdout and not out.exists()
+    assert "Traceback" not in p.stderr, f'expected "Traceback" not in p.stderr, got p.stderr = {p.stderr!r}'
+    assert "--initial-checkpoint" in p.stderr, (
+        f'expected "--initial-checkpoint" in p.stderr, got p.stderr = {p.stderr!r}')
+    assert "could not fetch timm's pretrained weights for 'deit_tiny_patch16_224'" in p.stderr, (
+        'expected "could not fetch timm\'s pretrained weights for \'deit_tiny_patch16_2...')
+    assert "[data]" not in p.stdout, f'expected "[data]" not in p.stdout, got p.stdout = {p.stdout!r}'
+    assert not out.exists(), 'expected not out.exists()'

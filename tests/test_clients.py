@@ -196,24 +196,31 @@ def test_timm_train_loop_label_smoothing_forced_rule_is_exact(monkeypatch):
     updates, more = train_one_epoch(1, task, loader, optimizer, args, check=check, num_updates=updates)
 
     st = capskip_fx.stats(compiled)
-    assert (st.n, st.kept, st.rows, st.fallback) == (8, 4, 4, None)
-    assert all((s.n, s.kept) == (8, 4) for s in check.seen) and len(check.seen) == 4
-    assert st.step == 3  # this module's own backend: its 4 steps, nobody else's
-    assert capskip_fx.stats(model).kept == 4  # the original module works too
+    assert (st.n, st.kept, st.rows, st.fallback) == (8, 4, 4, None), (
+        f"expected (st.n, st.kept, st.rows, st.fallback) == (8, 4, 4, None), got {(st.n, st.kept, st.rows, st.fallback)!r}")
+    assert all((s.n, s.kept) == (8, 4) for s in check.seen), 'expected all((s.n, s.kept) == (8, 4) for s in check.seen)'
+    assert len(check.seen) == 4, f"expected len(check.seen) == 4, got {len(check.seen)!r}"
+    assert st.step == 3, f"expected st.step == 3, got {st.step!r}"  # this module's own backend: its 4 steps, nobody else's
+    assert capskip_fx.stats(model).kept == 4, (
+        f"expected capskip_fx.stats(model).kept == 4, got {capskip_fx.stats(model).kept!r}")  # the original module works too
     rep = capskip_fx.report(compiled)
     assert _head_selected(rep), rep
-    assert "selected rows" in str(rep)
-    assert all(torch.isfinite(torch.tensor(losses + more)))
+    assert "selected rows" in str(rep), f'expected "selected rows" in str(rep), got str(rep) = {str(rep)!r}'
+    assert all(torch.isfinite(torch.tensor(losses + more))), 'expected all(torch.isfinite(torch.tensor(losses + more)))'
     # validate ran the compiled model and the compiled EMA in eval mode: the eager numbers
-    assert torch.allclose(out, eager[0], atol=1e-10) and torch.allclose(out_ema, eager[1], atol=1e-10)
+    assert torch.allclose(out, eager[0], atol=1e-10), 'expected torch.allclose(out, eager[0], atol=1e-10)'
+    assert torch.allclose(out_ema, eager[1], atol=1e-10), 'expected torch.allclose(out_ema, eager[1], atol=1e-10)'
     # EMA follows the (selected-row-trained) weights
-    assert any(not torch.equal(p, q) for p, q in zip(ema_module.parameters(), model.parameters()))
+    assert any(not torch.equal(p, q) for p, q in zip(ema_module.parameters(), model.parameters())), (
+        'expected any(not torch.equal(p, q) for p, q in zip(ema_module.parameters(), ...')
 
     d = check.done
-    assert d is not None and d.weight.tolist() == [1.0] * 4 + [0.0] * 4
+    assert d is not None, f"expected d is not None, got {d!r}"
+    assert d.weight.tolist() == [1.0] * 4 + [0.0] * 4, (
+        f"expected d.weight.tolist() == [1.0] * 4 + [0.0] * 4, got {d.weight.tolist()!r} vs {[1.0] * 4 + [0.0] * 4!r}")
     ref = _reference_grads(d.ref, lambda m: m(d.input),
                            lambda z: per_row_label_smoothing(z, d.target, 0.1), d.weight)
-    assert grad_err(d.grads, ref) < 1e-10
+    assert grad_err(d.grads, ref) < 1e-10, 'expected grad_err(d.grads, ref) < 1e-10'
 
 
 def test_timm_train_loop_mixup_soft_target_forced_rule_is_exact(monkeypatch):
@@ -232,12 +239,15 @@ def test_timm_train_loop_mixup_soft_target_forced_rule_is_exact(monkeypatch):
     train_one_epoch(1, task, loader, optimizer, args, mixup_fn=mixup_fn, check=check, num_updates=updates)
 
     st = capskip_fx.stats(compiled)
-    assert (st.n, st.kept, st.rows, st.fallback, st.step) == (8, 4, 4, None, 3)
-    assert _head_selected(capskip_fx.report(compiled))
+    assert (st.n, st.kept, st.rows, st.fallback, st.step) == (8, 4, 4, None, 3), (
+        f"expected (st.n, st.kept, st.rows, st.fallback,... == (8, 4, 4, None, 3), got {(st.n, st.kept, st.rows, st.fallback, st.step)!r}")
+    assert _head_selected(capskip_fx.report(compiled)), 'expected _head_selected(capskip_fx.report(compiled))'
     d = check.done
-    assert d is not None and d.target.is_floating_point() and d.target.shape == (8, 8)  # soft targets
+    assert d is not None, f"expected d is not None, got {d!r}"
+    assert d.target.is_floating_point(), 'expected d.target.is_floating_point()'
+    assert d.target.shape == (8, 8), f"expected d.target.shape == (8, 8), got {d.target.shape!r}"  # soft targets
     ref = _reference_grads(d.ref, lambda m: m(d.input), lambda z: per_row_soft_target(z, d.target), d.weight)
-    assert grad_err(d.grads, ref) < 1e-10
+    assert grad_err(d.grads, ref) < 1e-10, 'expected grad_err(d.grads, ref) < 1e-10'
 
 
 def test_timm_train_loop_capskip_rule_with_mixup_then_smoothing(monkeypatch):
@@ -262,16 +272,24 @@ def test_timm_train_loop_capskip_rule_with_mixup_then_smoothing(monkeypatch):
         updates, _ = train_one_epoch(epoch, task, loader, optimizer, args, mixup_fn=mixup_fn, check=check,
                                      num_updates=updates)
         checks.append(check)
-    assert capskip_fx.stats(compiled).step == 7 and len(checks[0].seen) + len(checks[1].seen) == 8
-    assert backend_of(compiled).state.rule.name == "capskip"
+    assert capskip_fx.stats(compiled).step == 7, (
+        f"expected capskip_fx.stats(compiled).step == 7, got {capskip_fx.stats(compiled).step!r}")
+    assert len(checks[0].seen) + len(checks[1].seen) == 8, (
+        f"expected len(checks[0].seen) + len(checks[1].s... == 8, got {len(checks[0].seen) + len(checks[1].seen)!r}")
+    assert backend_of(compiled).state.rule.name == "capskip", (
+        'expected backend_of(compiled).state.rule.name == "capskip"')
     for check in checks:
         assert all(s.fallback is None for s in check.seen), [s.fallback for s in check.seen]
         d = check.done
         assert d is not None, f"no step skipped rows: {[(s.kept, s.n) for s in check.seen]}"
-        assert d.stats.bound <= 0.5 + 1e-9
+        assert d.stats.bound <= 0.5 + 1e-9, (
+            f"expected d.stats.bound <= 0.5 + 1e-9, got {d.stats.bound!r} vs {0.5 + 1e-9!r}")
         ref = _reference_grads(d.ref, lambda m: m(d.input), lambda z: per_row_soft_target(z, d.target), d.weight)
-        assert grad_err(d.grads, ref) < 1e-10
-    assert checks[0].done.target.max() < 0.95 and checks[1].done.target.max() == pytest.approx(1 - 0.1 + 0.1 / 6)
+        assert grad_err(d.grads, ref) < 1e-10, 'expected grad_err(d.grads, ref) < 1e-10'
+    assert checks[0].done.target.max() < 0.95, (
+        f"expected checks[0].done.target.max() < 0.95, got {checks[0].done.target.max()!r}")
+    assert checks[1].done.target.max() == pytest.approx(1 - 0.1 + 0.1 / 6), (
+        f"expected checks[1].done.target.max() == pytest.approx(1 - 0.1 + 0.1 / 6), got {checks[1].done.target.max()!r}")
 
 
 # ==========================================================================================================
@@ -343,10 +361,11 @@ def test_hf_compiled_model_needs_remove_unused_columns_false(monkeypatch, tmp_pa
     compiled = torch.compile(_bert(), backend="capskip")  # nothing is traced here
     batch = next(iter(transformers.Trainer(model=compiled, args=_args(tmp_path),
                                            train_dataset=_Data("bert")).get_train_dataloader()))
-    assert "input_ids" not in batch  # every column is dropped (labels too: label_names come from the signature)
+    assert "input_ids" not in batch, f'expected "input_ids" not in batch, got batch = {batch!r}'  # every column is dropped (labels too: label_names come from the signature)
     batch = next(iter(transformers.Trainer(model=compiled, args=_args(tmp_path, remove_unused_columns=False),
                                            train_dataset=_Data("bert")).get_train_dataloader()))
-    assert set(batch) == {"input_ids", "labels"}
+    assert set(batch) == {"input_ids", "labels"}, (
+        f'expected set(batch) == {{"input_ids", "labels"}}, got {set(batch)!r}')
 
 
 def _run_trainer(monkeypatch, tmp_path, kind: str, loss: str):
@@ -383,18 +402,21 @@ def _run_trainer(monkeypatch, tmp_path, kind: str, loss: str):
 
 
 def _assert_hf_step(model, compiled, trainer, snap):
-    assert trainer.model is compiled
+    assert trainer.model is compiled, f"expected trainer.model is compiled, got {trainer.model!r}"
     st = capskip_fx.stats(trainer.model)
     rep = capskip_fx.report(trainer.model)
-    assert st.n == 8 and st.kept < st.n, f"no rows skipped; stats {st}; refusals: {_reasons(rep)}"
-    assert (st.kept, st.rows, st.fallback) == (4, 4, None)
-    assert capskip_fx.stats(model).kept == 4
+    assert st.n == 8, f"no rows skipped; stats {st}; refusals: {_reasons(rep)}"
+    assert st.kept < st.n, f"no rows skipped; stats {st}; refusals: {_reasons(rep)}"
+    assert (st.kept, st.rows, st.fallback) == (4, 4, None), (
+        f"expected (st.kept, st.rows, st.fallback) == (4, 4, None), got {(st.kept, st.rows, st.fallback)!r}")
+    assert capskip_fx.stats(model).kept == 4, (
+        f"expected capskip_fx.stats(model).kept == 4, got {capskip_fx.stats(model).kept!r}")
     assert _head_selected(rep), rep
     inputs = dict(snap["inputs"])
     labels = inputs.pop("labels")
     ref = _reference_grads(snap["ref"], lambda m: m(**inputs).logits,
                            lambda z: F.cross_entropy(z, labels, reduction="none"), snap["weight"])
-    assert grad_err(snap["grads"], ref) < 1e-10
+    assert grad_err(snap["grads"], ref) < 1e-10, 'expected grad_err(snap["grads"], ref) < 1e-10'
 
 
 @pytest.mark.parametrize("kind", ["bert", "vit"])
@@ -461,17 +483,19 @@ def test_lightning_training_step_calls_a_compiled_inner_model(monkeypatch):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         trainer.fit(lit, loader)
-    assert trainer.global_step == 3
+    assert trainer.global_step == 3, f"expected trainer.global_step == 3, got {trainer.global_step!r}"
     for m in (lit.inner, lit.net, lit):  # the compiled module, the original, the LightningModule holding it
         st = capskip_fx.stats(m)
-        assert (st.n, st.kept, st.rows, st.fallback) == (8, 4, 4, None)
-    assert _head_selected(capskip_fx.report(lit.inner))
-    assert sorted(dict(lit.named_parameters())) == ["net.body.bias", "net.body.weight", "net.head.bias",
-                                                    "net.head.weight"]
+        assert (st.n, st.kept, st.rows, st.fallback) == (8, 4, 4, None), (
+            f"expected (st.n, st.kept, st.rows, st.fallback) == (8, 4, 4, None), got {(st.n, st.kept, st.rows, st.fallback)!r}")
+    assert _head_selected(capskip_fx.report(lit.inner)), 'expected _head_selected(capskip_fx.report(lit.inner))'
+    assert (sorted(dict(lit.named_parameters())) == ["net.body.bias", "net.body.weight", "net.head.bias",
+                                                    "net.head.weight"]), (
+        'expected sorted(dict(lit.named_parameters())) == ["net.body.bias", "net.body...')
     ref = _reference_grads(snap["ref"], lambda m: m(snap["x"]), lambda z: F.cross_entropy(z, snap["y"],
                                                                                           reduction="none"),
                            snap["weight"])
-    assert grad_err(snap["grads"], ref) < 1e-10
+    assert grad_err(snap["grads"], ref) < 1e-10, 'expected grad_err(snap["grads"], ref) < 1e-10'
 
 
 # ==========================================================================================================
@@ -497,21 +521,26 @@ def test_two_modules_of_one_class_get_their_own_backend(monkeypatch):
     torch.manual_seed(0)
     a = torch.compile(_Twin().double(), backend="capskip")
     F.cross_entropy(a(x), y).backward()
-    assert capskip_fx.stats(a).kept == 4
+    assert capskip_fx.stats(a).kept == 4, f"expected capskip_fx.stats(a).kept == 4, got {capskip_fx.stats(a).kept!r}"
     monkeypatch.setenv("CAPSKIP_OPTIONS", "keep=0.25,backend=aot_eager")
     b = torch.compile(_Twin().double(), backend="capskip")
     F.cross_entropy(b(x), y).backward()
-    assert backend_of(b) is not None and backend_of(b) is not backend_of(a), "b was served from a's cache entry"
+    assert backend_of(b) is not None, "b was served from a's cache entry"
+    assert backend_of(b) is not backend_of(a), "b was served from a's cache entry"
     assert capskip_fx.stats(a).step == 0, "b's step was counted in a's stats"
-    assert (capskip_fx.stats(b).step, capskip_fx.stats(b).kept) == (0, 2)
+    assert (capskip_fx.stats(b).step, capskip_fx.stats(b).kept) == (0, 2), (
+        f"expected (capskip_fx.stats(b).step, capskip_fx... == (0, 2), got {(capskip_fx.stats(b).step, capskip_fx.stats(b).kept)!r}")
     # same settings as a: still its own state; and a keeps its own after the others compiled
     monkeypatch.setenv("CAPSKIP_OPTIONS", "keep=0.5,backend=aot_eager")
     c = torch.compile(_Twin().double(), backend="capskip")
     F.cross_entropy(c(x), y).backward()
-    assert backend_of(c) is not backend_of(a) and capskip_fx.stats(c).step == 0
+    assert backend_of(c) is not backend_of(a), 'expected backend_of(c) is not backend_of(a)'
+    assert capskip_fx.stats(c).step == 0, f"expected capskip_fx.stats(c).step == 0, got {capskip_fx.stats(c).step!r}"
     F.cross_entropy(a(x), y).backward()
-    assert (capskip_fx.stats(a).step, capskip_fx.stats(a).kept) == (1, 4)
-    assert capskip_fx.stats(b).step == 0 and capskip_fx.stats(c).step == 0
+    assert (capskip_fx.stats(a).step, capskip_fx.stats(a).kept) == (1, 4), (
+        f"expected (capskip_fx.stats(a).step, capskip_fx... == (1, 4), got {(capskip_fx.stats(a).step, capskip_fx.stats(a).kept)!r}")
+    assert capskip_fx.stats(b).step == 0, f"expected capskip_fx.stats(b).step == 0, got {capskip_fx.stats(b).step!r}"
+    assert capskip_fx.stats(c).step == 0, f"expected capskip_fx.stats(c).step == 0, got {capskip_fx.stats(c).step!r}"
 
 
 class _RowMix(nn.Module):
@@ -533,11 +562,15 @@ def test_string_backend_stats_of_a_refused_graph(monkeypatch):
     x = torch.randn(8, 6, dtype=torch.float64)
     with pytest.warns(UserWarning, match="cross-example op"):
         F.cross_entropy(m(x), torch.randint(0, 3, (8,))).backward()
-    assert "cross-example op" in capskip_fx.report(m)[0]["reason"]
+    assert "cross-example op" in capskip_fx.report(m)[0]["reason"], (
+        f'expected "cross-example op" in capskip_fx.report(m)[0]["reason"], got capskip_fx.report(m)[0]["reason"] = {capskip_fx.report(m)[0]["reason"]!r}')
     st = capskip_fx.stats(m)
-    assert (st.n, st.kept) == (8, 8) and st.fallback and "cross-example op" in st.fallback, st
+    assert (st.n, st.kept) == (8, 8), st
+    assert st.fallback, st
+    assert "cross-example op" in st.fallback, st
     F.cross_entropy(m(x[:6]), torch.randint(0, 3, (6,))).backward()
-    assert (capskip_fx.stats(m).step, capskip_fx.stats(m).n) == (1, 6)
+    assert (capskip_fx.stats(m).step, capskip_fx.stats(m).n) == (1, 6), (
+        f"expected (capskip_fx.stats(m).step, capskip_fx... == (1, 6), got {(capskip_fx.stats(m).step, capskip_fx.stats(m).n)!r}")
 
 
 def test_lightning_in_place_compile_with_the_callback(monkeypatch, tmp_path):
@@ -579,9 +612,11 @@ def test_lightning_in_place_compile_with_the_callback(monkeypatch, tmp_path):
         trainer.fit(lit, loader)
     st = capskip_fx.stats(lit)
     assert (st.mode, st.n, st.kept, st.rows) == ("selected", 8, 4, 4), st
-    assert logged and logged[-1]["capskip/kept_pct"] == 50.0 and logged[-1]["capskip/steps"] == 3, logged[-1:]
+    assert logged, logged[-1:]
+    assert logged[-1]["capskip/kept_pct"] == 50.0, logged[-1:]
+    assert logged[-1]["capskip/steps"] == 3, logged[-1:]
     ckpt = tmp_path / "lit.ckpt"
     trainer.save_checkpoint(ckpt)
     keys = sorted(torch.load(ckpt, weights_only=False)["state_dict"])
     assert keys == ["net.body.bias", "net.body.weight", "net.head.bias", "net.head.weight"], keys
-    assert capskip_fx.state_dict(lit)["step"] == 3
+    assert capskip_fx.state_dict(lit)["step"] == 3, 'expected capskip_fx.state_dict(lit)["step"] == 3'

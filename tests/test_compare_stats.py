@@ -25,16 +25,23 @@ def test_intervals_paired_differences_and_time_to_accuracy(tmp_path):
     rows = {line.split("|")[1].strip(): [c.strip() for c in line.split("|")[2:-1]]
             for line in table.splitlines()[2:]}
     half = T975_DF2 * 1.0 / math.sqrt(3)  # dense: sd 1
-    assert rows["dense"][1] == f"91.00 [{91 - half:.2f}, {91 + half:.2f}]"
+    assert rows["dense"][1] == f"91.00 [{91 - half:.2f}, {91 + half:.2f}]", (
+        f'expected rows["dense"][1] == f"91.00 [{{91 - half:.2f}}, {{91 + half:..., got {rows["dense"][1]!r}')
     d = [a - b for a, b in zip(finals["capskip"], finals["tm"])]  # +2.5, +0.5, +1.5
     m, sd = sum(d) / 3, math.sqrt(sum((x - sum(d) / 3) ** 2 for x in d) / 2)
-    assert rows["capskip b=0.3"][4] == f"{m:+.2f} [{m - T975_DF2 * sd / math.sqrt(3):+.2f}, {m + T975_DF2 * sd / math.sqrt(3):+.2f}]"
-    assert rows["dense time-matched"][4] == "n/a" and rows["capskip b=0.3"][2] == "n/a"
+    assert rows["capskip b=0.3"][4] == f"{m:+.2f} [{m - T975_DF2 * sd / math.sqrt(3):+.2f}, {m + T975_DF2 * sd / math.sqrt(3):+.2f}]", (
+        f'expected rows["capskip b=0.3"][4] == f"{{m:+.2f}} [{{m - T975_DF2 * sd / math..., got {rows["capskip b=0.3"][4]!r}')
+    assert rows["dense time-matched"][4] == "n/a", (
+        f'expected rows["dense time-matched"][4] == "n/a", got {rows["dense time-matched"][4]!r}')
+    assert rows["capskip b=0.3"][2] == "n/a", (
+        f'expected rows["capskip b=0.3"][2] == "n/a", got {rows["capskip b=0.3"][2]!r}')
     # time to 91: dense seeds 1, 2 reach it at 20 and 10 + 10 * (91 - 80) / (92 - 80); median of those two
     dense_t = sorted([20.0, 10 + 10 * 11 / 12])
     cap_t = sorted([5 + 6 * (91 - 81) / (91.5 - 81), 5 + 6 * (91 - 81) / (92.5 - 81)])
-    assert rows["capskip b=0.3"][7] == f"{(sum(cap_t) / 2) / (sum(dense_t) / 2):.2f} (2/3)"
-    assert rows["dense time-matched"][7] == f"{12 / (sum(dense_t) / 2):.2f} (1/3)"  # only seed 2: 91.0 at 12 s
+    assert rows["capskip b=0.3"][7] == f"{(sum(cap_t) / 2) / (sum(dense_t) / 2):.2f} (2/3)", (
+        f'expected rows["capskip b=0.3"][7] == f"{{(sum(cap_t) / 2) / (sum(dense_t) /..., got {rows["capskip b=0.3"][7]!r}')
+    assert rows["dense time-matched"][7] == f"{12 / (sum(dense_t) / 2):.2f} (1/3)", (
+        f'expected rows["dense time-matched"][7] == f"{{12 / (sum(dense_t) / 2):.2f}} (1/3)", got {rows["dense time-matched"][7]!r}')  # only seed 2: 91.0 at 12 s
 
 
 def test_one_seed_has_no_interval_and_plots_draw_bands(tmp_path):
@@ -42,12 +49,13 @@ def test_one_seed_has_no_interval_and_plots_draw_bands(tmp_path):
     for s in range(2):
         _run(tmp_path, f"capskip-s{s}", s, [(5, 81.0 + s), (11, 90.0 + s)], rule="capskip", budget=0.3)
     table = cli.compare([tmp_path], tmp_path / "cmp")
-    assert "| dense | 1 | 90.00 |" in table
+    assert "| dense | 1 | 90.00 |" in table, f'expected "| dense | 1 | 90.00 |" in table, got table = {table!r}'
     for p in plots.PLOTS:
-        assert (tmp_path / "cmp" / p).stat().st_size > 1000
+        assert (tmp_path / "cmp" / p).stat().st_size > 1000, 'expected (tmp_path / "cmp" / p).stat().st_size > 1000'
     mean, half = report.band([[1.0, 2.0], [3.0, 4.0]])
-    assert mean.tolist() == [2.0, 3.0]
-    assert half == pytest.approx([12.706204736174698 * math.sqrt(2) / math.sqrt(2)] * 2)  # t(0.975, 1) * sd / sqrt(n)
+    assert mean.tolist() == [2.0, 3.0], f"expected mean.tolist() == [2.0, 3.0], got {mean.tolist()!r}"
+    assert half == pytest.approx([12.706204736174698 * math.sqrt(2) / math.sqrt(2)] * 2), (
+        f"expected half == pytest.approx([12.706204736174698 * m..., got {half!r}")  # t(0.975, 1) * sd / sqrt(n)
 
 
 def _logged(d, data_ms, n=20, hit=None):
@@ -76,25 +84,36 @@ def test_table_marks_missed_budgets_and_loaded_machines(tmp_path, capsys):
         _run(tmp_path, f"sb-s{s}", s, [(8, 81.0), (15, 90.5)], rule="sb", keep=0.5)
         _logged(tmp_path / f"sb-s{s}", 27.3 * (1 + 0.19))  # drifted, but within the threshold
     runs = report.find_runs([tmp_path])
-    assert [r.budget_missed for r in runs if r.config.get("time_budget")] == [True, False]
-    assert report.load_drift(runs[0], None) != report.load_drift(runs[0], None)  # NaN without dense
+    assert [r.budget_missed for r in runs if r.config.get("time_budget")] == [True, False], (
+        f'expected [r.budget_missed for r in runs if r.c... == [True, False], got {[r.budget_missed for r in runs if r.config.get("time_budget")]!r}')
+    assert report.load_drift(runs[0], None) != report.load_drift(runs[0], None), (
+        'expected report.load_drift(runs[0], None) != report.load_drift(runs[0], None)')  # NaN without dense
     table = cli.compare([tmp_path], tmp_path / "cmp")
     rows = {line.split("|")[1].strip(): [c.strip() for c in line.split("|")[2:-1]]
             for line in table.splitlines()[2:] if line.startswith("| ")}
-    assert "dense time-matched †" in rows  # the row itself
-    assert rows["capskip b=0.3"][4].endswith("†")  # its Δ is against a run that was not time-matched
-    assert rows["capskip b=0.3"][6].endswith("‡") and not rows["sb keep=0.5"][6].endswith("‡")
+    assert "dense time-matched †" in rows, f'expected "dense time-matched †" in rows, got rows = {rows!r}'# the row itself
+    assert rows["capskip b=0.3"][4].endswith("†"), 'expected rows["capskip b=0.3"][4].endswith("†")'# its Δ is against a run that was not time-matched
+    assert rows["capskip b=0.3"][6].endswith("‡"), 'expected rows["capskip b=0.3"][6].endswith("‡")'
+    assert not rows["sb keep=0.5"][6].endswith("‡"), 'expected not rows["sb keep=0.5"][6].endswith("‡")'
     # data ms/step: the steady steps' median (27.3 x 1.01), the compile step's 5 s left out
-    assert rows["dense"][13] == "27.6 ± 0.0"
+    assert rows["dense"][13] == "27.6 ± 0.0", f'expected rows["dense"][13] == "27.6 ± 0.0", got {rows["dense"][13]!r}'
     missed, = [l for l in table.splitlines() if l.startswith("†")]
     loaded, = [l for l in table.splitlines() if l.startswith("‡")]
-    assert "seed(s) 0 finished all epochs before the time budget (20 s < 27 s)" in missed
-    assert loaded.startswith("‡ capskip b=0.3") and "-33% (seed 1: 18.5 vs 27.6 ms)" in loaded
+    assert "seed(s) 0 finished all epochs before the time budget (20 s < 27 s)" in missed, (
+        f'expected "seed(s) 0 finished all epochs before... in missed, got missed = {missed!r}')
+    assert loaded.startswith("‡ capskip b=0.3"), 'expected loaded.startswith("‡ capskip b=0.3")'
+    assert "-33% (seed 1: 18.5 vs 27.6 ms)" in loaded, (
+        f'expected "-33% (seed 1: 18.5 vs 27.6 ms)" in loaded, got loaded = {loaded!r}')
     err = capsys.readouterr().err
-    assert err.count("warning: ") == 2 and "benchmarks/interleaved.py" in err
-    assert "‡" in (tmp_path / "cmp" / "compare.md").read_text() and "distortion checks" in \
-        (tmp_path / "cmp" / "compare.md").read_text()
+    assert err.count("warning: ") == 2, f'expected err.count("warning: ") == 2, got {err.count("warning: ")!r}'
+    assert "benchmarks/interleaved.py" in err, f'expected "benchmarks/interleaved.py" in err, got err = {err!r}'
+    assert "‡" in (tmp_path / "cmp" / "compare.md").read_text(), (
+        f'expected "‡" in (tmp_path / "cmp" / "compare.md").rea..., got (tmp_path / "cmp" / "compare.md").rea... = {(tmp_path / "cmp" / "compare.md").read_text()!r}')
+    assert ("distortion checks" in \
+        (tmp_path / "cmp" / "compare.md").read_text()), (
+        f'expected "distortion checks" in (tmp_path / "cmp" / "compare.md").rea..., got (tmp_path / "cmp" / "compare.md").rea... = {(tmp_path / "cmp" / "compare.md").read_text()!r}')
     # a looser threshold takes the load mark off; nothing is marked on clean runs
-    assert "‡" not in report.compare_table(runs, drift=0.5).split("\n\n")[0]
+    assert "‡" not in report.compare_table(runs, drift=0.5).split("\n\n")[0], (
+        'expected "‡" not in report.compare_table(runs, drift=0.5).split("\\n\\n")[0]')
     clean = [r for r in runs if r.seed == 1 and r.config.get("rule") != "capskip"]
-    assert not report.table_warnings(clean)
+    assert not report.table_warnings(clean), 'expected not report.table_warnings(clean)'

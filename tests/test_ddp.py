@@ -17,6 +17,8 @@ import capskip_fx
 from capskip_fx.rules import CAPSkip
 from helpers.distributed import PG_TIMEOUT, finish, free_port, spawn
 
+pytestmark = pytest.mark.subprocess  # starts Python processes
+
 W, N = 2, 6
 KEEP = [torch.tensor([0, 3]), torch.tensor([1, 2, 5])]
 
@@ -74,12 +76,13 @@ def test_ddp_matches_single_process(tmp_path, optimize_ddp, scope, accumulate):
         expect = torch.zeros(W * N, dtype=torch.float64)
         expect[KEEP[0]] = 1
         expect[N + KEEP[1]] = 1
-        assert torch.equal(w, expect)
+        assert torch.equal(w, expect), 'expected torch.equal(w, expect)'
     else:  # the same decision as one process running CAPSkip on the global batch
         single = capskip_fx.compile(make_model(), rule=CAPSkip(budget=0.5), backend="eager")
         F.cross_entropy(single(x), y).backward()
-        assert torch.equal(w, capskip_fx.stats(single).weight)
-        assert 0 < int((w == 0).sum()) < W * N
+        assert torch.equal(w, capskip_fx.stats(single).weight), (
+            'expected torch.equal(w, capskip_fx.stats(single).weight)')
+        assert 0 < int((w == 0).sum()) < W * N, 'expected 0 < int((w == 0).sum()) < W * N'
     ref = make_model()
     (F.cross_entropy(ref(x), y, reduction="none") * w).sum().div(W * N).backward()
     if accumulate:  # each rank's flipped micro-batch selected the same positions of its flipped rows
@@ -88,9 +91,11 @@ def test_ddp_matches_single_process(tmp_path, optimize_ddp, scope, accumulate):
     for k, p in ref.named_parameters():
         assert (out["grads"][k] - p.grad).norm() <= 1e-10 * p.grad.norm(), k
     roles = [r["role"] for r in out["report"]]
-    assert roles.count("head") == 1 and all(r["backward"] == "selected rows" for r in out["report"])
+    assert roles.count("head") == 1, f'expected roles.count("head") == 1, got {roles.count("head")!r}'
+    assert all(r["backward"] == "selected rows" for r in out["report"]), (
+        'expected all(r["backward"] == "selected rows" for r in out["report"])')
     if optimize_ddp:
-        assert len(roles) >= 2  # DDPOptimizer split the graph; the body splits dropped rows too
+        assert len(roles) >= 2, f"expected len(roles) >= 2, got {len(roles)!r}"  # DDPOptimizer split the graph; the body splits dropped rows too
 
 
 def _fsdp_worker(rank, port, path):
@@ -124,5 +129,9 @@ def test_fsdp2_is_refused_clearly(tmp_path):
     path = str(tmp_path / "fsdp.pt")
     spawn(_fsdp_worker, (free_port(), path), 1, path)
     out = torch.load(path, weights_only=False)
-    assert "FSDP2" in out["refused"] and "DDP(capskip_fx.compile(model))" in out["refused"]
-    assert "no graph" in out["fallback"] and out["kept"] == W * N
+    assert "FSDP2" in out["refused"], f'expected "FSDP2" in out["refused"], got out["refused"] = {out["refused"]!r}'
+    assert "DDP(capskip_fx.compile(model))" in out["refused"], (
+        f'expected "DDP(capskip_fx.compile(model))" in out["refused"], got out["refused"] = {out["refused"]!r}')
+    assert "no graph" in out["fallback"], (
+        f'expected "no graph" in out["fallback"], got out["fallback"] = {out["fallback"]!r}')
+    assert out["kept"] == W * N, f'expected out["kept"] == W * N, got {out["kept"]!r} vs {W * N!r}'

@@ -45,7 +45,8 @@ def test_forced_and_capskip_sets(name, dtype, backend):
         x = make_input(name, N, dtype, seed=step)
         y = _labels(model, x, step)
         grads, w = selected_step(cm, x, y)
-        assert int((w != 0).sum()) == size
+        assert int((w != 0).sum()) == size, (
+            f"expected int((w != 0).sum()) == size, got {int((w != 0).sum())!r} vs {size!r}")
         assert max_rel_err(grads, reference_grads(model, x, y, w)) < tol, (name, size)
     for step, b in enumerate([0.2, 1.0]):
         cm.rule = CAPSkip(budget=b)
@@ -54,7 +55,8 @@ def test_forced_and_capskip_sets(name, dtype, backend):
         grads, w = selected_step(cm, x, y)
         assert max_rel_err(grads, reference_grads(model, x, y, w)) < tol, (name, b)
     st = capskip_fx.stats(cm)
-    assert st.fallback is None and st.variants == 1
+    assert st.fallback is None, f"expected st.fallback is None, got {st.fallback!r}"
+    assert st.variants == 1, f"expected st.variants == 1, got {st.variants!r}"
     rec = cm.backend.records[0]
     assert rec.backward == "selected rows", capskip_fx.report(cm)
 
@@ -68,12 +70,14 @@ def test_capskip_bound_is_head_gradient_change():
     cm.rule = CAPSkip(budget=0.3)
     grads, w = selected_step(cm, x, y)
     st = capskip_fx.stats(cm)
-    assert 0 < st.kept < 16
+    assert 0 < st.kept < 16, 'expected 0 < st.kept < 16'
     dense = reference_grads(model, x, y, torch.ones(16))
     head = [k for k in grads if k.startswith("head.")]
     num = sum((grads[k].double() - dense[k]).pow(2).sum() for k in head).sqrt()
     den = sum(dense[k].pow(2).sum() for k in head).sqrt()
-    assert abs((num / den).item() - st.bound) < 1e-9 and st.bound <= 0.3
+    assert abs((num / den).item() - st.bound) < 1e-9, (
+        f"expected abs((num / den).item() - st.bound) < 1e-9, got {abs((num / den).item() - st.bound)!r}")
+    assert st.bound <= 0.3, f"expected st.bound <= 0.3, got {st.bound!r}"
 
 
 @pytest.mark.slow
@@ -87,5 +91,8 @@ def test_full_depth_deit_inductor_float32():
     x = make_input("deit", 16, torch.float32, seed=7)
     y = _labels(model, x, 7)
     grads, w = selected_step(cm, x, y)
-    assert max_rel_err(grads, reference_grads(model, x, y, w)) < 1e-5
-    assert capskip_fx.report(cm)[0]["backward"] == "selected rows" and capskip_fx.stats(cm).rows == 4
+    assert max_rel_err(grads, reference_grads(model, x, y, w)) < 1e-5, (
+        'expected max_rel_err(grads, reference_grads(model, x, y, w)) < 1e-5')
+    assert capskip_fx.report(cm)[0]["backward"] == "selected rows", (
+        f'expected capskip_fx.report(cm)[0]["backward"] == "selected rows", got {capskip_fx.report(cm)[0]["backward"]!r}')
+    assert capskip_fx.stats(cm).rows == 4, f"expected capskip_fx.stats(cm).rows == 4, got {capskip_fx.stats(cm).rows!r}"

@@ -5,6 +5,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
+pytestmark = pytest.mark.subprocess  # starts Python processes
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -14,6 +18,8 @@ def test_quickstart_runs_and_skips_rows():
     assert out.returncode == 0, out.stderr[-2000:]
     lines = [ln for ln in out.stdout.splitlines() if ln.startswith("epoch 1:")]
     kept, seen = map(int, lines[0].split("back-propagated ")[1].split(" rows")[0].split("/"))
-    assert 0 < kept < seen  # rows were skipped
+    assert 0 < kept < seen, 'expected 0 < kept < seen'  # rows were skipped
     table = out.stdout[out.stdout.index("graph  role"):].splitlines()  # report() prints as a table
-    assert "head  selected rows" in table[1] and "none (inference graph)" in table[2]
+    assert "head  selected rows" in table[1], f'expected "head selected rows" in table[1], got table[1] = {table[1]!r}'
+    assert "none (inference graph)" in table[2], (
+        f'expected "none (inference graph)" in table[2], got table[2] = {table[2]!r}')

@@ -14,35 +14,13 @@ from torch import nn
 
 import capskip_fx
 from helpers.distributed import PG_TIMEOUT, finish, free_port, spawn
+from helpers.models import Tokens
 from helpers.torch_features import needs_dynamic_sources
 
 pytestmark = [pytest.mark.subprocess,
               pytest.mark.skipif(not dist.is_available(), reason="torch.distributed not available")]
 W, N = 2, 6
 KEEP = [[0, 3], [1, 2, 5]]
-
-
-class Block(nn.Module):
-    def __init__(self, d):
-        super().__init__()
-        self.norm, self.fc = nn.LayerNorm(d), nn.Linear(d, d)
-
-    def forward(self, x):
-        return x + self.fc(self.norm(x)).relu()
-
-
-class Tokens(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.embed = nn.Linear(4, 8)
-        self.blocks = nn.ModuleList([Block(8) for _ in range(2)])
-        self.head = nn.Linear(8, 3)
-
-    def forward(self, x):
-        h = self.embed(x)
-        for b in self.blocks:
-            h = b(h)
-        return self.head(h.mean(1))
 
 
 def make_model():
@@ -99,7 +77,8 @@ def test_regional_compile_under_data_parallel_is_exact_and_skips_rows(tmp_path, 
     assert torch.equal(out["weight"], expect), out["weight"]
     assert out["stats"] == ("selected", N, len(KEEP[0]), len(KEEP[0])), out["stats"]
     for r in out["report"]:
-        assert r["backward"] == "selected rows" and r["row_counts"] == [len(KEEP[0])], f"a graph ran all rows: {r}"
+        assert r["backward"] == "selected rows", f"a graph ran all rows: {r}"
+        assert r["row_counts"] == [len(KEEP[0])], f"a graph ran all rows: {r}"
     # reference: every rank's weighted mean loss, gradients averaged over the ranks (what DDP / FSDP reduce)
     x, y = make_data()
     ref = make_model()

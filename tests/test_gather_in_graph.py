@@ -33,8 +33,10 @@ def _check(cm, model, shape, steps, tol):
         torch.manual_seed(n)
         x, y = torch.randn(n, *shape, dtype=torch.float64), torch.randint(0, 10, (n,))
         grads, st = _step(cm, model, x, y, torch.tensor(keep))
-        assert st.kept == len(keep) and st.rows < n, (st.kept, st.rows)
-        assert max_rel_err(grads, reference_grads(model, x, y, st.weight)) < tol
+        assert st.kept == len(keep), (st.kept, st.rows)
+        assert st.rows < n, (st.kept, st.rows)
+        assert max_rel_err(grads, reference_grads(model, x, y, st.weight)) < tol, (
+            'expected max_rel_err(grads, reference_grads(model, x, y, st.weight)) < tol')
 
 
 @pytest.mark.parametrize("backend", ["aot_eager", pytest.param("inductor", marks=pytest.mark.skipif(
@@ -48,11 +50,13 @@ def test_deit_gathers_in_graph_exactly(backend):
     # caches off: a graph served from an earlier run's cache skips the pass, and the counter must see it run
     with torch._inductor.config.patch(fx_graph_cache=False), torch._functorch.config.patch(enable_autograd_cache=False):
         _check(cm, model, (3, 32, 32), [(12, [0, 3, 4, 9]), (9, [8, 1]), (12, [5])], 1e-9)
-    assert not any(r.cached for r in cm.backend.records)
+    assert not any(r.cached for r in cm.backend.records), 'expected not any(r.cached for r in cm.backend.records)'
     head = next(r for r in cm.backend.records if r.head)
-    assert head.gather == "graph" and head.gather_refused is None
-    assert counters()["gather_in_graph"] == before + 1
-    assert head.row_counts == {4, 2}  # min_rows pads 1 kept row to 2
+    assert head.gather == "graph", f'expected head.gather == "graph", got {head.gather!r}'
+    assert head.gather_refused is None, f"expected head.gather_refused is None, got {head.gather_refused!r}"
+    assert counters()["gather_in_graph"] == before + 1, (
+        f'expected counters()["gather_in_graph"] == before + 1, got {counters()["gather_in_graph"]!r} vs {before + 1!r}')
+    assert head.row_counts == {4, 2}, f"expected head.row_counts == {{4, 2}}, got {head.row_counts!r}"  # min_rows pads 1 kept row to 2
 
 
 class _Broken(nn.Module):
@@ -79,10 +83,13 @@ def test_graph_break_scatters_input_gradients_in_graph(backend):
     cm = capskip_fx.compile(model, rule="dense", backend=backend, gather="graph")
     _check(cm, model, (3, 6), [(10, [1, 2, 7]), (7, [0, 6])], 1e-9)
     recs = [r for r in cm.backend.records if r.plan is not None]
-    assert recs and all(r.gather == "graph" for r in recs), [r.as_dict() for r in cm.backend.records]
+    assert recs, [r.as_dict() for r in cm.backend.records]
+    assert all(r.gather == "graph" for r in recs), [r.as_dict() for r in cm.backend.records]
     head = next(r for r in recs if r.head)
-    assert any(s is not None and s.kind == "batch" for s in head.plan.out_specs)  # an input gradient scattered
-    assert any(s.kind == "batch" and s.factor == 3 for s in head.plan.specs)  # a flattened (N*T, D) input
+    assert any(s is not None and s.kind == "batch" for s in head.plan.out_specs), (
+        'expected any(s is not None and s.kind == "batch" for s in head.plan.out_specs)')  # an input gradient scattered
+    assert any(s.kind == "batch" and s.factor == 3 for s in head.plan.specs), (
+        'expected any(s.kind == "batch" and s.factor == 3 for s in head.plan.specs)')  # a flattened (N*T, D) input
 
 
 def test_refused_rewrite_keeps_the_eager_gather(monkeypatch):
@@ -95,8 +102,11 @@ def test_refused_rewrite_keeps_the_eager_gather(monkeypatch):
     cm = capskip_fx.compile(model, rule="dense", backend="aot_eager", gather="graph")
     _check(cm, model, (3, 6), [(10, [1, 2, 7])], 1e-9)
     head = next(r for r in cm.backend.records if r.head)
-    assert head.gather == "eager" and "refused for the test" in head.gather_refused
-    assert "refused for the test" in head.as_dict()["gather"]
+    assert head.gather == "eager", f'expected head.gather == "eager", got {head.gather!r}'
+    assert "refused for the test" in head.gather_refused, (
+        f'expected "refused for the test" in head.gather_refused, got head.gather_refused = {head.gather_refused!r}')
+    assert "refused for the test" in head.as_dict()["gather"], (
+        'expected "refused for the test" in head.as_dict()["gather"]')
 
 
 def test_guard_on_the_full_row_count_is_refused():
@@ -125,14 +135,21 @@ def test_gather_option_is_checked():
 def test_buckets_bound_the_row_counts(n, buckets, granule):
     cfg = capskip_fx.CapskipConfig(buckets=buckets, granule=granule, min_rows=1)
     counts = {cfg.bucket(k, n) for k in range(n + 1)}
-    assert len(counts - {n}) <= buckets and all(k <= cfg.bucket(k, n) <= n for k in range(n + 1))
+    assert len(counts - {n}) <= buckets, (
+        f"expected len(counts - {{n}}) <= buckets, got {len(counts - {n})!r} vs {buckets!r}")
+    assert all(k <= cfg.bucket(k, n) <= n for k in range(n + 1)), (
+        'expected all(k <= cfg.bucket(k, n) <= n for k in range(n + 1))')
 
 
 def test_reduce_overhead_sets_cudagraphs_and_buckets(monkeypatch):
     cfg = capskip_fx.CapskipConfig(mode="reduce-overhead")
-    assert cfg.buckets == 8 and cfg.inductor_options() == {"triton.cudagraphs": True}
-    assert capskip_fx.CapskipConfig(mode="reduce-overhead", buckets=2).buckets == 2
-    assert capskip_fx.CapskipConfig(mode="max-autotune-no-cudagraphs").buckets is None
+    assert cfg.buckets == 8, f"expected cfg.buckets == 8, got {cfg.buckets!r}"
+    assert cfg.inductor_options() == {"triton.cudagraphs": True}, (
+        'expected cfg.inductor_options() == {"triton.cudagraphs": True}')
+    assert capskip_fx.CapskipConfig(mode="reduce-overhead", buckets=2).buckets == 2, (
+        'expected capskip_fx.CapskipConfig(mode="reduce-overhead", buckets=2).buckets...')
+    assert capskip_fx.CapskipConfig(mode="max-autotune-no-cudagraphs").buckets is None, (
+        'expected capskip_fx.CapskipConfig(mode="max-autotune-no-cudagraphs").buckets...')
     with pytest.raises(ValueError, match="reduce-overhead"):  # torch's message lists the modes
         capskip_fx.CapskipConfig(mode="fast")
     seen = []
@@ -148,6 +165,7 @@ def test_reduce_overhead_sets_cudagraphs_and_buckets(monkeypatch):
     # on CPU Inductor skips CUDA graphs (its log says why); the graphs, buckets and gradients are the same
     cm = capskip_fx.compile(model, rule="dense", backend="aot_eager", mode="reduce-overhead", gather="graph")
     _check(cm, model, (3, 6), [(16, [1, 2, 7]), (16, [0, 3, 5, 6, 9])], 1e-9)
-    assert seen and all(seen)
+    assert seen, f"expected seen to be true, got {seen!r}"
+    assert all(seen), 'expected all(seen)'
     head = next(r for r in cm.backend.records if r.head)
-    assert head.row_counts == {4, 6}  # multiples of ceil(16 / 8)
+    assert head.row_counts == {4, 6}, f"expected head.row_counts == {{4, 6}}, got {head.row_counts!r}"  # multiples of ceil(16 / 8)

@@ -10,7 +10,6 @@ import dataclasses
 
 import pytest
 import torch
-import torch.nn as nn
 import torch.nn.functional as F
 
 import capskip_fx
@@ -18,23 +17,18 @@ from capskip_fx.debug import count_host_reads
 
 from conftest import max_rel_err
 
+from helpers.models import MLP, grads
+
 pytestmark = pytest.mark.usefixtures("many_compiles")  # conftest: every test compiles its own model
 
 N, C, D = 16, 5, 6
 
 
-class Net(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.fc = nn.Linear(D, 8)
-        self.head = nn.Linear(8, C)
-
-    def forward(self, x):
-        return self.head(F.gelu(self.fc(x)))
+def Net():
+    return MLP(d=D, hidden=8, classes=C)
 
 
-def _grads(model):
-    return {k: (p.grad if p.grad is not None else torch.zeros_like(p)).clone() for k, p in model.named_parameters()}
+_grads = grads
 
 
 def _ref(model, x, y, w):
@@ -64,7 +58,7 @@ def test_counter_sees_reads():
     with count_host_reads() as ops:
         (t * 2).sum()
         torch.argsort(t, stable=True)
-    assert ops == []
+    assert ops == [], f"expected ops == [], got {ops!r}"
 
 
 RULES = [  # (rule options, reads per steady-state step)
@@ -90,9 +84,13 @@ def test_reads_per_step_and_exact(opts, reads, gather):
         if step >= 2:
             assert len(ops) == reads, (step, ops)
             st = capskip_fx.stats(cm)
-            assert st.fallback is None and 0 < st.kept < N and st.rows < N, st
-            assert max_rel_err(_grads(model), _ref(model, x, y, st.weight)) < 1e-10
-    assert [r.gather for r in cm.backend.records if r.plan is not None] == [gather]
+            assert st.fallback is None, st
+            assert 0 < st.kept < N, st
+            assert st.rows < N, st
+            assert max_rel_err(_grads(model), _ref(model, x, y, st.weight)) < 1e-10, (
+                'expected max_rel_err(_grads(model), _ref(model, x, y, st.weight)) < 1e-10')
+    assert [r.gather for r in cm.backend.records if r.plan is not None] == [gather], (
+        f"expected [r.gather for r in cm.backend.records... == [gather], got {[r.gather for r in cm.backend.records if r.plan is not None]!r} vs {[gather]!r}")
 
 
 class ReadingForced(capskip_fx.rules.Forced):
@@ -112,7 +110,8 @@ def test_counter_sees_a_read_in_the_backward():
         loss = F.cross_entropy(cm(x), y)
         with count_host_reads() as ops:
             loss.backward()
-    assert ops == ["aten._local_scalar_dense.default"]
+    assert ops == ["aten._local_scalar_dense.default"], (
+        f'expected ops == ["aten._local_scalar_dense.default"], got {ops!r}')
 
 
 def _state(cm):
@@ -126,7 +125,8 @@ def _snapshot(cm):
 
 def _same(a, b):
     (ra, ga), (rb, gb) = a, b
-    assert torch.equal(ga, gb) and ra.keys() == rb.keys()
+    assert torch.equal(ga, gb), 'expected torch.equal(ga, gb)'
+    assert ra.keys() == rb.keys(), f"expected ra.keys() == rb.keys(), got {ra.keys()!r} vs {rb.keys()!r}"
     for k in ra:
         if isinstance(ra[k], torch.Tensor):
             assert torch.equal(ra[k].nan_to_num(-7.0), rb[k].nan_to_num(-7.0)), k
@@ -165,7 +165,9 @@ def test_fallback_step_reads_once_runs_dense_and_leaves_the_rule_state(opts, bad
         loss.backward()
     assert len(ops) == 1, ops
     st = capskip_fx.stats(cm)
-    assert reason in st.fallback and st.kept == N and bool((st.weight == 1).all())
+    assert reason in st.fallback, f"expected reason in st.fallback, got {reason!r} vs {st.fallback!r}"
+    assert st.kept == N, f"expected st.kept == N, got {st.kept!r} vs {N!r}"
+    assert bool((st.weight == 1).all()), 'expected bool((st.weight == 1).all())'
     _same(_snapshot(cm), before)
     ref = copy.deepcopy(model)
     ref.zero_grad(set_to_none=True)
@@ -173,9 +175,9 @@ def test_fallback_step_reads_once_runs_dense_and_leaves_the_rule_state(opts, bad
     for k, g in _grads(model).items():
         r = ref.get_parameter(k).grad
         if bad == "nan":
-            assert torch.equal(torch.isnan(g), torch.isnan(r))
+            assert torch.equal(torch.isnan(g), torch.isnan(r)), 'expected torch.equal(torch.isnan(g), torch.isnan(r))'
         else:
-            assert torch.allclose(g, r, rtol=1e-10, atol=1e-12)
+            assert torch.allclose(g, r, rtol=1e-10, atol=1e-12), 'expected torch.allclose(g, r, rtol=1e-10, atol=1e-12)'
 
 
 def test_bad_labels_raise_before_the_state_changes():
@@ -208,15 +210,18 @@ def test_fixed_count_nan_step_reads_nothing_and_its_gradient_is_non_finite():
     loss = F.cross_entropy(cm(x), y)
     with count_host_reads() as ops:
         loss.backward()
-    assert ops == []
-    assert all(not torch.isfinite(g).all() for g in _grads(model).values())
+    assert ops == [], f"expected ops == [], got {ops!r}"
+    assert all(not torch.isfinite(g).all() for g in _grads(model).values()), (
+        'expected all(not torch.isfinite(g).all() for g in _grads(model).values())')
     st = capskip_fx.stats(cm)
-    assert st.kept == N // 2 and st.rows < N
+    assert st.kept == N // 2, f"expected st.kept == N // 2, got {st.kept!r} vs {N // 2!r}"
+    assert st.rows < N, f"expected st.rows < N, got {st.rows!r} vs {N!r}"
     with pytest.warns(UserWarning, match="non-finite"), count_host_reads() as ops:
-        assert "non-finite" in st.fallback
-    assert ops == ["tolist"]
+        assert "non-finite" in st.fallback, f'expected "non-finite" in st.fallback, got st.fallback = {st.fallback!r}'
+    assert ops == ["tolist"], f'expected ops == ["tolist"], got {ops!r}'
     F.cross_entropy(cm(_batch(10)[0]), _batch(10)[1]).backward()  # the next finite step is clean
-    assert capskip_fx.stats(cm).fallback is None
+    assert capskip_fx.stats(cm).fallback is None, (
+        f"expected capskip_fx.stats(cm).fallback is None, got {capskip_fx.stats(cm).fallback!r}")
 
 
 def test_fixed_count_uninformative_step_keeps_its_rows_exactly_and_says_so():
@@ -231,13 +236,17 @@ def test_fixed_count_uninformative_step_keeps_its_rows_exactly_and_says_so():
         loss = F.mse_loss(cm(x), F.one_hot(y, C).double())
         with count_host_reads() as ops:
             loss.backward()
-    assert ops == []
+    assert ops == [], f"expected ops == [], got {ops!r}"
     st = capskip_fx.stats(cm)
-    assert st.kept == N // 2 and "capskip_targets=" in st.fallback and "kept its rows" in st.fallback
+    assert st.kept == N // 2, f"expected st.kept == N // 2, got {st.kept!r} vs {N // 2!r}"
+    assert "capskip_targets=" in st.fallback, (
+        f'expected "capskip_targets=" in st.fallback, got st.fallback = {st.fallback!r}')
+    assert "kept its rows" in st.fallback, f'expected "kept its rows" in st.fallback, got st.fallback = {st.fallback!r}'
     ref = copy.deepcopy(model)
     ref.zero_grad(set_to_none=True)
     (F.mse_loss(ref(x), F.one_hot(y, C).double(), reduction="none").mean(1) * st.weight).sum().div(N).backward()
-    assert max_rel_err(_grads(model), _grads(ref)) < 1e-10
+    assert max_rel_err(_grads(model), _grads(ref)) < 1e-10, (
+        f"expected max_rel_err(_grads(model), _grads(ref)) < 1e-10, got {max_rel_err(_grads(model), _grads(ref))!r}")
 
 
 VCAS_CASES = [  # (rule options, sampler, reads per sampled step)
@@ -277,7 +286,8 @@ def test_vcas_sampled_step_reads(opts, sampler, reads):
     for step in (2, 3):
         ops, st = runs[(step, sampler)]
         assert len(ops) == reads, (step, ops)
-        assert not st["probe"] and st["segment_rows"][-1] < st["segment_rows"][0], st
+        assert not st["probe"], st
+        assert st["segment_rows"][-1] < st["segment_rows"][0], st
         assert any(k < t for k, t in st["wgrad_rows"]), st
     ops, _ = runs[(3, "bernoulli")]
     assert len(ops) > reads + 1, ops  # one per resampling cut and per sampled matmul

@@ -22,7 +22,8 @@ from hypothesis import given, settings, strategies as st
 from capskip_fx import train
 from capskip_fx.train import loop
 from capskip_fx.train.infobatch import InfoBatchSampler
-from helpers.runs import run_killed_at_evaluation
+from helpers.runs import assert_resumed_exactly, run_killed_at_evaluation
+from helpers.examples import examples
 
 torch.set_num_threads(1)
 
@@ -105,7 +106,7 @@ def ref_shard(plan, num_replicas, rank, epoch, seed=0, drop_last=True):
         indices += indices[:total_size - len(indices)]
     else:
         indices = indices[:total_size]
-    assert len(indices) == total_size
+    assert len(indices) == total_size, f"expected len(indices) == total_size, got {len(indices)!r} vs {total_size!r}"
     indices = indices[rank:total_size:num_replicas]
     return [plan[i] for i in indices]
 
@@ -142,13 +143,15 @@ def test_plans_weights_and_counts_match_the_reference(n, epochs, r, delta):
     for e, ours, ref, plan, ref_plan in _run_both(n, epochs, r, delta):
         assert plan == ref_plan, f"epoch {e}: planned indices differ from the reference's"
         assert torch.equal(ours.weights, ref.weights), f"epoch {e}: weights differ"
-        assert ours.n_pruned == ref.num_pruned_samples
+        assert ours.n_pruned == ref.num_pruned_samples, (
+            f"expected ours.n_pruned == ref.num_pruned_samples, got {ours.n_pruned!r} vs {ref.num_pruned_samples!r}")
         pruned_epochs += len(plan) < n
     # epoch 1 is full (equal initial scores), the last (1 - delta) of the epochs too
-    assert pruned_epochs == math.floor(epochs * delta) - 1
+    assert pruned_epochs == math.floor(epochs * delta) - 1, (
+        f"expected pruned_epochs == math.floor(epochs * delta) - 1, got {pruned_epochs!r}")
 
 
-@settings(max_examples=40, deadline=None)
+@settings(max_examples=examples(40), deadline=None)
 @given(n=st.integers(1, 120), r=st.floats(0.0, 0.95), epoch=st.integers(1, 6), seed=st.integers(0, 2**16),
        ties=st.booleans())
 def test_pruned_fraction_and_weights_property(n, r, epoch, seed, ties):
@@ -161,16 +164,19 @@ def test_pruned_fraction_and_weights_property(n, r, epoch, seed, ties):
     ref.iterations = epoch + 1  # the reference's counter at 0-based epoch ``epoch``'s reset
     ours.set_epoch(epoch)
     plan = list(ours)
-    assert plan == ref.epoch()
+    assert plan == ref.epoch(), f"expected plan == ref.epoch(), got {plan!r}"
     low = scores < scores.mean()
     keep = min(1.0, max(0.1, 1 - r))
-    assert len(set(plan)) == len(plan)
+    assert len(set(plan)) == len(plan), f"expected len(set(plan)) == len(plan), got {len(set(plan))!r} vs {len(plan)!r}"
     planned = torch.zeros(n, dtype=torch.bool)
     planned[plan] = True
-    assert planned[~low].all()
-    assert int(planned[low].sum()) == int(keep * int(low.sum()))
-    assert torch.equal(ours.weights, torch.where(planned & low, torch.tensor(1 / keep), torch.tensor(1.0)))
-    assert ours.n_pruned == n - len(plan)
+    assert planned[~low].all(), 'expected planned[~low].all()'
+    assert int(planned[low].sum()) == int(keep * int(low.sum())), (
+        f"expected int(planned[low].sum()) == int(keep * int(low.sum())), got {int(planned[low].sum())!r} vs {int(keep * int(low.sum()))!r}")
+    assert torch.equal(ours.weights, torch.where(planned & low, torch.tensor(1 / keep), torch.tensor(1.0))), (
+        'expected torch.equal(ours.weights, torch.where(planned & low, torch.tensor(1...')
+    assert ours.n_pruned == n - len(plan), (
+        f"expected ours.n_pruned == n - len(plan), got {ours.n_pruned!r} vs {n - len(plan)!r}")
 
 
 def test_annealing_uses_all_data_at_weight_one():
@@ -178,14 +184,14 @@ def test_annealing_uses_all_data_at_weight_one():
     its weights only when ``iterations == stop_prune + 1`` (l. 183), never here, so its last two epochs
     keep the 1/(1-r) weights of epoch 8; ours are 1 (a deliberate deviation, infobatch.py's docstring)."""
     for e, ours, ref, plan, ref_plan in _run_both(100, 10, 0.5, 0.875):
-        assert plan == ref_plan
+        assert plan == ref_plan, f"expected plan == ref_plan, got {plan!r} vs {ref_plan!r}"
         if e >= 8:
-            assert sorted(plan) == list(range(100))
-            assert bool((ours.weights == 1).all())
-            assert bool((ref.weights == 2).any())  # the reference's stale weights
+            assert sorted(plan) == list(range(100)), f"expected sorted(plan) == list(range(100)), got {sorted(plan)!r}"
+            assert bool((ours.weights == 1).all()), 'expected bool((ours.weights == 1).all())'
+            assert bool((ref.weights == 2).any()), 'expected bool((ref.weights == 2).any())'  # the reference's stale weights
         else:
-            assert torch.equal(ours.weights, ref.weights)
-            assert ours.prunes(e)
+            assert torch.equal(ours.weights, ref.weights), 'expected torch.equal(ours.weights, ref.weights)'
+            assert ours.prunes(e), 'expected ours.prunes(e)'
 
 
 @pytest.mark.parametrize("replicas", [2, 3])
@@ -203,7 +209,9 @@ def test_ddp_shards_match_the_reference_wrapper(replicas):
             assert mine == ref_shard(plan, replicas, k, e), f"epoch {e} rank {k}"
             got += mine
         # the ranks split the plan, cut to a multiple of the replica count: disjoint, nothing repeated
-        assert len(set(got)) == len(got) == len(plan) - len(plan) % replicas and set(got) <= set(plan)
+        assert len(set(got)) == len(got) == len(plan) - len(plan) % replicas, (
+            'expected len(set(got)) == len(got) == len(plan) - len(plan) % replicas')
+        assert set(got) <= set(plan), f"expected set(got) <= set(plan), got {set(got)!r} vs {set(plan)!r}"
         # every rank gathers every rank's losses (the reference's all-gather, l. 102-106)
         idx = torch.tensor(plan)
         loss = torch.rand(len(plan), generator=g)
@@ -212,7 +220,7 @@ def test_ddp_shards_match_the_reference_wrapper(replicas):
             s.update(idx, loss)
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=examples(60), deadline=None)
 @given(n=st.integers(1, 200), replicas=st.integers(1, 5), epoch=st.integers(0, 50), seed=st.integers(0, 99))
 def test_shards_partition_the_plan_property(n, replicas, epoch, seed):
     """Any plan length and replica count: equal shard sizes, disjoint, their union the plan cut to a
@@ -222,10 +230,15 @@ def test_shards_partition_the_plan_property(n, replicas, epoch, seed):
     for k in range(replicas):
         s = InfoBatchSampler(1000, 4, seed=seed, num_replicas=replicas, rank=k)
         shards.append(s._shard(plan, epoch))
-        assert shards[-1] == (ref_shard(plan, replicas, k, epoch, seed=seed) if replicas > 1 else plan)
+        assert shards[-1] == (ref_shard(plan, replicas, k, epoch, seed=seed) if replicas > 1 else plan), (
+            f"expected shards[-1] == ref_shard(plan, replicas, k, epoch, s..., got {shards[-1]!r}")
     flat = [i for sh in shards for i in sh]
-    assert len({len(sh) for sh in shards}) == 1 and len(set(flat)) == len(flat)
-    assert set(flat) <= set(plan) and len(flat) == n - n % replicas
+    assert len({len(sh) for sh in shards}) == 1, (
+        f"expected len({{len(sh) for sh in shards}}) == 1, got {len({len(sh) for sh in shards})!r}")
+    assert len(set(flat)) == len(flat), f"expected len(set(flat)) == len(flat), got {len(set(flat))!r} vs {len(flat)!r}"
+    assert set(flat) <= set(plan), f"expected set(flat) <= set(plan), got {set(flat)!r} vs {set(plan)!r}"
+    assert len(flat) == n - n % replicas, (
+        f"expected len(flat) == n - n % replicas, got {len(flat)!r} vs {n - n % replicas!r}")
 
 
 def test_weighted_loss_and_scores_match_update():
@@ -237,8 +250,9 @@ def test_weighted_loss_and_scores_match_update():
             want = ref.update(idx, per.float())
             got = (per.float() * ours.weights_for(idx)).mean()
             ours.update(idx, per)
-            assert got == want and torch.equal(ours.scores, ref.scores)
-            assert bool((ours.weights_for(idx) > 1).any())  # the case where weights matter
+            assert got == want, f"expected got == want, got {got!r} vs {want!r}"
+            assert torch.equal(ours.scores, ref.scores), 'expected torch.equal(ours.scores, ref.scores)'
+            assert bool((ours.weights_for(idx) > 1).any()), 'expected bool((ours.weights_for(idx) > 1).any())'  # the case where weights matter
 
 
 def test_state_dict_continues_the_same_plans():
@@ -253,17 +267,19 @@ def test_state_dict_continues_the_same_plans():
             s.set_epoch(e)
         plan = list(a)
         if b is not None:
-            assert list(b) == plan and torch.equal(a.weights, b.weights)
+            assert list(b) == plan, f"expected list(b) == plan, got {list(b)!r} vs {plan!r}"
+            assert torch.equal(a.weights, b.weights), 'expected torch.equal(a.weights, b.weights)'
         loss = torch.rand(len(plan), generator=g)
         for s in (a, b) if b is not None else (a,):
             s.update(torch.tensor(plan), loss)
-    assert a.n_seen == b.n_seen == 6 * 80 and a.n_planned == b.n_planned < 6 * 80
+    assert a.n_seen == b.n_seen == 6 * 80, 'expected a.n_seen == b.n_seen == 6 * 80'
+    assert a.n_planned == b.n_planned < 6 * 80, 'expected a.n_planned == b.n_planned < 6 * 80'
     c = InfoBatchSampler(80, 6, seed=4)  # another seed draws another plan
     c.load_state_dict({**a.state_dict(), "plan_epoch": None})
     c.set_epoch(2)
     a.set_epoch(2)
     a._plan_epoch = None
-    assert list(c) != list(a)
+    assert list(c) != list(a), f"expected list(c) != list(a), got {list(c)!r} vs {list(a)!r}"
 
 
 def test_bad_input_fails_early():
@@ -285,8 +301,6 @@ def test_bad_input_fails_early():
 TINY = ["--dataset", "digits", "--img-size", "16", "--patch-size", "4", "--depth", "1", "--embed-dim", "16",
         "--num-heads", "2", "--batch-size", "32", "--train-subset", "192", "--eval-subset", "64",
         "--threads", "1", "--warmup-epochs", "0", "--lr", "1e-2", "--backend", "eager"]
-EXACT = ("epoch", "steps", "train_loss", "eval_top1", "eval_loss", "backward_rows", "rows", "rows_seen",
-         "mean_kept_frac", "lr", "checks", "violations", "fallbacks")
 
 
 def _summary(out: Path) -> list[dict]:
@@ -307,30 +321,42 @@ def test_cli_prunes_forwards_and_resumes_exactly(tmp_path, monkeypatch, rule):
     rows = _summary(tmp_path / "full")
     per_epoch = [int(r["rows"]) - (int(p["rows"]) if p else 0) for r, p in zip(rows, [None, *rows[:-1]])]
     # epoch 1 all 192 rows; epochs 2-3 pruned (delta 0.875 of 4 = 3.5); epoch 4 all rows again
-    assert per_epoch[0] == per_epoch[3] == 192 and per_epoch[1] < 192 and per_epoch[2] < 192, per_epoch
-    assert [int(r["rows_seen"]) for r in rows] == [192, 384, 576, 768]
-    assert full["forward_frac"] < 1 and full["steps"] < 4 * 6
-    assert float(rows[-1]["lr"]) == pytest.approx(1e-5)  # the schedule anneals fully over the shorter epochs
+    assert per_epoch[0] == per_epoch[3] == 192, per_epoch
+    assert per_epoch[1] < 192, per_epoch
+    assert per_epoch[2] < 192, per_epoch
+    assert [int(r["rows_seen"]) for r in rows] == [192, 384, 576, 768], (
+        f'expected [int(r["rows_seen"]) for r in rows] == [192, 384, 576, 768], got {[int(r["rows_seen"]) for r in rows]!r}')
+    assert full["forward_frac"] < 1, f'expected full["forward_frac"] < 1, got {full["forward_frac"]!r}'
+    assert full["steps"] < 4 * 6, f'expected full["steps"] < 4 * 6, got {full["steps"]!r} vs {4 * 6!r}'
+    assert float(rows[-1]["lr"]) == pytest.approx(1e-5), (
+        f'expected float(rows[-1]["lr"]) == pytest.approx(1e-5), got {float(rows[-1]["lr"])!r}')  # the schedule anneals fully over the shorter epochs
     checks = _jsonl(tmp_path / "full" / "checks.jsonl")
-    assert len(checks) == full["steps"] and full["violations"] == 0
+    assert len(checks) == full["steps"], (
+        f'expected len(checks) == full["steps"], got {len(checks)!r} vs {full["steps"]!r}')
+    assert full["violations"] == 0, f'expected full["violations"] == 0, got {full["violations"]!r}'
     steps = _jsonl(tmp_path / "full" / "steps.jsonl")
     if rule[1] == "infobatch":  # dense model: the weighted training gradient is the weighted dense one
-        assert max(c["rel_l2_all"] for c in checks) < 1e-5
+        assert max(c["rel_l2_all"] for c in checks) < 1e-5, (
+            f'expected max(c["rel_l2_all"] for c in checks) < 1e-5, got {max(c["rel_l2_all"] for c in checks)!r}')
     else:  # the bound is on the weighted loss's head gradient, as measured
-        assert any(s["kept"] < s["n"] for s in steps)
+        assert any(s["kept"] < s["n"] for s in steps), 'expected any(s["kept"] < s["n"] for s in steps)'
         for c in checks:
-            assert c["rel_l2_head"] == pytest.approx(c["bound"], abs=1e-5) and c["rel_l2_head"] <= 0.5 + 1e-4
+            assert c["rel_l2_head"] == pytest.approx(c["bound"], abs=1e-5), (
+                f'expected c["rel_l2_head"] == pytest.approx(c["bound"], abs=1e-5), got {c["rel_l2_head"]!r}')
+            assert c["rel_l2_head"] <= 0.5 + 1e-4, (
+                f'expected c["rel_l2_head"] <= 0.5 + 1e-4, got {c["rel_l2_head"]!r} vs {0.5 + 1e-4!r}')
 
     # killed in epoch 3, after epoch 2's checkpoint
     run_killed_at_evaluation(monkeypatch, loop, 3, lambda: train.run([*argv, "--out", str(tmp_path / "cut")]))
     ck = torch.load(tmp_path / "cut" / "checkpoint.pt", weights_only=True)
-    assert ck["epoch"] == 2 and ck["infobatch"]["scores"].shape == (192,)
+    assert ck["epoch"] == 2, f'expected ck["epoch"] == 2, got {ck["epoch"]!r}'
+    assert ck["infobatch"]["scores"].shape == (192,), (
+        f'expected ck["infobatch"]["scores"].shape == (192,), got {ck["infobatch"]["scores"].shape!r}')
     res = train.run(["--resume", str(tmp_path / "cut" / "checkpoint.pt")])
-    for ra, rb in zip(rows, _summary(tmp_path / "cut")):
-        assert {k: ra[k] for k in EXACT} == {k: rb[k] for k in EXACT}
-    assert res["final_top1"] == full["final_top1"] and res["steps"] == full["steps"]
+    assert_resumed_exactly(rows, _summary(tmp_path / "cut"), full, res)
     sa, sb = steps, _jsonl(tmp_path / "cut" / "steps.jsonl")
-    assert [(s["step"], s["loss"], s["kept"]) for s in sa] == [(s["step"], s["loss"], s["kept"]) for s in sb]
+    assert [(s["step"], s["loss"], s["kept"]) for s in sa] == [(s["step"], s["loss"], s["kept"]) for s in sb], (
+        f'expected [(s["step"], s["loss"], s["kept"]) fo... == [(s["step"], s["loss"], s["kept"]) fo..., got {[(s["step"], s["loss"], s["kept"]) for s in sa]!r} vs {[(s["step"], s["loss"], s["kept"]) for s in sb]!r}')
 
 
 def test_weighted_step_gradient_matches_float64_reference(tmp_path):

@@ -1,6 +1,7 @@
 """benchmarks/interleaved.py runs on the harness's model and data and reports per-arm ratios with intervals."""
 from __future__ import annotations
 
+import importlib.util
 import json
 import math
 import os
@@ -20,28 +21,58 @@ def _bench(*argv):
                           text=True, timeout=600, env={**os.environ, "PYTHONPATH": str(ROOT)})
 
 
+@pytest.mark.subprocess
 def test_tiny_run_reports_ratios_with_intervals(tmp_path):
     p = _bench("--threads", "1", "--blocks", "3", "--rounds", "2", "--warmup", "1", "--arms", "dense",
                "forced:keep=0.5", "infobatch", "--out", str(tmp_path / "r"), *TINY)
     assert p.returncode == 0, p.stderr[-3000:]
     data = json.loads((tmp_path / "r.json").read_text())
     rows = {r["arm"]: r for r in data["rows"]}
-    assert list(rows) == ["torch.compile", "dense", "forced:keep=0.5", "infobatch"]
-    assert rows["forced:keep=0.5"]["kept_frac"] == 0.5 and rows["dense"]["kept_frac"] == 1.0
-    assert rows["torch.compile"]["ratio"] == 1.0
+    assert list(rows) == ["torch.compile", "dense", "forced:keep=0.5", "infobatch"], (
+        f'expected list(rows) == ["torch.compile", "dense", "forced:ke..., got {list(rows)!r}')
+    assert rows["forced:keep=0.5"]["kept_frac"] == 0.5, (
+        f'expected rows["forced:keep=0.5"]["kept_frac"] == 0.5, got {rows["forced:keep=0.5"]["kept_frac"]!r}')
+    assert rows["dense"]["kept_frac"] == 1.0, (
+        f'expected rows["dense"]["kept_frac"] == 1.0, got {rows["dense"]["kept_frac"]!r}')
+    assert rows["torch.compile"]["ratio"] == 1.0, (
+        f'expected rows["torch.compile"]["ratio"] == 1.0, got {rows["torch.compile"]["ratio"]!r}')
     for r in rows.values():
-        assert len(r["block_ratios"]) == 3 and all(x > 0 for x in r["block_ratios"])
-        assert r["ratio_lo"] <= r["ratio"] <= r["ratio_hi"] and math.isfinite(r["ratio_hi"])
-        assert r["ratio"] == pytest.approx(sum(r["block_ratios"]) / 3, rel=1e-12)
-    assert data["env"]["dataset"] == "digits" and data["env"]["blocks"] == 3
+        assert len(r["block_ratios"]) == 3, f'expected len(r["block_ratios"]) == 3, got {len(r["block_ratios"])!r}'
+        assert all(x > 0 for x in r["block_ratios"]), 'expected all(x > 0 for x in r["block_ratios"])'
+        assert r["ratio_lo"] <= r["ratio"] <= r["ratio_hi"], 'expected r["ratio_lo"] <= r["ratio"] <= r["ratio_hi"]'
+        assert math.isfinite(r["ratio_hi"]), 'expected math.isfinite(r["ratio_hi"])'
+        assert r["ratio"] == pytest.approx(sum(r["block_ratios"]) / 3, rel=1e-12), (
+            f'expected r["ratio"] == pytest.approx(sum(r["block_ratios"]) ..., got {r["ratio"]!r}')
+    assert data["env"]["dataset"] == "digits", (
+        f'expected data["env"]["dataset"] == "digits", got {data["env"]["dataset"]!r}')
+    assert data["env"]["blocks"] == 3, f'expected data["env"]["blocks"] == 3, got {data["env"]["blocks"]!r}'
     md = (tmp_path / "r.md").read_text()
-    assert "| forced:keep=0.5 | 0.500 |" in md and "r vs torch.compile [95% CI]" in md
+    assert "| forced:keep=0.5 | 0.500 |" in md, f'expected "| forced:keep=0.5 | 0.500 |" in md, got md = {md!r}'
+    assert "r vs torch.compile [95% CI]" in md, f'expected "r vs torch.compile [95% CI]" in md, got md = {md!r}'
 
 
-def test_bad_arms_fail_naming_the_fix(tmp_path):
-    p = _bench("--arms", "stale_sb", "--out", str(tmp_path / "x"), *TINY)
-    assert p.returncode != 0 and "benchmarks/step_time.py" in p.stderr
-    p = _bench("--arms", "sb:keep", "--out", str(tmp_path / "x"), *TINY)
-    assert p.returncode != 0 and "KEY=VALUE" in p.stderr
-    p = _bench("--blocks", "1", *TINY)
-    assert p.returncode != 0 and "--blocks must be >= 2" in p.stderr
+@pytest.fixture(scope="module")
+def interleaved():
+    """benchmarks/interleaved.py as a module: its argument checks run in this process (the tiny run above
+    runs the script as a process)."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))  # its results_io
+    try:
+        spec = importlib.util.spec_from_file_location("interleaved_bench", ROOT / "benchmarks" / "interleaved.py")
+        mod = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(mod)
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+    return mod
+
+
+def test_bad_arms_fail_naming_the_fix(interleaved, capsys):
+    """Bad arms and settings stop the benchmark before any data loads, saying what to do instead."""
+    with pytest.raises(SystemExit, match="benchmarks/step_time.py"):
+        interleaved.parse(["--arms", "stale_sb", "--out", "x", *TINY])
+    with pytest.raises(SystemExit, match="KEY=VALUE"):
+        interleaved.parse(["--arms", "sb:keep", "--out", "x", *TINY])
+    with pytest.raises(SystemExit) as stop:
+        interleaved.parse(["--blocks", "1", *TINY])
+    assert stop.value.code != 0, f"--blocks 1 exited with {stop.value.code!r}"
+    err = capsys.readouterr().err
+    assert "--blocks must be >= 2" in err, f"argparse's message for --blocks 1: {err!r}"

@@ -366,32 +366,47 @@ def test_ops_along_feature_dims_are_row_separable(name, f):
 # token-major layouts
 
 
-def test_token_major_rows_refused_at_the_matmul():
+def test_token_major_rows_reach_a_matmul_per_row():
+    """(T*N, D) rows into a Linear: each output row reads its own input row, so the matmul is per row and
+    its saved input is gathered along dim 0 viewed (T, N, 1)."""
     g, res = joint("token_major", TokenMajor, _tokens())
-    assert res.refusal is not None and "token-major" in res.refusal and "addmm" in res.refusal
-    assert "x.transpose(0, 1).reshape(-1, d)" in res.refusal  # the model's source line
+    assert res.refusal is None, res.refusal
     bwd = backward_nodes(g)
     view = node(g, lambda n: n not in bwd and target(n) == "aten.view.default" and n.args[0].op != "placeholder")
     lay = res.layouts[view.name]  # the (T*N, D) rows fed to the Linear
-    assert (lay.dim, lay.outer, lay.inner) == (0, T, 1) and not lay.gatherable
+    assert (lay.dim, lay.outer, lay.inner) == (0, T, 1), lay
+    assert lay.gatherable and not lay.batch_major, lay
+    mm = node(g, lambda n: n not in bwd and target(n) == "aten.addmm.default")
+    assert res.layouts[mm.name] == Layout("batch", 0, T, 1), res.layouts[mm.name]
+    assert_saved_gatherable(g, res)
 
 
-def test_token_major_value_saved_for_the_backward_refused():
+def test_token_major_value_saved_for_the_backward_is_gathered():
     g, res = joint("token_major_saved", TokenMajorSaved, _tokens())
     sig = node(g, lambda n: target(n) == "aten.sigmoid.default")
-    assert res.layouts[sig.name] == Layout("batch", 0, T, 1)
-    assert res.refusal is not None and "token-major" in res.refusal and "saved for the backward" in res.refusal
+    assert res.layouts[sig.name] == Layout("batch", 0, T, 1), res.layouts[sig.name]
+    assert res.refusal is None, res.refusal
+    assert_saved_gatherable(g, res)
     # the Linear itself reads batch-major rows again: (N, T, D) viewed as (N*T, D)
     bwd = backward_nodes(g)
     mm = node(g, lambda n: n not in bwd and target(n) == "aten.mm.default")  # a 3-D Linear: view, mm, add
     assert res.layouts[mm.args[0].name] == Layout("batch", 0, 1, T)
 
 
-def test_mha_batch_first_false_on_batch_major_input_refused():
+def test_mha_batch_first_false_on_batch_major_input_is_per_row():
     """(N, T, E) input transposed to the (T, N, E) that batch_first=False expects: the in-projection
-    multiplies (T*N, E) rows, token-major."""
+    multiplies (T*N, E) rows, token-major; the head split (T, N*H, d) merges the batch with the heads
+    batch-major (inner H), and attention runs per (row, head)."""
     g, res = joint("mha_bf_false", lambda: MHA(batch_first=False, transpose=True), _tokens())
-    assert res.refusal is not None and "token-major" in res.refusal and "aten.mm" in res.refusal
+    assert res.refusal is None, res.refusal
+    assert_saved_gatherable(g, res)
+    bwd = backward_nodes(g)
+    mm = node(g, lambda n: n not in bwd and target(n) == "aten.mm.default")
+    assert res.layouts[mm.args[0].name] == Layout("batch", 0, T, 1), res.layouts[mm.args[0].name]
+    s = batch_symbol(g)
+    split = node(g, lambda n: n not in bwd and target(n) == "aten.view.default" and n.meta["val"].dim() == 3
+                 and isinstance(n.meta["val"].shape[1], torch.SymInt) and n.meta["val"].shape[1].node.expr == 2 * s)
+    assert res.layouts[split.name] == Layout("batch", 1, 1, 2), res.layouts[split.name]
 
 
 def test_mha_batch_first_false_on_sequence_major_input_refused():
@@ -400,11 +415,12 @@ def test_mha_batch_first_false_on_sequence_major_input_refused():
     assert res.refusal is not None and "cross-example" in res.refusal and "attends over the batch" in res.refusal
 
 
-def test_mha_batch_first_true_is_refused_too():
+def test_mha_batch_first_true_is_per_row_too():
     """batch_first=True only swaps dims at the boundary: nn.MultiheadAttention's Python path transposes
     to (T, N, E) and multiplies (T*N, E) rows, so its joint graph equals the batch_first=False one."""
     g, res = joint("mha_bf_true", lambda: MHA(batch_first=True, transpose=False), _tokens())
-    assert res.refusal is not None and "token-major" in res.refusal and "aten.mm" in res.refusal
+    assert res.refusal is None, res.refusal
+    assert_saved_gatherable(g, res)
     g2, res2 = joint("mha_bf_false", lambda: MHA(batch_first=False, transpose=True), _tokens())
     assert [target(n) for n in g.nodes] == [target(n) for n in g2.nodes]
 
@@ -460,10 +476,12 @@ def test_other_row_indices_are_mixing(name, rows):
     assert res.refusal is not None and res.refusal.startswith("cross-example op in the forward"), res.refusal
 
 
-def test_batch_cat_is_refused_naming_the_cat():
-    # cat along the batch stacks the batch as slabs (outer 2): refused where the Linear reads it
+def test_batch_cat_output_is_refused_naming_the_cat():
+    # cat along the batch stacks the batch as slabs (outer 2); the Linear reads it per row, but the (2N, 2)
+    # output is token-major: its tangent would be gathered batch-major from its sizes, so refused
     g, res = joint("cat_batch", lambda: Fn(lambda h: torch.cat([h, 2 * h])), _x())
     assert res.refusal is not None and "aten.cat.default" in res.refusal and "token-major" in res.refusal
+    assert "output of the forward" in res.refusal, res.refusal
     cat = node(g, lambda n: target(n) == "aten.cat.default")
     assert res.layouts[cat.name] == Layout("batch", 0, 2, 1)
 
@@ -493,7 +511,8 @@ def test_unknown_op_refused_only_where_it_matters():
 
 def test_layout_api():
     assert Layout("free").gatherable and Layout("batch", 2, 1, 7).gatherable
-    assert not Layout("batch", 0, 3, 1).gatherable and not Layout("unknown", why="x").gatherable
+    assert Layout("batch", 0, 3, 1).gatherable and not Layout("unknown", why="x").gatherable
+    assert Layout("batch", 2, 1, 7).batch_major and not Layout("batch", 0, 3, 1).batch_major
     assert Layout("batch", 0, sympy.Integer(2), 1, why="cat") == Layout("batch", 0, 2, 1)  # why is a note
     with pytest.raises(ValueError):
         analyze(torch.fx.Graph(), None)
@@ -683,7 +702,7 @@ def test_random_programs_layouts_are_true(data):
     out = next(iter(gm.graph.find_nodes(op="output"))).args[0]
     out = list(out) if isinstance(out, (list, tuple)) else [out]
     if res.refusal is None:
-        assert all(res.layouts[o.name].kind != "unknown" and res.layouts[o.name].gatherable for o in out)
+        assert all(res.layouts[o.name].kind != "unknown" and res.layouts[o.name].batch_major for o in out)
     assert sym is not None
 
 

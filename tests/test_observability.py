@@ -7,6 +7,8 @@ import subprocess
 import sys
 import textwrap
 
+import pytest
+
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -30,12 +32,16 @@ def test_stats_repr_and_report_table():
     _step(cm)
     text = repr(capskip_fx.stats(cm))
     for field in ("n=8", "kept=", "rows=", "bound=", "fallback=None", "variants=1"):
-        assert field in text
-    assert "tensor" not in text  # the weight is elided
+        assert field in text, f"expected field in text, got {field!r} vs {text!r}"
+    assert "tensor" not in text, f'expected "tensor" not in text, got text = {text!r}'  # the weight is elided
     rep = capskip_fx.report(cm)
-    assert rep[0]["role"] == "head" and rep.rows == list(rep)
+    assert rep[0]["role"] == "head", f'expected rep[0]["role"] == "head", got {rep[0]["role"]!r}'
+    assert rep.rows == list(rep), f"expected rep.rows == list(rep), got {rep.rows!r} vs {list(rep)!r}"
     lines = str(rep).splitlines()
-    assert lines[0].split()[:3] == ["graph", "role", "backward"] and lines[1].split()[:2] == ["0", "head"]
+    assert lines[0].split()[:3] == ["graph", "role", "backward"], (
+        f'expected lines[0].split()[:3] == ["graph", "role", "backward"], got {lines[0].split()[:3]!r}')
+    assert lines[1].split()[:2] == ["0", "head"], (
+        f'expected lines[1].split()[:2] == ["0", "head"], got {lines[1].split()[:2]!r}')
 
 
 def test_report_says_not_yet_verified_and_explains_its_columns():
@@ -44,14 +50,17 @@ def test_report_says_not_yet_verified_and_explains_its_columns():
     cm = capskip_fx.compile(_model(), rule="forced", keep=1.0, backend="aot_eager")
     _step(cm)  # every row kept: nothing to compare, so not verified yet
     rep = capskip_fx.report(cm)
-    assert rep[0]["backward"] == "selected rows" and rep[0]["verified"] is False, rep.rows
+    assert rep[0]["backward"] == "selected rows", rep.rows
+    assert rep[0]["verified"] is False, rep.rows
     text = str(rep)
     assert "not yet" in text.splitlines()[1], text
-    assert "verified: yes = a gathered step matched" in text and "dense-masked (all rows" in text, text
+    assert "verified: yes = a gathered step matched" in text, text
+    assert "dense-masked (all rows" in text, text
     cm2 = capskip_fx.compile(_model(), rule="forced", keep=0.5, backend="aot_eager")
     _step(cm2)
     line = str(capskip_fx.report(cm2)).splitlines()[1]
-    assert " yes " in line and "not yet" not in line, line
+    assert " yes " in line, line
+    assert "not yet" not in line, line
 
 
 def test_info_line_rate_limited(caplog, monkeypatch):
@@ -65,6 +74,7 @@ def test_info_line_rate_limited(caplog, monkeypatch):
                      "of rows over 1 steps"], lines
 
 
+@pytest.mark.subprocess
 def test_structured_trace_has_the_rewritten_backward(tmp_path):
     code = textwrap.dedent("""
         import torch, torch.nn as nn, torch.nn.functional as F, capskip_fx
@@ -76,4 +86,100 @@ def test_structured_trace_has_the_rewritten_backward(tmp_path):
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
     text = "".join(p.read_text() for p in tmp_path.iterdir())
-    assert "capskip_backward_graph_0" in text and "capskip_w" in text
+    assert "capskip_backward_graph_0" in text, f'expected "capskip_backward_graph_0" in text, got text = {text!r}'
+    assert "capskip_w" in text, f'expected "capskip_w" in text, got text = {text!r}'
+
+
+class _CentredMLP(nn.Module):
+    """Row mixing in the user's own line (h - h.mean(0)), then a library module that mixes rows."""
+
+    def __init__(self, bn: bool):
+        super().__init__()
+        self.fc, self.head = nn.Linear(6, 8), nn.Linear(8, 3)
+        self.bn = nn.BatchNorm1d(8) if bn else None
+
+    def forward(self, x):
+        h = self.fc(x)
+        if self.bn is not None:
+            h = self.bn(h)
+        else:
+            h = h - h.mean(0)
+        return self.head(h)
+
+
+def _refused_steps(cm, sizes):
+    """Train steps at the given batch sizes; the capskip_fx warnings they raised."""
+    import warnings
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for s, n in enumerate(sizes):
+            _step(cm, n=n, seed=s)
+    return [str(w.message) for w in caught if str(w.message).startswith("capskip_fx:")]
+
+
+def test_refusal_names_the_op_and_the_users_source_line():
+    """A refusal at a node in the user's code carries the aten op and the user's line, and report() and
+    the warning show them."""
+    torch.manual_seed(0)
+    cm = capskip_fx.compile(_CentredMLP(bn=False), rule="random", keep=0.5, backend="aot_eager")
+    warned = _refused_steps(cm, [8])
+    refusal = cm.backend.records[0].refusal
+    assert refusal is not None, "h - h.mean(0) mixes rows: the graph must be refused"
+    assert refusal.op == "aten.mean.dim", f"the refused op: {refusal.op!r}"
+    assert refusal.source_line is not None, "the user's line is in Dynamo's stack trace"
+    assert refusal.source_line.startswith("test_observability.py:"), refusal.source_line
+    assert refusal.source_line.endswith("h = h - h.mean(0)"), refusal.source_line
+    assert refusal.module is None or "Linear" not in refusal.module, f"the mean is in no submodule: {refusal.module}"
+    text = str(capskip_fx.report(cm))
+    assert "graph 0 refused at: op aten.mean.dim" in text, text
+    assert refusal.source_line in text, text
+    assert len(warned) == 1, warned
+    assert refusal.source_line in warned[0], warned
+
+
+def test_refusal_inside_batchnorm_names_the_module_path():
+    """Inside a library module the innermost frames are torch's: the refusal names the module path and
+    class, and the user's line that called it (not torch/nn/functional.py)."""
+    torch.manual_seed(0)
+    cm = capskip_fx.compile(_CentredMLP(bn=True), rule="random", keep=0.5, backend="aot_eager")
+    warned = _refused_steps(cm, [8])
+    refusal = cm.backend.records[0].refusal
+    assert refusal is not None, "BatchNorm in train mode mixes rows: the graph must be refused"
+    assert refusal.op is not None, f"the refused op: {refusal.op!r}"
+    assert "var_mean" in refusal.op, f"the refused op: {refusal.op!r}"
+    assert refusal.module == "bn (BatchNorm1d)", f"the module path: {refusal.module!r}"
+    assert refusal.source_line is not None, "the line that called self.bn is the user's"
+    assert refusal.source_line.endswith("h = self.bn(h)"), refusal.source_line
+    assert "functional.py" not in refusal.source_line, refusal.source_line
+    assert len(warned) == 1, warned
+    assert "in bn (BatchNorm1d)" in warned[0], warned
+
+
+def test_refusal_warns_once_per_graph():
+    """A refused graph warns once, however many steps and recompiles (new batch sizes) follow; a second
+    refused graph (after a graph break) warns once too, naming its own module."""
+    torch.manual_seed(0)
+    cm = capskip_fx.compile(_CentredMLP(bn=True), rule="random", keep=0.5, backend="aot_eager")
+    warned = _refused_steps(cm, [8, 9, 10, 8])
+    assert len(warned) == 1, f"one refused graph, warned {len(warned)} times: {warned}"
+
+    class TwoParts(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a = nn.Sequential(nn.Linear(6, 8), nn.BatchNorm1d(8))
+            self.b = nn.Sequential(nn.BatchNorm1d(8), nn.Linear(8, 3))
+
+        def forward(self, x):
+            h = self.a(x)
+            torch._dynamo.graph_break()
+            return self.b(h)
+
+    torch.manual_seed(0)
+    cm2 = capskip_fx.compile(TwoParts(), rule="random", keep=0.5, backend="aot_eager")
+    warned = _refused_steps(cm2, [8, 9, 10])
+    refused = [r for r in cm2.backend.records if r.refusal is not None]
+    assert len(refused) == 2, f"two refused graphs expected: {capskip_fx.report(cm2)}"
+    assert len(warned) == 2, f"two refused graphs, {len(warned)} warnings: {warned}"
+    assert "in a.1 (BatchNorm1d)" in warned[0], warned
+    assert "in b.0 (BatchNorm1d)" in warned[1], warned

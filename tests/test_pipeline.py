@@ -68,11 +68,14 @@ def test_joint_inserts_one_select_and_returns_a_frozen_result():
     graph, results = _joint(nn.Sequential(nn.Linear(4, 8), nn.GELU(), nn.Linear(8, 3)), pipeline.JointContext(7))
     assert len(results) == 1, f"one result per graph, got {results}"
     res = results[0]
-    assert res.head and not res.body and res.refusal is None, f"a head graph, got {res!r}"
+    assert res.head, f"a head graph, got {res!r}"
+    assert not res.body, f"a head graph, got {res!r}"
+    assert res.refusal is None, f"a head graph, got {res!r}"
     assert res.masked_tangents == 1, f"the logits' tangent masked, got {res.masked_tangents}"
     assert res.head_bias is True, "the head Linear has a bias"
     sel = _selection_nodes(graph)
-    assert len(sel) == 1 and sel[0].target is SELECT, f"one capskip::select, got {sel}"
+    assert len(sel) == 1, f"one capskip::select, got {sel}"
+    assert sel[0].target is SELECT, f"one capskip::select, got {sel}"
     assert sel[0].args[-1] == 7, "the selection node carries the context's registry key"
     with pytest.raises(dataclasses.FrozenInstanceError):
         res.head = False
@@ -86,12 +89,16 @@ def test_joint_inserts_one_select_and_returns_a_frozen_result():
 def test_joint_refuses_row_mixing_with_a_typed_refusal(on_coupling):
     model = nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.Linear(8, 3))
     graph, (res,) = _joint(model, pipeline.JointContext(1, on_coupling=on_coupling))
-    assert res.refusal is not None and res.refusal.kind is RefusalKind.CROSS_EXAMPLE, f"got {res.refusal!r}"
-    assert str(res.refusal) == res.refusal.detail and "BatchNorm" in res.refusal.detail, res.refusal.detail
-    assert not res.head and not _selection_nodes(graph), "a refused graph gets no selection node"
+    assert res.refusal is not None, f"got {res.refusal!r}"
+    assert res.refusal.kind is RefusalKind.CROSS_EXAMPLE, f"got {res.refusal!r}"
+    assert str(res.refusal) == res.refusal.detail, res.refusal.detail
+    assert "BatchNorm" in res.refusal.detail, res.refusal.detail
+    assert not res.head, "a refused graph gets no selection node"
+    assert not _selection_nodes(graph), "a refused graph gets no selection node"
     assert res.record_fields()["coupled"], "a cross-example refusal marks the record coupled"
     if on_coupling == "error":
-        assert res.error is not None and "on_coupling='error'" in res.error, res.error
+        assert res.error is not None, res.error
+        assert "on_coupling='error'" in res.error, res.error
     else:
         assert res.error is None, res.error
 
@@ -110,18 +117,24 @@ def test_record_compile_fields_change_only_through_settle():
     counters().clear()
     first = Refusal(RefusalKind.NO_HEAD, "first")
     assert rec.settle(head=True, refusal=first) is first, "a graph's first refusal is returned (to warn)"
-    assert rec.settle(refusal=Refusal(RefusalKind.BATCH_LAYOUT, "second"), backward=BackwardMode.DENSE) is None
-    assert rec.reason == "first" and rec.backward == BackwardMode.DENSE, (rec.reason, rec.backward)
+    assert rec.settle(refusal=Refusal(RefusalKind.BATCH_LAYOUT, "second"), backward=BackwardMode.DENSE) is None, (
+        'expected rec.settle(refusal=Refusal(RefusalKind.BATCH_LAYOUT, "second"), bac...')
+    assert rec.reason == "first", (rec.reason, rec.backward)
+    assert rec.backward == BackwardMode.DENSE, (rec.reason, rec.backward)
     assert counters()[f"refused: {RefusalKind.NO_HEAD.value}"] == 1, dict(counters())
     assert counters()[f"refused: {RefusalKind.BATCH_LAYOUT.value}"] == 0, "a later refusal is not counted"
     assert not rec.refuse(Refusal(RefusalKind.VERIFY, "later"), BackwardMode.DENSE_MASKED), "not the first"
-    assert rec.backward == BackwardMode.DENSE_MASKED and rec.reason == "first", (rec.backward, rec.reason)
+    assert rec.backward == BackwardMode.DENSE_MASKED, (rec.backward, rec.reason)
+    assert rec.reason == "first", (rec.backward, rec.reason)
 
 
 def test_run_time_demotion_keeps_the_compile_record():
     rec = GraphRecord(index=0, nodes=1)
     rec.settle(head=True)
     rec.demoted = "a Linear output that is not the returned logits"
-    assert not rec.head and rec.body and rec.no_head == rec.demoted, rec.as_dict()
-    assert rec.compiled.head and not rec.compiled.body, "the compile record still says what the pass did"
+    assert not rec.head, rec.as_dict()
+    assert rec.body, rec.as_dict()
+    assert rec.no_head == rec.demoted, rec.as_dict()
+    assert rec.compiled.head, "the compile record still says what the pass did"
+    assert not rec.compiled.body, "the compile record still says what the pass did"
     assert rec.as_dict()["role"] == "body", rec.as_dict()

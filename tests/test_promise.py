@@ -15,23 +15,14 @@ from capskip_fx.records import RefusalKind, counters
 from capskip_fx.rules import Forced, Rule, Selection
 
 from conftest import max_rel_err
+from helpers.models import MLP, grads
 
 pytestmark = pytest.mark.usefixtures("many_compiles")  # conftest: every test compiles its own model
 
 
-class Net(nn.Module):
-    def __init__(self, d=6, classes=3):
-        super().__init__()
-        self.fc = nn.Linear(d, 8)
-        self.head = nn.Linear(8, classes)
-
-    def forward(self, x):
-        return self.head(F.gelu(self.fc(x)))
-
-
 def _net(**opts):
     torch.manual_seed(0)
-    model = Net().double()
+    model = MLP(d=6, hidden=8, classes=3).double()
     return model, capskip_fx.compile(model, backend="aot_eager", **opts)
 
 
@@ -39,8 +30,7 @@ def _x(n, seed):
     return torch.randn(n, 6, dtype=torch.float64, generator=torch.Generator().manual_seed(seed))
 
 
-def _grads(model):
-    return {k: (p.grad if p.grad is not None else torch.zeros_like(p)).clone() for k, p in model.named_parameters()}
+_grads = grads
 
 
 def _ref(model, batches):
@@ -75,10 +65,15 @@ def test_two_forwards_one_backward_capskip_b1(order):
     pairs = [(x1, y1), (x2, y2)] if order == "forward order" else [(x2, y2), (x1, y1)]
     sum(F.cross_entropy(cm(x), y) for x, y in pairs).backward()
     ones, zeros = torch.ones(8, dtype=torch.float64), torch.zeros(8, dtype=torch.float64)
-    assert max_rel_err(_grads(model), _ref(model, [(x1, y1, ones), (x2, y2, zeros)])) < 1e-10
+    assert max_rel_err(_grads(model), _ref(model, [(x1, y1, ones), (x2, y2, zeros)])) < 1e-10, (
+        'expected max_rel_err(_grads(model), _ref(model, [(x1, y1, ones), (x2, y2, ze...')
     st = capskip_fx.stats(cm)
-    assert (st.n, st.kept) == (16, 8) and len(st.forwards) == 2 and st.fallback is None
-    assert sorted(f.kept for f in st.forwards) == [0, 8] and "forwards" in st.as_dict()
+    assert (st.n, st.kept) == (16, 8), f"expected (st.n, st.kept) == (16, 8), got {(st.n, st.kept)!r}"
+    assert len(st.forwards) == 2, f"expected len(st.forwards) == 2, got {len(st.forwards)!r}"
+    assert st.fallback is None, f"expected st.fallback is None, got {st.fallback!r}"
+    assert sorted(f.kept for f in st.forwards) == [0, 8], (
+        f"expected sorted(f.kept for f in st.forwards) == [0, 8], got {sorted(f.kept for f in st.forwards)!r}")
+    assert "forwards" in st.as_dict(), 'expected "forwards" in st.as_dict()'
 
 
 def test_each_forward_keeps_its_own_labels_in_any_backward_order():
@@ -95,8 +90,10 @@ def test_each_forward_keeps_its_own_labels_in_any_backward_order():
     losses[0].backward()
     losses[1].backward()
     w = [(y % 2 == 1).double() for y in ys]
-    assert max_rel_err(_grads(model), _ref(model, list(zip(xs, ys, w)))) < 1e-10
-    assert [t.tolist() for t in rule.seen] == [ys[2].tolist(), ys[0].tolist(), ys[1].tolist()]
+    assert max_rel_err(_grads(model), _ref(model, list(zip(xs, ys, w)))) < 1e-10, (
+        'expected max_rel_err(_grads(model), _ref(model, list(zip(xs, ys, w)))) < 1e-10')
+    assert [t.tolist() for t in rule.seen] == [ys[2].tolist(), ys[0].tolist(), ys[1].tolist()], (
+        f"expected [t.tolist() for t in rule.seen] == [ys[2].tolist(), ys[0].tolist(), ys[1..., got {[t.tolist() for t in rule.seen]!r} vs {[ys[2].tolist(), ys[0].tolist(), ys[1].tolist()]!r}")
 
 
 def test_same_compiled_graph_twice_in_one_step_both_exact():
@@ -108,9 +105,14 @@ def test_same_compiled_graph_twice_in_one_step_both_exact():
     st = capskip_fx.stats(cm)
     # the second forward's head backward runs first: it got the first keep set
     w2, w1 = (f.weight for f in st.forwards)
-    assert w2.nonzero().flatten().tolist() == [0, 3] and w1.nonzero().flatten().tolist() == [1, 2, 5]
-    assert max_rel_err(_grads(model), _ref(model, [(x1, y1, w1), (x2, y2, w2)])) < 1e-10
-    assert cm.backend.records[0].backward == "selected rows" and cm.backend.records[0].reason is None
+    assert w2.nonzero().flatten().tolist() == [0, 3], 'expected w2.nonzero().flatten().tolist() == [0, 3]'
+    assert w1.nonzero().flatten().tolist() == [1, 2, 5], 'expected w1.nonzero().flatten().tolist() == [1, 2, 5]'
+    assert max_rel_err(_grads(model), _ref(model, [(x1, y1, w1), (x2, y2, w2)])) < 1e-10, (
+        'expected max_rel_err(_grads(model), _ref(model, [(x1, y1, w1), (x2, y2, w2)]...')
+    assert cm.backend.records[0].backward == "selected rows", (
+        f'expected cm.backend.records[0].backward == "selected rows", got {cm.backend.records[0].backward!r}')
+    assert cm.backend.records[0].reason is None, (
+        f"expected cm.backend.records[0].reason is None, got {cm.backend.records[0].reason!r}")
 
 
 def test_two_compiled_models_interleaved():
@@ -119,9 +121,12 @@ def test_two_compiled_models_interleaved():
     o1, o2 = c1(x), c2(x)
     (F.cross_entropy(o2, y) + F.cross_entropy(o1, y)).backward()
     w1, w2 = capskip_fx.stats(c1).weight, capskip_fx.stats(c2).weight
-    assert int(w1.sum()) == 4 and int(w2.sum()) == 2
-    assert max_rel_err(_grads(m1), _ref(m1, [(x, y, w1)])) < 1e-10
-    assert max_rel_err(_grads(m2), _ref(m2, [(x, y, w2)])) < 1e-10
+    assert int(w1.sum()) == 4, f"expected int(w1.sum()) == 4, got {int(w1.sum())!r}"
+    assert int(w2.sum()) == 2, f"expected int(w2.sum()) == 2, got {int(w2.sum())!r}"
+    assert max_rel_err(_grads(m1), _ref(m1, [(x, y, w1)])) < 1e-10, (
+        'expected max_rel_err(_grads(m1), _ref(m1, [(x, y, w1)])) < 1e-10')
+    assert max_rel_err(_grads(m2), _ref(m2, [(x, y, w2)])) < 1e-10, (
+        'expected max_rel_err(_grads(m2), _ref(m2, [(x, y, w2)])) < 1e-10')
 
 
 class Rolled(nn.Module):
@@ -146,9 +151,10 @@ def test_rows_mixed_between_graph_breaks_stay_exact():
     x, y = _x(8, 1), torch.arange(8) % 3
     F.cross_entropy(cm(x), y).backward()
     w = capskip_fx.stats(cm).weight
-    assert max_rel_err(_grads(model), _ref(model, [(x, y, w)])) < 1e-10
+    assert max_rel_err(_grads(model), _ref(model, [(x, y, w)])) < 1e-10, (
+        'expected max_rel_err(_grads(model), _ref(model, [(x, y, w)])) < 1e-10')
     body = next(r for r in cm.backend.records if r.body)
-    assert body.row_counts == {2}  # the rolled rows 2 and 5 carry the gradient: gathered, not masked away
+    assert body.row_counts == {2}, f"expected body.row_counts == {{2}}, got {body.row_counts!r}"  # the rolled rows 2 and 5 carry the gradient: gathered, not masked away
 
 
 @pytest.mark.parametrize("every", [None, 2])
@@ -169,10 +175,15 @@ def test_verify_waits_for_informative_steps_and_rechecks_every_k(every, monkeypa
         x, y = _x(8, step), torch.arange(8) % 3
         model.zero_grad()
         F.cross_entropy(cm(x), y).backward()
-        assert max_rel_err(_grads(model), _ref(model, [(x, y, capskip_fx.stats(cm).weight)])) < 1e-10
-    assert checked == ([1] if every is None else [1, 2, 4])
+        assert max_rel_err(_grads(model), _ref(model, [(x, y, capskip_fx.stats(cm).weight)])) < 1e-10, (
+            'expected max_rel_err(_grads(model), _ref(model, [(x, y, capskip_fx.stats(cm)...')
+    assert checked == ([1] if every is None else [1, 2, 4]), (
+        f"expected checked == [1] if every is None else [1, 2, 4], got {checked!r}")
     rec = cm.backend.records[0]
-    assert rec.verified and rec.checks == len(checked) and capskip_fx.report(cm)[0]["verified"]
+    assert rec.verified, f"expected rec.verified to be true, got {rec.verified!r}"
+    assert rec.checks == len(checked), f"expected rec.checks == len(checked), got {rec.checks!r} vs {len(checked)!r}"
+    assert capskip_fx.report(cm)[0]["verified"], (
+        f'expected capskip_fx.report(cm)[0]["verified"] to be true, got {capskip_fx.report(cm)[0]["verified"]!r}')
 
 
 def test_compiled_autograd_is_refused_with_a_clear_message():
@@ -222,7 +233,8 @@ def test_non_batch_positional_and_batch_keyword_inputs(n):
     ref = copy.deepcopy(model)
     ref.zero_grad()
     (F.cross_entropy(ref(x, pos, mask=mask), y, reduction="none") * w).sum().div(n).backward()
-    assert max_rel_err(_grads(model), _grads(ref)) < 1e-10
+    assert max_rel_err(_grads(model), _grads(ref)) < 1e-10, (
+        f"expected max_rel_err(_grads(model), _grads(ref)) < 1e-10, got {max_rel_err(_grads(model), _grads(ref))!r}")
 
 
 class PaddedTokens(nn.Module):
@@ -263,18 +275,23 @@ def test_padding_mask_indexed_by_the_row_index(shift):
     ref.zero_grad()
     w = st.weight if st.weight is not None else torch.ones(6, dtype=torch.float64)
     (F.cross_entropy(ref(x, mask), y, reduction="none") * w).sum().div(6).backward()
-    assert max_rel_err(_grads(model), _grads(ref)) < 1e-10
+    assert max_rel_err(_grads(model), _grads(ref)) < 1e-10, (
+        f"expected max_rel_err(_grads(model), _grads(ref)) < 1e-10, got {max_rel_err(_grads(model), _grads(ref))!r}")
     if shift:
-        assert st.kept == 6 and "remainder" in st.fallback
+        assert st.kept == 6, f"expected st.kept == 6, got {st.kept!r}"
+        assert "remainder" in st.fallback, f'expected "remainder" in st.fallback, got st.fallback = {st.fallback!r}'
     else:
-        assert (st.kept, st.rows, st.fallback) == (2, 2, None)
+        assert (st.kept, st.rows, st.fallback) == (2, 2, None), (
+            f"expected (st.kept, st.rows, st.fallback) == (2, 2, None), got {(st.kept, st.rows, st.fallback)!r}")
 
 
 def test_counters_record_rewrites_and_refusals():
     counters().clear()
     model, cm = _net(rule="forced", keep=0.5)
     F.cross_entropy(cm(_x(6, 1)), torch.arange(6) % 3).backward()
-    assert counters()["graphs"] == 1 and counters()["rewritten"] == 1 and counters()["variants"] == 1
+    assert counters()["graphs"] == 1, f'expected counters()["graphs"] == 1, got {counters()["graphs"]!r}'
+    assert counters()["rewritten"] == 1, f'expected counters()["rewritten"] == 1, got {counters()["rewritten"]!r}'
+    assert counters()["variants"] == 1, f'expected counters()["variants"] == 1, got {counters()["variants"]!r}'
     torch.manual_seed(0)
     bn = capskip_fx.compile(nn.Sequential(nn.Linear(6, 8), nn.BatchNorm1d(8), nn.Linear(8, 3)).double(),
                             backend="aot_eager")
@@ -283,8 +300,10 @@ def test_counters_record_rewrites_and_refusals():
     refused = {k: v for k, v in counters().items() if k.startswith("refused: ")}
     assert refused == {f"refused: {RefusalKind.CROSS_EXAMPLE.value}": 1}, f"one cross-example refusal, got {refused}"
     rec = bn.backend.records[0]
-    assert rec.refusal.kind is RefusalKind.CROSS_EXAMPLE and rec.coupled, f"a typed refusal, got {rec.refusal!r}"
-    assert rec.reason == rec.refusal.detail and rec.reason.startswith("cross-example op"), rec.reason
+    assert rec.refusal.kind is RefusalKind.CROSS_EXAMPLE, f"a typed refusal, got {rec.refusal!r}"
+    assert rec.coupled, f"a typed refusal, got {rec.refusal!r}"
+    assert rec.reason == rec.refusal.detail, rec.reason
+    assert rec.reason.startswith("cross-example op"), rec.reason
 
 
 class InModelLoss(nn.Module):
@@ -319,12 +338,16 @@ def test_in_graph_loss_selects_on_the_gradient_into_the_logits(backend):
         loss, z = cm(x, y)
         loss.backward()
     st = capskip_fx.stats(cm)
-    assert (st.kept, st.rows) == (3, 3) and cm.backend.records[0].in_graph_loss
+    assert (st.kept, st.rows) == (3, 3), f"expected (st.kept, st.rows) == (3, 3), got {(st.kept, st.rows)!r}"
+    assert cm.backend.records[0].in_graph_loss, (
+        f"expected cm.backend.records[0].in_graph_loss to be true, got {cm.backend.records[0].in_graph_loss!r}")
     ref = copy.deepcopy(model)
     ref.zero_grad()
     (F.cross_entropy(ref(x), y, reduction="none", ignore_index=-100) * st.weight).sum().div(7).backward()
-    assert max_rel_err(_grads(model), _grads(ref)) < 1e-10
-    assert capskip_fx.report(cm)[0]["backward"] == "selected rows"
+    assert max_rel_err(_grads(model), _grads(ref)) < 1e-10, (
+        f"expected max_rel_err(_grads(model), _grads(ref)) < 1e-10, got {max_rel_err(_grads(model), _grads(ref))!r}")
+    assert capskip_fx.report(cm)[0]["backward"] == "selected rows", (
+        f'expected capskip_fx.report(cm)[0]["backward"] == "selected rows", got {capskip_fx.report(cm)[0]["backward"]!r}')
 
 
 @pytest.mark.parametrize("extra", ["aux", "reads_h"])
@@ -339,7 +362,8 @@ def test_in_graph_loss_that_reaches_other_activations_is_refused(extra):
     ref = copy.deepcopy(model)
     ref.zero_grad()
     ref(x, y)[0].backward()
-    assert max_rel_err(_grads(model), _grads(ref)) < 1e-10
+    assert max_rel_err(_grads(model), _grads(ref)) < 1e-10, (
+        f"expected max_rel_err(_grads(model), _grads(ref)) < 1e-10, got {max_rel_err(_grads(model), _grads(ref))!r}")
 
 
 def test_many_models_sharing_one_forward_each_get_their_graph():
@@ -355,4 +379,7 @@ def test_many_models_sharing_one_forward_each_get_their_graph():
             cm = capskip_fx.compile(nn.Sequential(nn.Linear(6, 8), nn.GELU(), nn.Linear(8, 3)).double(),
                                     rule="forced", keep=0.5, backend="aot_eager")
             F.cross_entropy(cm(_x(6, i)), torch.arange(6) % 3).backward()
-            assert capskip_fx.report(cm)[0]["backward"] == "selected rows" and capskip_fx.stats(cm).kept == 3
+            assert capskip_fx.report(cm)[0]["backward"] == "selected rows", (
+                f'expected capskip_fx.report(cm)[0]["backward"] == "selected rows", got {capskip_fx.report(cm)[0]["backward"]!r}')
+            assert capskip_fx.stats(cm).kept == 3, (
+                f"expected capskip_fx.stats(cm).kept == 3, got {capskip_fx.stats(cm).kept!r}")

@@ -72,6 +72,9 @@ from hypothesis import strategies as st
 import capskip_fx
 from capskip_fx.rules import Forced, Rule, Selection
 
+from helpers.examples import derandomize, examples
+from helpers.models import MLP, grads
+
 TOL = {torch.float64: 1e-8, torch.float32: 1e-4}
 
 # ----------------------------------------------------------------------------------------------
@@ -104,8 +107,9 @@ def _settings(n, **kw):
 
 
 def fast(n):
-    """Default tier: derandomised (the same examples every CI run)."""
-    return _settings(n, derandomize=True)
+    """Default tier: ``n`` examples under HYPOTHESIS_PROFILE=thorough (a fresh draw), a share of them
+    under ci (the default; derandomised: the same examples every CI run).  helpers/examples.py."""
+    return _settings(examples(n), derandomize=derandomize())
 
 
 def slow(n):
@@ -495,8 +499,7 @@ def _as64(v):
 
 
 def _grads(model) -> dict:
-    return {k: (p.grad.detach().double().clone() if p.grad is not None else torch.zeros_like(p, dtype=torch.float64))
-            for k, p in model.named_parameters()}
+    return grads(model, torch.float64)
 
 
 def reason_recorded(cm) -> Optional[str]:
@@ -1018,7 +1021,8 @@ def test_harness_matches_library_on_rowwise_model():
     for n, seed in [(6, 0), (4, 1), (9, 2)]:
         e, name = _plain_step(cm, model, make_forward(SELF_SPEC, n, seed), torch.ones(n))
         assert e < 1e-10, ("dense", n, e, name)
-        assert capskip_fx.stats(cm).fallback is None
+        assert capskip_fx.stats(cm).fallback is None, (
+            f"expected capskip_fx.stats(cm).fallback is None, got {capskip_fx.stats(cm).fallback!r}")
     for keep in ([0, 2], [1], [0, 1, 2, 3, 4, 5]):
         cm.rule = Forced(keep=lambda n, keep=keep: torch.tensor(keep))
         for n, seed in [(6, 3), (7, 4)]:
@@ -1026,13 +1030,18 @@ def test_harness_matches_library_on_rowwise_model():
             w[keep] = 1
             e, name = _plain_step(cm, model, make_forward(SELF_SPEC, n, seed), w)
             assert e < 1e-10, ("forced", keep, n, e, name)
-            assert capskip_fx.stats(cm).fallback is None and capskip_fx.stats(cm).kept == len(keep)
+            assert capskip_fx.stats(cm).fallback is None, (
+                f"expected capskip_fx.stats(cm).fallback is None, got {capskip_fx.stats(cm).fallback!r}")
+            assert capskip_fx.stats(cm).kept == len(keep), (
+                f"expected capskip_fx.stats(cm).kept == len(keep), got {capskip_fx.stats(cm).kept!r} vs {len(keep)!r}")
     rule = RecordingRule([("some", True, 1), ("none", False, 2), ("all", True, 3), ("one", True, 4)])
     cm.rule = rule
     for i, n in enumerate([6, 6, 8, 5, 7]):
         run_step(cm, model, [make_forward(SELF_SPEC, n, 10 + i)], ("sum",), 1e-8, what=f"step {i}")
-    assert rule.count == 5 and reason_recorded(cm) is None
-    assert [r["backward"] for r in capskip_fx.report(cm)] == ["selected rows"]
+    assert rule.count == 5, f"expected rule.count == 5, got {rule.count!r}"
+    assert reason_recorded(cm) is None, 'expected reason_recorded(cm) is None'
+    assert [r["backward"] for r in capskip_fx.report(cm)] == ["selected rows"], (
+        f'expected [r["backward"] for r in capskip_fx.re... == ["selected rows"], got {[r["backward"] for r in capskip_fx.report(cm)]!r}')
 
 
 def test_harness_oracle_catches_wrong_weights():
@@ -1052,21 +1061,11 @@ def test_harness_oracle_catches_wrong_weights():
 # ----------------------------------------------------------------------------------------------
 # Regression tests: known bugs, deterministic
 
-class MLP(nn.Module):
-    def __init__(self, d=6, hidden=10, classes=4):
-        super().__init__()
-        self.fc = nn.Linear(d, hidden)
-        self.head = nn.Linear(hidden, classes)
-
-    def forward(self, x):
-        return self.head(F.gelu(self.fc(x)))
-
-
 @pytest.mark.parametrize("order", ["misclassified_first", "correct_first"])
 def test_regression_two_forwards_one_backward_capskip(order):
     """capskip b=1: x1 all misclassified (all kept), x2 all correct (all skipped): grads = grad CE1 + 0."""
     torch.manual_seed(0)
-    model = MLP().double()
+    model = MLP(d=6, hidden=10, classes=4).double()
     cm = capskip_fx.compile(model, rule="capskip", budget=1.0, backend="aot_eager")
     g = torch.Generator().manual_seed(1)
     x1 = torch.randn(8, 6, generator=g, dtype=torch.float64)
@@ -1224,7 +1223,7 @@ def test_regression_same_graph_twice_one_step():
     """Two forwards of the same shapes through the same graph, one backward: exact for both
     (strict: both forwards get their own rule call; a plain MLP has no reason to run dense)."""
     torch.manual_seed(0)
-    model = MLP().double()
+    model = MLP(d=6, hidden=10, classes=4).double()
     cm, rule = compile_fuzz(model, [("some", True, 1), ("some", True, 2), ("one", False, 3), ("all", True, 4)])
     for i in range(2):
         g = torch.Generator().manual_seed(50 + i)

@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 from capskip_fx.rules import CAPSkip, HeadView
 from capskip_fx.rules.capskip import capskip_weights
 from capskip_fx.rules.labels import correct_mask, infer_targets
+from helpers.examples import examples
 
 REL = 1e-9  # float64 rounding allowance at the budget boundary
 
@@ -53,7 +54,7 @@ def reference_check(delta, h, correct, b, weight):
     total = G.sum(0).norm()
     skipped = weight == 0
     # only correct rows are skipped
-    assert not (skipped & ~correct).any()
+    assert not (skipped & ~correct).any(), 'expected not (skipped & ~correct).any()'
     cand = torch.nonzero(correct).flatten().tolist()
     order = sorted(cand, key=lambda i: (norms[i].item(), i))
     # ties beyond exact duplicates would make the order ambiguous between the two formulas
@@ -61,37 +62,42 @@ def reference_check(delta, h, correct, b, weight):
         assume(norms[a] == norms[c] or abs(norms[a] - norms[c]) > 1e-9 * max(norms[c].item(), 1e-300))
     k = int(skipped.sum())
     # the skip set is the length-k prefix (up to exact norm ties)
-    assert set(torch.nonzero(skipped).flatten().tolist()) == set(order[:k]) or \
-        sorted(norms[skipped].tolist()) == sorted(norms[order[:k]].tolist())
+    assert (set(torch.nonzero(skipped).flatten().tolist()) == set(order[:k]) or \
+        sorted(norms[skipped].tolist()) == sorted(norms[order[:k]].tolist())), (
+        'expected set(torch.nonzero(skipped).flatten().tolist()) == set(order[:k]) or...')
     prefix = [G[order[:j]].sum(0).norm().item() if j else 0.0 for j in range(len(order) + 1)]
     if b == 0:
-        assert all(norms[i] == 0 for i in torch.nonzero(skipped).flatten().tolist())
+        assert all(norms[i] == 0 for i in torch.nonzero(skipped).flatten().tolist()), (
+            'expected all(norms[i] == 0 for i in torch.nonzero(skipped).flatten().tolist())')
         return k
     thr = b * total.item()
     assert prefix[k] <= thr * (1 + REL) + 1e-300, (prefix[k], thr)
     for j in range(k + 1, len(order) + 1):  # no longer prefix fits
         assume(abs(prefix[j] - thr) > REL * max(thr, 1e-300))
-        assert prefix[j] > thr
+        assert prefix[j] > thr, f"expected prefix[j] > thr, got {prefix[j]!r} vs {thr!r}"
     return k
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=examples(300), deadline=None)
 @given(batches())
 def test_capskip_matches_bruteforce(batch):
     delta, h, z, y, b = batch
     correct = correct_mask(delta, z, y)
     w, bound, n_skip = capskip_weights(delta, h, correct, b)
-    assert torch.isfinite(w).all() and set(w.unique().tolist()) <= {0.0, 1.0}
+    assert torch.isfinite(w).all(), 'expected torch.isfinite(w).all()'
+    assert set(w.unique().tolist()) <= {0.0, 1.0}, 'expected set(w.unique().tolist()) <= {0.0, 1.0}'
     k = reference_check(delta, h, correct, b, w)
-    assert int(n_skip) == k
+    assert int(n_skip) == k, f"expected int(n_skip) == k, got {int(n_skip)!r} vs {k!r}"
     G = per_example_grads(delta, h)
     tot = G.sum(0).norm()
     if k and tot > 0:
-        assert math.isclose(bound.item(), (G[w == 0].sum(0).norm() / tot).item(), rel_tol=1e-9, abs_tol=1e-12)
-        assert bound.item() <= b * (1 + REL)
+        assert math.isclose(bound.item(), (G[w == 0].sum(0).norm() / tot).item(), rel_tol=1e-9, abs_tol=1e-12), (
+            'expected math.isclose(bound.item(), (G[w == 0].sum(0).norm() / tot).item(), ...')
+        assert bound.item() <= b * (1 + REL), (
+            f"expected bound.item() <= b * (1 + REL), got {bound.item()!r} vs {b * (1 + REL)!r}")
 
 
-@settings(max_examples=100, deadline=None)
+@settings(max_examples=examples(100), deadline=None)
 @given(st.integers(1, 10), st.integers(2, 6), st.integers(0, 10**6))
 def test_budget_one_with_all_correct_skips_everything(n, c, seed):
     g = torch.Generator().manual_seed(seed)
@@ -100,7 +106,8 @@ def test_budget_one_with_all_correct_skips_everything(n, c, seed):
     delta = (z.softmax(1) - torch.nn.functional.one_hot(y, c).double()) / n
     h = torch.randn(n, 4, generator=g, dtype=torch.float64)
     w, bound, k = capskip_weights(delta, h, correct_mask(delta, z, y), 1.0)
-    assert int(k) == n and (w == 0).all()
+    assert int(k) == n, f"expected int(k) == n, got {int(k)!r} vs {n!r}"
+    assert (w == 0).all(), 'expected (w == 0).all()'
 
 
 def test_budget_zero_keeps_every_nonzero_row():
@@ -109,7 +116,8 @@ def test_budget_zero_keeps_every_nonzero_row():
     delta = (z.softmax(1) - torch.nn.functional.one_hot(y, 2).double()) / 3
     delta[1] = 0  # zero gradient row: free
     w, _, k = capskip_weights(delta, torch.randn(3, 2, dtype=torch.float64), correct_mask(delta, z, y), 0.0)
-    assert w.tolist() == [1.0, 0.0, 1.0] and int(k) == 1
+    assert w.tolist() == [1.0, 0.0, 1.0], f"expected w.tolist() == [1.0, 0.0, 1.0], got {w.tolist()!r}"
+    assert int(k) == 1, f"expected int(k) == 1, got {int(k)!r}"
 
 
 def test_nonmonotone_prefix_found():
@@ -118,10 +126,11 @@ def test_nonmonotone_prefix_found():
     delta = torch.tensor([[0.1, -0.1], [-0.1, 0.1], [0.5, -0.5]], dtype=torch.float64)
     correct = torch.tensor([True, True, False])
     w, bound, k = capskip_weights(delta, h, correct, 0.05)
-    assert w.tolist() == [0.0, 0.0, 1.0] and bound.item() == 0.0
+    assert w.tolist() == [0.0, 0.0, 1.0], f"expected w.tolist() == [0.0, 0.0, 1.0], got {w.tolist()!r}"
+    assert bound.item() == 0.0, f"expected bound.item() == 0.0, got {bound.item()!r}"
     # stopping at the first violation would have skipped nothing
     first = (per_example_grads(delta, h)[0].norm() / per_example_grads(delta, h).sum(0).norm()).item()
-    assert first > 0.05
+    assert first > 0.05, f"expected first > 0.05, got {first!r}"
 
 
 def test_large_num_classes_and_single_row():
@@ -135,18 +144,20 @@ def test_large_num_classes_and_single_row():
     w, _, _ = capskip_weights(delta, h, correct, 0.2)
     reference_check(delta, h, correct, 0.2, w)
     w1, _, k1 = capskip_weights(delta[:1], h[:1], correct[:1], 0.5)
-    assert w1.shape == (1,)
+    assert w1.shape == (1,), f"expected w1.shape == (1,), got {w1.shape!r}"
 
 
 def test_label_inference_and_rule_object():
     z = torch.tensor([[2.0, 0.0, 0.0], [0.0, 2.0, 0.0], [0.0, 0.0, 2.0]])
     y = torch.tensor([0, 2, 2])
     delta = (z.softmax(1) - torch.nn.functional.one_hot(y, 3).float()) / 3
-    assert infer_targets(delta).tolist() == [0, 2, 2]
-    assert correct_mask(delta, z, None).tolist() == [True, False, True]
-    assert infer_targets(torch.zeros(1, 3)).tolist() == [-1]
+    assert infer_targets(delta).tolist() == [0, 2, 2], 'expected infer_targets(delta).tolist() == [0, 2, 2]'
+    assert correct_mask(delta, z, None).tolist() == [True, False, True], (
+        'expected correct_mask(delta, z, None).tolist() == [True, False, True]')
+    assert infer_targets(torch.zeros(1, 3)).tolist() == [-1], (
+        'expected infer_targets(torch.zeros(1, 3)).tolist() == [-1]')
     sel = CAPSkip(budget=1.0).select(HeadView(delta=delta, h=torch.randn(3, 4), z=z))
-    assert sel.weight[1] == 1  # misclassified: never skipped
+    assert sel.weight[1] == 1, f"expected sel.weight[1] == 1, got {sel.weight[1]!r}"  # misclassified: never skipped
 
 
 def test_float32_inputs_use_float32():
@@ -154,7 +165,9 @@ def test_float32_inputs_use_float32():
     delta = z.softmax(1) / 8
     delta[torch.arange(8), z.argmax(1)] -= 1 / 8
     w, bound, _ = capskip_weights(delta, torch.randn(8, 3), correct_mask(delta, z, None), 0.3)
-    assert w.dtype == torch.float32 and bound.dtype == torch.float32
+    assert w.dtype == torch.float32, f"expected w.dtype == torch.float32, got {w.dtype!r} vs {torch.float32!r}"
+    assert bound.dtype == torch.float32, (
+        f"expected bound.dtype == torch.float32, got {bound.dtype!r} vs {torch.float32!r}")
 
 
 @pytest.mark.parametrize("b", [-0.1, 1.5, float("nan")])
@@ -174,4 +187,5 @@ def test_compiled_selection_equals_eager():
         delta = (z.softmax(1) - torch.nn.functional.one_hot(y, 5).float()) / n
         view = HeadView(delta=delta, h=torch.randn(n, 6, generator=g), z=z)
         a, b = eager.select(view), comp.select(view)
-        assert torch.equal(a.weight, b.weight) and torch.allclose(a.bound, b.bound, rtol=1e-5)
+        assert torch.equal(a.weight, b.weight), 'expected torch.equal(a.weight, b.weight)'
+        assert torch.allclose(a.bound, b.bound, rtol=1e-5), 'expected torch.allclose(a.bound, b.bound, rtol=1e-5)'

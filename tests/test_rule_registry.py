@@ -33,7 +33,8 @@ def test_every_name_builds_alone_exactly_when_it_sets_no_compile_option(name):
 
 def test_vcas_is_a_registered_name_that_turns_vcas_on():
     spec = rule_spec("vcas")
-    assert spec.factory is Dense and dict(spec.compile_options) == {"vcas": True}, spec
+    assert spec.factory is Dense, spec
+    assert dict(spec.compile_options) == {"vcas": True}, spec
     cm = capskip_fx.compile(_mlp(), rule="vcas", backend="aot_eager")
     assert cm.config.vcas == VCAS(), f"rule='vcas' left vcas at {cm.config.vcas!r}"
     assert cm.rule.name == "dense", cm.rule
@@ -64,7 +65,8 @@ def test_vcas_false_contradicts_rule_vcas():
 
 
 def test_string_backend_and_environment_take_registered_names():
-    assert options_from_env({"CAPSKIP_RULE": "vcas"}) == {"rule": "vcas"}
+    assert options_from_env({"CAPSKIP_RULE": "vcas"}) == {"rule": "vcas"}, (
+        'expected options_from_env({"CAPSKIP_RULE": "vcas"}) == {"rule": "vcas"}')
     with pytest.raises(ValueError, match="valid names: .*ub, vcas"):
         options_from_env({"CAPSKIP_RULE": "vcass"})
     with pytest.raises(ValueError, match="valid keys"):
@@ -80,10 +82,12 @@ def test_a_registered_rule_is_a_name_everywhere(monkeypatch):
         return Forced(keep=keep)
 
     register_rule("half", half)
-    assert "half" in rule_names() and "half" in registry.RULES
+    assert "half" in rule_names(), 'expected "half" in rule_names()'
+    assert "half" in registry.RULES, f'expected "half" in registry.RULES, got registry.RULES = {registry.RULES!r}'
     with pytest.raises(ValueError, match="registered already"):
         register_rule("half", half)
-    assert options_from_env({"CAPSKIP_RULE": "half", "CAPSKIP_OPTIONS": "keep=0.25"}) == {"rule": "half", "keep": 0.25}
+    assert options_from_env({"CAPSKIP_RULE": "half", "CAPSKIP_OPTIONS": "keep=0.25"}) == {"rule": "half", "keep": 0.25}, (
+        'expected options_from_env({"CAPSKIP_RULE": "half", "CAPSKIP_OPTIONS": "keep=...')
     model = _mlp()
     cm = capskip_fx.compile(model, rule="half", keep=0.25, backend="aot_eager")
     F.cross_entropy(cm(torch.randn(8, 6)), torch.randint(0, 3, (8,))).backward()
@@ -96,4 +100,4 @@ def test_register_rule_refuses_bad_input():
         register_rule("capskip", Dense)
     with pytest.raises(TypeError, match="callable"):
         register_rule("not_a_factory", 3)
-    assert "not_a_factory" not in rule_names()
+    assert "not_a_factory" not in rule_names(), 'expected "not_a_factory" not in rule_names()'

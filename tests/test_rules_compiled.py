@@ -35,7 +35,8 @@ def test_rule_gradients_match_weighted_dense(name):
             y = model(x).argmax(1)
         y[::3] = (y[::3] + 1) % 5
         grads, w = _step(cm, x, y, torch.arange(N) + N * step)
-        assert torch.isfinite(w).all() and (w >= 0).all()
+        assert torch.isfinite(w).all(), 'expected torch.isfinite(w).all()'
+        assert (w >= 0).all(), 'expected (w >= 0).all()'
         assert max_rel_err(grads, reference_grads(model, x, y, w)) < 1e-10, name
 
 
@@ -69,10 +70,11 @@ def test_checkpoint_keys_are_the_models_and_nest():
     model = nn.Sequential(nn.Linear(12, 16), nn.GELU(), nn.Linear(16, 5))
     cm = capskip_fx.compile(model, rule="sb", backend="aot_eager")
     sd = cm.state_dict()
-    assert set(sd) == set(model.state_dict()) | {"_capskip"}
+    assert set(sd) == set(model.state_dict()) | {"_capskip"}, (
+        f'expected set(sd) == set(model.state_dict()) | {{"_capskip"}}, got {set(sd)!r}')
     parent = nn.ModuleDict({"net": cm})
     psd = parent.state_dict()
-    assert set(psd) == {f"net.{k}" for k in sd}
+    assert set(psd) == {f"net.{k}" for k in sd}, f'expected set(psd) == {{f"net.{{k}}" for k in sd}}, got {set(psd)!r}'
     cm.set_epoch(1)  # past SB's primed epoch 0 (its loss history is not touched while priming)
     F.cross_entropy(cm(torch.randn(N, 12)), torch.randint(0, 5, (N,))).backward()  # the rule gains state
     psd = parent.state_dict()
@@ -81,8 +83,10 @@ def test_checkpoint_keys_are_the_models_and_nest():
         nn.Sequential(nn.Linear(12, 16), nn.GELU(), nn.Linear(16, 5)), rule="sb", backend="aot_eager")})
     fresh.load_state_dict(psd)
     for k, v in model.state_dict().items():
-        assert torch.equal(fresh["net"].model.state_dict()[k], v)
+        assert torch.equal(fresh["net"].model.state_dict()[k], v), (
+            'expected torch.equal(fresh["net"].model.state_dict()[k], v)')
     a, b = fresh["net"].state_dict()["_capskip"], cm.state_dict()["_capskip"]
-    assert a["step"] == b["step"] == 1
+    assert a["step"] == b["step"] == 1, 'expected a["step"] == b["step"] == 1'
     torch.testing.assert_close(a["rule"]["history"], b["rule"]["history"], rtol=0, atol=0, equal_nan=True)
-    assert a["rule"]["hist_pos"] == b["rule"]["hist_pos"] == N
+    assert a["rule"]["hist_pos"] == b["rule"]["hist_pos"] == N, (
+        'expected a["rule"]["hist_pos"] == b["rule"]["hist_pos"] == N')

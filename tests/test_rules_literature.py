@@ -17,6 +17,7 @@ from capskip_fx.rules import (KABENA, RULES, HeadView, RandomSkip, SelectiveBack
                               UpperBoundIS, make_rule)
 from capskip_fx.rules.capskip import CAPSkip
 from capskip_fx.rules.labels import per_example_ce
+from helpers.examples import draws as mc_draws, examples
 
 torch.set_num_threads(1)
 Z = 5.0  # width of every confidence interval, in standard errors
@@ -69,11 +70,13 @@ def assert_unbiased(weights: torch.Tensor, grads: torch.Tensor) -> None:
 def test_registry_names_and_repr():
     for name, cls in [("random", RandomSkip), ("sb", SelectiveBackprop), ("stale_sb", StaleSB),
                       ("kabena", KABENA), ("ub", UpperBoundIS)]:
-        assert RULES[name] is cls
+        assert RULES[name] is cls, f"expected RULES[name] is cls, got {RULES[name]!r}"
         r = make_rule(name)
-        assert isinstance(r, cls) and r.name == name
-        assert repr(r).startswith(cls.__name__ + "(")
-    assert isinstance(make_rule("random", match="capskip").match, CAPSkip)
+        assert isinstance(r, cls), 'expected isinstance(r, cls)'
+        assert r.name == name, f"expected r.name == name, got {r.name!r} vs {name!r}"
+        assert repr(r).startswith(cls.__name__ + "("), 'expected repr(r).startswith(cls.__name__ + "(")'
+    assert isinstance(make_rule("random", match="capskip").match, CAPSkip), (
+        'expected isinstance(make_rule("random", match="capskip").match, CAPSkip)')
 
 
 @pytest.mark.parametrize("bad", [
@@ -95,32 +98,36 @@ def test_kabena_unbiased_and_variance_matches_bound():
     rule = KABENA(tau=0.5, pi_min=0.2, seed=1)
     sel = rule.select(view)
     pi, k = sel.info["prob"].double(), int(sel.info["K"])
-    assert k > 0 and (pi < 1).sum() > 0, "the test needs rows that are actually sampled"
-    draws = 3000
+    assert k > 0, "the test needs rows that are actually sampled"
+    assert (pi < 1).sum() > 0, "the test needs rows that are actually sampled"
+    draws = mc_draws(3000)
     w = mc_weights(rule, view, draws)
     grads = per_example_grads(view)
     assert_unbiased(w, grads)
     # E ||G_hat - G||^2 is the added variance V(K) = var_ratio * ||G||^2 (independent Bernoullis)
     sq = ((w @ grads - grads.sum(0)) ** 2).sum(1)
     v = float(sel.info["var_ratio"]) * float(grads.sum(0).square().sum())
-    assert abs(sq.mean() - v) <= Z * sq.std() / math.sqrt(draws)
-    assert float(sel.info["var_ratio"]) <= 0.5
+    assert abs(sq.mean() - v) <= Z * sq.std() / math.sqrt(draws), (
+        f"expected abs(sq.mean() - v) <= Z * sq.std() / math.sqrt(draws), got {abs(sq.mean() - v)!r}")
+    assert float(sel.info["var_ratio"]) <= 0.5, (
+        f'expected float(sel.info["var_ratio"]) <= 0.5, got {float(sel.info["var_ratio"])!r}')
 
 
 def test_ub_unbiased_with_multiplicities():
     view = make_view(5, n=16)
     rule = UpperBoundIS(b=5, tau_th=0.0, seed=2)  # tau_th <= 0: sampling from the first step
-    draws = 3000
+    draws = mc_draws(3000)
     sels = [rule.select(view) for _ in range(draws)]
-    assert all(bool(s.info["on"]) for s in sels)
+    assert all(bool(s.info["on"]) for s in sels), 'expected all(bool(s.info["on"]) for s in sels)'
     w = torch.stack([s.weight.double() for s in sels])
     assert_unbiased(w, per_example_grads(view))
     # weight = multiplicity / (b p_i); counts sum to b; some row was drawn twice somewhere
     counts = torch.stack([s.info["counts"].double() for s in sels])
     p = sels[0].info["prob"].double()
-    assert torch.equal(counts.sum(1), torch.full((draws,), 5.0, dtype=torch.float64))
+    assert torch.equal(counts.sum(1), torch.full((draws,), 5.0, dtype=torch.float64)), (
+        'expected torch.equal(counts.sum(1), torch.full((draws,), 5.0, dtype=torch.fl...')
     torch.testing.assert_close(w, counts / (5 * p), rtol=1e-12, atol=0)
-    assert (counts > 1).any()
+    assert (counts > 1).any(), 'expected (counts > 1).any()'
     # score is ||softmax(z) - y||, normalised
     s = (view.z.softmax(1) - torch.nn.functional.one_hot(view.targets, 5)).norm(dim=1)
     torch.testing.assert_close(p, s / s.sum())
@@ -138,16 +145,18 @@ def test_ub_switch_on_follows_ema_of_tau():
     rule = UpperBoundIS(b=b, off="dense")  # default threshold 2; off: all rows, weight 1 (not the reference's)
     p = delta.norm(dim=1) / delta.norm(dim=1).sum()
     tau = float((n * (p ** 2).sum()).sqrt())
-    assert tau > 2.5
+    assert tau > 2.5, f"expected tau > 2.5, got {tau!r}"
     ema = 0.0
     for t in range(30):
         sel = rule.select(view)
         assert bool(sel.info["on"]) == (ema > 2.0), t  # decided on the EMA before this step
         if not bool(sel.info["on"]):
-            assert torch.equal(sel.weight, torch.ones(n, dtype=torch.float64))
+            assert torch.equal(sel.weight, torch.ones(n, dtype=torch.float64)), (
+                'expected torch.equal(sel.weight, torch.ones(n, dtype=torch.float64))')
         ema = 0.9 * ema + 0.1 * tau
-        assert abs(float(sel.info["tau_ema"]) - ema) < 1e-12
-    assert bool(sel.info["on"])
+        assert abs(float(sel.info["tau_ema"]) - ema) < 1e-12, (
+            f'expected abs(float(sel.info["tau_ema"]) - ema) < 1e-12, got {abs(float(sel.info["tau_ema"]) - ema)!r}')
+    assert bool(sel.info["on"]), 'expected bool(sel.info["on"])'
     # equal scores: tau = 1, never switches on
     flat = UpperBoundIS(b=b, off="dense")
     y2 = torch.ones(n, dtype=torch.long)
@@ -156,10 +165,12 @@ def test_ub_switch_on_follows_ema_of_tau():
     v2 = HeadView(delta=d2, h=torch.randn(n, 2, dtype=torch.float64), z=z2, targets=y2)
     for _ in range(20):
         s2 = flat.select(v2)
-        assert not bool(s2.info["on"]) and torch.equal(s2.weight, torch.ones(n, dtype=torch.float64))
+        assert not bool(s2.info["on"]), 'expected not bool(s2.info["on"])'
+        assert torch.equal(s2.weight, torch.ones(n, dtype=torch.float64)), (
+            'expected torch.equal(s2.weight, torch.ones(n, dtype=torch.float64))')
 
 
-@settings(max_examples=25, deadline=None)
+@settings(max_examples=examples(25), deadline=None)
 @given(seed=st.integers(0, 10_000), n=st.integers(2, 24), tau=st.floats(0.0, 2.0),
        pi_min=st.floats(0.05, 1.0))
 def test_kabena_constraint_and_maximal_K(seed, n, tau, pi_min):
@@ -173,23 +184,27 @@ def test_kabena_constraint_and_maximal_K(seed, n, tau, pi_min):
     pi = sel.info["prob"].double()
     k = int(sel.info["K"])
     added = ((1 - pi) / pi * gn2).sum()
-    assert added <= tau * total * (1 + 1e-9) + 1e-30
+    assert added <= tau * total * (1 + 1e-9) + 1e-30, (
+        f"expected added <= tau * total * (1 + 1e-9) + 1e-30, got {added!r} vs {tau * total * (1 + 1e-9) + 1e-30!r}")
     order = torch.argsort(loss, stable=True)
     if k < n:
         ref = loss[order[min(k + 1, n - 1)]]
         cand = order[: k + 1]
         pi2 = torch.ones(n, dtype=torch.float64)
         pi2[cand] = (loss[cand] / ref).clamp(pi_min, 1.0)
-        assert ((1 - pi2) / pi2 * gn2).sum() > tau * total * (1 - 1e-9)
+        assert ((1 - pi2) / pi2 * gn2).sum() > tau * total * (1 - 1e-9), (
+            f"expected ((1 - pi2) / pi2 * gn2).sum() > tau * total * (1 - 1e-9), got {((1 - pi2) / pi2 * gn2).sum()!r} vs {tau * total * (1 - 1e-9)!r}")
     # the excluded candidates are the K lowest losses
-    assert (pi[order[k:]] == 1).all()
+    assert (pi[order[k:]] == 1).all(), 'expected (pi[order[k:]] == 1).all()'
 
 
 def test_kabena_limits():
     view = make_view(11)
     dense = torch.ones(view.n, dtype=torch.float64)
-    assert torch.equal(KABENA(pi_min=1.0, tau=10.0).select(view).weight, dense)
-    assert torch.equal(KABENA(tau=0.0).select(view).weight, dense)  # generic rows: no free variance
+    assert torch.equal(KABENA(pi_min=1.0, tau=10.0).select(view).weight, dense), (
+        'expected torch.equal(KABENA(pi_min=1.0, tau=10.0).select(view).weight, dense)')
+    assert torch.equal(KABENA(tau=0.0).select(view).weight, dense), (
+        'expected torch.equal(KABENA(tau=0.0).select(view).weight, dense)')  # generic rows: no free variance
 
 
 # ---------------------------------------------------------------------------------------------
@@ -207,9 +222,11 @@ def test_sb_keep_fraction(beta):
         if t >= warm:  # history full: a row's count-below is uniform on {0..R-1}
             kept += int((w > 0).sum())
     expect = sum((j / R) ** beta for j in range(R)) / R
-    assert abs(expect - 1 / (beta + 1)) < 1 / R
+    assert abs(expect - 1 / (beta + 1)) < 1 / R, (
+        f"expected abs(expect - 1 / (beta + 1)) < 1 / R, got {abs(expect - 1 / (beta + 1))!r} vs {1 / R!r}")
     total = n * steps
-    assert abs(kept / total - expect) <= Z * math.sqrt(expect * (1 - expect) / total)
+    assert abs(kept / total - expect) <= Z * math.sqrt(expect * (1 - expect) / total), (
+        f"expected abs(kept / total - expect) <= Z * math.sqrt(expect * (1 - expect) /..., got {abs(kept / total - expect)!r}")
 
 
 def test_sb_percentile_counts_strictly_below_and_includes_batch():
@@ -225,7 +242,7 @@ def test_sb_percentile_counts_strictly_below_and_includes_batch():
     torch.testing.assert_close(sel.info["prob"], torch.tensor([0, 2, 1, 2], dtype=torch.float64) / 4)
 
 
-@settings(max_examples=20, deadline=None)
+@settings(max_examples=examples(20), deadline=None)
 @given(seed=st.integers(0, 10_000), n=st.integers(1, 40), keep=st.floats(0.01, 1.0))
 def test_sb_fixed_count_top_losses(seed, n, keep):
     view = make_view(seed, n=n)
@@ -233,12 +250,14 @@ def test_sb_fixed_count_top_losses(seed, n, keep):
     old = dict(start=0.0, end=1.0, interrupt=0, normalize="batch", min_keep=1)
     w = SelectiveBackprop(keep=keep, sample=False, **old).select(view).weight
     k = max(1, math.floor(keep * n))
-    assert int(w.sum()) == k
+    assert int(w.sum()) == k, f"expected int(w.sum()) == k, got {int(w.sum())!r} vs {k!r}"
     loss = per_example_ce(view.z, view.targets)
     if k < n:
-        assert loss[w > 0].min() >= loss[w == 0].max()
+        assert loss[w > 0].min() >= loss[w == 0].max(), (
+            f"expected loss[w > 0].min() >= loss[w == 0].max(), got {loss[w > 0].min()!r} vs {loss[w == 0].max()!r}")
     ws = SelectiveBackprop(keep=keep, sample=True, seed=seed, **old).select(view).weight
-    assert int(ws.sum()) == k and set(ws.unique().tolist()) <= {0.0, 1.0}
+    assert int(ws.sum()) == k, f"expected int(ws.sum()) == k, got {int(ws.sum())!r} vs {k!r}"
+    assert set(ws.unique().tolist()) <= {0.0, 1.0}, 'expected set(ws.unique().tolist()) <= {0.0, 1.0}'
 
 
 def test_sb_composer_sampling_prefers_high_loss():
@@ -246,28 +265,31 @@ def test_sb_composer_sampling_prefers_high_loss():
     rule = SelectiveBackprop(keep=0.3, sample=True, seed=0, start=0.0, end=1.0, interrupt=0)
     freq = torch.stack([rule.select(view).weight for _ in range(400)]).mean(0)
     order = torch.argsort(per_example_ce(view.z, view.targets))
-    assert freq[order[-1]] > freq[order[0]]
+    assert freq[order[-1]] > freq[order[0]], (
+        f"expected freq[order[-1]] > freq[order[0]], got {freq[order[-1]]!r} vs {freq[order[0]]!r}")
 
 
 # ---------------------------------------------------------------------------------------------
 # random baseline
 
 
-@settings(max_examples=30, deadline=None)
+@settings(max_examples=examples(30), deadline=None)
 @given(seed=st.integers(0, 10_000), n=st.integers(1, 50), keep=st.floats(0.001, 1.0))
 def test_random_exact_count(seed, n, keep):
     sel = RandomSkip(keep=keep, seed=seed).select(make_view(seed, n=n))
-    assert int((sel.weight > 0).sum()) == max(1, round(keep * n))
-    assert set(sel.weight.unique().tolist()) <= {0.0, 1.0}
+    assert int((sel.weight > 0).sum()) == max(1, round(keep * n)), (
+        f"expected int((sel.weight > 0).sum()) == max(1, round(keep * n)), got {int((sel.weight > 0).sum())!r} vs {max(1, round(keep * n))!r}")
+    assert set(sel.weight.unique().tolist()) <= {0.0, 1.0}, 'expected set(sel.weight.unique().tolist()) <= {0.0, 1.0}'
 
 
 def test_random_uniform_marginals():
-    n, k, draws = 6, 2, 3000
+    n, k, draws = 6, 2, mc_draws(3000)
     rule = RandomSkip(keep=k / n, seed=3)
     view = make_view(0, n=n)
     freq = torch.stack([rule.select(view).weight for _ in range(draws)]).mean(0)
     p = k / n
-    assert ((freq - p).abs() <= Z * math.sqrt(p * (1 - p) / draws)).all()
+    assert ((freq - p).abs() <= Z * math.sqrt(p * (1 - p) / draws)).all(), (
+        'expected ((freq - p).abs() <= Z * math.sqrt(p * (1 - p) / draws)).all()')
 
 
 @pytest.mark.parametrize("matched", [lambda: CAPSkip(budget=0.3), lambda: SelectiveBackprop(beta=2.0),
@@ -278,11 +300,13 @@ def test_random_match_count(matched):
         view = make_view(50 + t, n=20, scale=4.0)
         sel = rule.select(view)
         other = sel.info["matched"]
-        assert int((sel.weight > 0).sum()) == int((other.weight > 0).sum())
+        assert int((sel.weight > 0).sum()) == int((other.weight > 0).sum()), (
+            f"expected int((sel.weight > 0).sum()) == int((other.weight > 0).sum()), got {int((sel.weight > 0).sum())!r} vs {int((other.weight > 0).sum())!r}")
     hts = RandomSkip(match=matched(), unbiased=True, seed=4).select(make_view(50, n=20, scale=4.0))
     k = int((hts.weight > 0).sum())
     if k:
-        assert torch.allclose(hts.weight[hts.weight > 0], torch.full((k,), 20 / k, dtype=torch.float64))
+        assert torch.allclose(hts.weight[hts.weight > 0], torch.full((k,), 20 / k, dtype=torch.float64)), (
+            'expected torch.allclose(hts.weight[hts.weight > 0], torch.full((k,), 20 / k,...')
 
 
 # ---------------------------------------------------------------------------------------------
@@ -304,14 +328,15 @@ def test_deterministic_given_generator(factory):
         ga, gb = torch.Generator().manual_seed(t), torch.Generator().manual_seed(t)
         wa = a.select(make_view(t, n=12, generator=ga)).weight
         wb = b.select(make_view(t, n=12, generator=gb)).weight
-        assert torch.equal(wa, wb)
+        assert torch.equal(wa, wb), 'expected torch.equal(wa, wb)'
     # the rule's own seeded generator, when the runtime passes none
     a, b = factory(), factory()
     for t in range(4):
-        assert torch.equal(a.select(make_view(t, n=12)).weight, b.select(make_view(t, n=12)).weight)
+        assert torch.equal(a.select(make_view(t, n=12)).weight, b.select(make_view(t, n=12)).weight), (
+            'expected torch.equal(a.select(make_view(t, n=12)).weight, b.select(make_view...')
 
 
-@settings(max_examples=20, deadline=None)
+@settings(max_examples=examples(20), deadline=None)
 @given(seed=st.integers(0, 10_000), n=st.integers(2, 24))
 def test_permutation_equivariance(seed, n):
     view = make_view(seed, n=n)
@@ -319,29 +344,34 @@ def test_permutation_equivariance(seed, n):
     pv = permuted(view, perm)
     # deterministic: the decision itself (losses are distinct with continuous logits)
     top = dict(keep=0.5, sample=False, start=0.0, end=1.0, interrupt=0)
-    assert torch.equal(SelectiveBackprop(**top).select(pv).weight,
-                       SelectiveBackprop(**top).select(view).weight[perm])
+    assert (torch.equal(SelectiveBackprop(**top).select(pv).weight,
+                       SelectiveBackprop(**top).select(view).weight[perm])), (
+        'expected torch.equal(SelectiveBackprop(**top).select(pv).weight, SelectiveBa...')
     # randomised: the inclusion probabilities / kept count
     for factory in [lambda: SelectiveBackprop(beta=2.0, prime_epochs=0), lambda: KABENA(tau=0.5), lambda: UpperBoundIS()]:
         a, b = factory().select(view), factory().select(pv)
         torch.testing.assert_close(b.info["prob"], a.info["prob"][perm], rtol=1e-10, atol=1e-15)
     a, b = KABENA(tau=0.5).select(view), KABENA(tau=0.5).select(pv)
-    assert int(a.info["K"]) == int(b.info["K"])
+    assert int(a.info["K"]) == int(b.info["K"]), (
+        f'expected int(a.info["K"]) == int(b.info["K"]), got {int(a.info["K"])!r} vs {int(b.info["K"])!r}')
     ra, rb = RandomSkip(match=CAPSkip(budget=0.3)), RandomSkip(match=CAPSkip(budget=0.3))
-    assert int(ra.select(view).weight.sum()) == int(rb.select(pv).weight.sum())
+    assert int(ra.select(view).weight.sum()) == int(rb.select(pv).weight.sum()), (
+        'expected int(ra.select(view).weight.sum()) == int(rb.select(pv).weight.sum())')
 
 
-@settings(max_examples=25, deadline=None)
+@settings(max_examples=examples(25), deadline=None)
 @given(seed=st.integers(0, 10_000), n=st.integers(1, 32), scale=st.sampled_from([0.0, 1.0, 8.0, 40.0]),
        dtype=st.sampled_from([torch.float32, torch.float64]), explicit=st.booleans())
 def test_weights_finite_nonnegative(seed, n, scale, dtype, explicit):
     view = make_view(seed, n=n, scale=scale, dtype=dtype, explicit_targets=explicit)
     for factory in _random_rules():
         w = factory().select(view).weight
-        assert w.shape == (n,) and w.dtype == dtype
-        assert torch.isfinite(w).all() and (w >= 0).all()
+        assert w.shape == (n,), f"expected w.shape == (n,), got {w.shape!r} vs {(n,)!r}"
+        assert w.dtype == dtype, f"expected w.dtype == dtype, got {w.dtype!r} vs {dtype!r}"
+        assert torch.isfinite(w).all(), 'expected torch.isfinite(w).all()'
+        assert (w >= 0).all(), 'expected (w >= 0).all()'
         kept = w[w != 0]
-        assert (kept > 0).all()
+        assert (kept > 0).all(), 'expected (kept > 0).all()'
 
 
 def _roundtrip(state):
@@ -362,14 +392,16 @@ def test_state_dict_roundtrip_mid_run(factory):
     fresh.load_state_dict(state)
     again = [fresh.select(make_view(100 + t, n=10, epoch=3)).weight for t in range(5)]
     for x, y in zip(after, again):
-        assert torch.equal(x, y)
+        assert torch.equal(x, y), 'expected torch.equal(x, y)'
 
 
 def test_sb_history_is_a_ring():
     rule = SelectiveBackprop(history=10, prime_epochs=0)
     for t in range(3):
         rule.select(make_view(t, n=4))
-    assert rule.hist_pos == 2 and int((~torch.isnan(rule.history)).sum()) == 10
+    assert rule.hist_pos == 2, f"expected rule.hist_pos == 2, got {rule.hist_pos!r}"
+    assert int((~torch.isnan(rule.history)).sum()) == 10, (
+        f"expected int((~torch.isnan(rule.history)).sum()) == 10, got {int((~torch.isnan(rule.history)).sum())!r}")
     big = SelectiveBackprop(history=3, prime_epochs=0)
     v = make_view(9, n=7)
     big.select(v)

@@ -15,6 +15,7 @@ from capskip_fx.rules.stale_sb_filter import StaleBatchFilter, StaleBatchSampler
 from capskip_fx.rules import HeadView, StaleSB
 from capskip_fx.rules.labels import per_example_ce
 from capskip_fx.rules.stale_sb import NEVER
+from helpers.examples import examples
 
 torch.set_num_threads(1)
 M, C, D = 40, 5, 3
@@ -54,10 +55,11 @@ def test_cache_by_index_not_by_position():
     idx = torch.tensor([7, 3, 31, 12])
     rule.select(toy.view(idx, epoch=0))
     torch.testing.assert_close(rule.cache_loss[idx], toy.loss[idx])
-    assert (rule.cache_epoch[idx] == 0).all()
+    assert (rule.cache_epoch[idx] == 0).all(), 'expected (rule.cache_epoch[idx] == 0).all()'
     others = torch.ones(M, dtype=torch.bool)
     others[idx] = False
-    assert torch.isnan(rule.cache_loss[others]).all() and (rule.cache_epoch[others] == NEVER).all()
+    assert torch.isnan(rule.cache_loss[others]).all(), 'expected torch.isnan(rule.cache_loss[others]).all()'
+    assert (rule.cache_epoch[others] == NEVER).all(), 'expected (rule.cache_epoch[others] == NEVER).all()'
 
 
 def test_cache_grows_on_demand():
@@ -65,7 +67,7 @@ def test_cache_grows_on_demand():
     rule = StaleSB()
     rule.select(toy.view(torch.tensor([0, 2])))
     rule.select(toy.view(torch.tensor([90, 5])))
-    assert rule.cache_loss.shape[0] >= 91
+    assert rule.cache_loss.shape[0] >= 91, f"expected rule.cache_loss.shape[0] >= 91, got {rule.cache_loss.shape[0]!r}"
     torch.testing.assert_close(rule.cache_loss[torch.tensor([0, 2, 90, 5])], toy.loss[torch.tensor([0, 2, 90, 5])])
 
 
@@ -78,7 +80,7 @@ def test_filtered_batches_record_the_right_losses():
         run_epoch(rule, filt, toy, epoch)
         seen = rule.cache_epoch != NEVER
         torch.testing.assert_close(rule.cache_loss[seen], toy.loss[seen])
-    assert filt.n_saved > 0
+    assert filt.n_saved > 0, f"expected filt.n_saved > 0, got {filt.n_saved!r}"
 
 
 @pytest.mark.parametrize("staleness", [0, 1, 2, 3])
@@ -91,7 +93,7 @@ def test_staleness_expiry(staleness):
         before = rule.cache_epoch.clone() if rule.cache_epoch is not None else None
         for idx, fwd, sub, w in run_epoch(rule, filt, toy, epoch):
             if before is None:
-                assert fwd.all()  # nothing cached yet
+                assert fwd.all(), 'expected fwd.all()'  # nothing cached yet
                 continue
             age = epoch - before[idx]
             fresh = (age >= 0) & (age < staleness)
@@ -99,12 +101,14 @@ def test_staleness_expiry(staleness):
             # the clock counts epochs since the last SELECTION forward (the reference's): rows forwarded
             # because they were stale restart it; fresh rows (dropped, or pre-selected and forwarded only
             # to be trained on) keep their old stamp
-            assert (rule.cache_epoch[idx[~fresh]] == epoch).all()
-            assert torch.equal(rule.cache_epoch[idx[fresh]], before[idx[fresh]])
+            assert (rule.cache_epoch[idx[~fresh]] == epoch).all(), (
+                'expected (rule.cache_epoch[idx[~fresh]] == epoch).all()')
+            assert torch.equal(rule.cache_epoch[idx[fresh]], before[idx[fresh]]), (
+                'expected torch.equal(rule.cache_epoch[idx[fresh]], before[idx[fresh]])')
         if staleness <= 1:
-            assert filt.n_saved == 0
+            assert filt.n_saved == 0, f"expected filt.n_saved == 0, got {filt.n_saved!r}"
     if staleness >= 2:
-        assert filt.n_saved > 0
+        assert filt.n_saved > 0, f"expected filt.n_saved > 0, got {filt.n_saved!r}"
 
 
 def test_fresh_rows_are_stale_after_staleness_epochs():
@@ -112,10 +116,13 @@ def test_fresh_rows_are_stale_after_staleness_epochs():
     rule = StaleSB(staleness=2, num_examples=M)
     idx = torch.arange(M)
     rule.select(toy.view(idx, epoch=0))
-    assert rule.fresh(idx, 0).all() and rule.fresh(idx, 1).all() and not rule.fresh(idx, 2).any()
+    assert rule.fresh(idx, 0).all(), 'expected rule.fresh(idx, 0).all()'
+    assert rule.fresh(idx, 1).all(), 'expected rule.fresh(idx, 1).all()'
+    assert not rule.fresh(idx, 2).any(), 'expected not rule.fresh(idx, 2).any()'
     # all stale at epoch 2: the filter forwards everything and saves nothing
     filt = StaleBatchFilter(rule)
-    assert filt(idx, 2).all() and filt.n_saved == 0
+    assert filt(idx, 2).all(), 'expected filt(idx, 2).all()'
+    assert filt.n_saved == 0, f"expected filt.n_saved == 0, got {filt.n_saved!r}"
 
 
 def test_filter_counts_and_preselected_rows_are_kept():
@@ -123,17 +130,21 @@ def test_filter_counts_and_preselected_rows_are_kept():
     rule = StaleSB(beta=2.0, staleness=2, num_examples=M)
     filt = StaleBatchFilter(rule, seed=3)
     run_epoch(rule, filt, toy, 0)
-    assert (filt.n_seen, filt.n_forwarded, filt.n_saved) == (M, M, 0)
+    assert (filt.n_seen, filt.n_forwarded, filt.n_saved) == (M, M, 0), (
+        f"expected (filt.n_seen, filt.n_forwarded, filt.... == (M, M, 0), got {(filt.n_seen, filt.n_forwarded, filt.n_saved)!r} vs {(M, M, 0)!r}")
     res = run_epoch(rule, filt, toy, 1)
     fwd_total = sum(int(f.sum()) for _, f, _, _ in res)
-    assert filt.n_seen == 2 * M and filt.n_forwarded == M + fwd_total
-    assert filt.n_saved == M - fwd_total > 0
+    assert filt.n_seen == 2 * M, f"expected filt.n_seen == 2 * M, got {filt.n_seen!r} vs {2 * M!r}"
+    assert filt.n_forwarded == M + fwd_total, (
+        f"expected filt.n_forwarded == M + fwd_total, got {filt.n_forwarded!r} vs {M + fwd_total!r}")
+    assert filt.n_saved == M - fwd_total > 0, 'expected filt.n_saved == M - fwd_total > 0'
     # every row fresh at epoch 1: each forwarded row was pre-selected, so it is kept with weight 1
     for _, _, sub, w in res:
-        assert torch.equal(w, torch.ones(len(sub), dtype=torch.float64))
-    assert not rule.presel.any()
+        assert torch.equal(w, torch.ones(len(sub), dtype=torch.float64)), (
+            'expected torch.equal(w, torch.ones(len(sub), dtype=torch.float64))')
+    assert not rule.presel.any(), 'expected not rule.presel.any()'
     sd = filt.state_dict()
-    assert sd["n_seen"] == 2 * M
+    assert sd["n_seen"] == 2 * M, f'expected sd["n_seen"] == 2 * M, got {sd["n_seen"]!r} vs {2 * M!r}'
 
 
 def test_p_min_one_saves_nothing():
@@ -142,7 +153,8 @@ def test_p_min_one_saves_nothing():
     filt = StaleBatchFilter(rule)
     for epoch in range(3):
         run_epoch(rule, filt, toy, epoch)
-    assert filt.n_saved == 0 and filt.n_forwarded == 3 * M
+    assert filt.n_saved == 0, f"expected filt.n_saved == 0, got {filt.n_saved!r}"
+    assert filt.n_forwarded == 3 * M, f"expected filt.n_forwarded == 3 * M, got {filt.n_forwarded!r} vs {3 * M!r}"
 
 
 def test_history_gets_each_example_once_per_pass():
@@ -151,11 +163,12 @@ def test_history_gets_each_example_once_per_pass():
     filt = StaleBatchFilter(rule, seed=4)
     for epoch in range(3):
         run_epoch(rule, filt, toy, epoch)
-        assert int((~torch.isnan(rule.history)).sum()) == (epoch + 1) * M
-    assert filt.n_saved > 0
+        assert int((~torch.isnan(rule.history)).sum()) == (epoch + 1) * M, (
+            f"expected int((~torch.isnan(rule.history)).sum()) == (epoch + 1) * M, got {int((~torch.isnan(rule.history)).sum())!r} vs {(epoch + 1) * M!r}")
+    assert filt.n_saved > 0, f"expected filt.n_saved > 0, got {filt.n_saved!r}"
 
 
-@settings(max_examples=10, deadline=None)
+@settings(max_examples=examples(10), deadline=None)
 @given(seed=st.integers(0, 1000), beta=st.floats(0.5, 4.0))
 def test_drop_probability_matches_sb(seed, beta):
     """A fresh row is forwarded with SB's probability of its cached loss (checked via the rule's own
@@ -171,8 +184,8 @@ def test_drop_probability_matches_sb(seed, beta):
     p = ((allh[None, :] < cached[:, None]).sum(1).double() / len(allh)) ** beta
     u = torch.rand(M, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
     fwd, fresh = rule.plan_forward(idx, 1, u)
-    assert fresh.all()
-    assert torch.equal(fwd, u < p)
+    assert fresh.all(), 'expected fresh.all()'
+    assert torch.equal(fwd, u < p), 'expected torch.equal(fwd, u < p)'
 
 
 def test_without_index_acts_as_sb():
@@ -183,7 +196,8 @@ def test_without_index_acts_as_sb():
     idx = torch.arange(16)
     with pytest.warns(UserWarning, match="plain sb"):
         a = rule.select(toy.view(idx, with_index=False))
-    assert torch.equal(a.weight, ref.select(toy.view(idx, with_index=False)).weight)
+    assert torch.equal(a.weight, ref.select(toy.view(idx, with_index=False)).weight), (
+        'expected torch.equal(a.weight, ref.select(toy.view(idx, with_index=False)).w...')
 
 
 def _roundtrip(state):
@@ -208,8 +222,9 @@ def test_state_roundtrip_rule_and_filter():
     again = [run_epoch(rule2, filt2, toy, e) for e in (2, 3)]
     for ea, eb in zip(later, again):
         for (_, fa, _, wa), (_, fb, _, wb) in zip(ea, eb):
-            assert torch.equal(fa, fb) and torch.equal(wa, wb)
-    assert filt.n_saved == filt2.n_saved > 0
+            assert torch.equal(fa, fb), 'expected torch.equal(fa, fb)'
+            assert torch.equal(wa, wb), 'expected torch.equal(wa, wb)'
+    assert filt.n_saved == filt2.n_saved > 0, 'expected filt.n_saved == filt2.n_saved > 0'
 
 
 @pytest.mark.parametrize("drop_last", [False, True])
@@ -219,17 +234,20 @@ def test_batch_sampler_fixed_size_batches(drop_last):
     filt = StaleBatchFilter(rule, seed=8)
     sampler = StaleBatchSampler(range(M), filt, batch_size=8, drop_last=drop_last)
     for epoch in range(3):
-        assert sampler.epoch == epoch
+        assert sampler.epoch == epoch, f"expected sampler.epoch == epoch, got {sampler.epoch!r} vs {epoch!r}"
         before = filt.n_forwarded
         batches = list(sampler)
         for b in batches:
             rule.select(toy.view(torch.tensor(b), epoch))
         flat = [i for b in batches for i in b]
-        assert len(flat) == len(set(flat))  # each index at most once per epoch
-        assert all(len(b) == 8 for b in batches[:-1]) and (not drop_last or len(batches[-1]) == 8)
+        assert len(flat) == len(set(flat)), (
+            f"expected len(flat) == len(set(flat)), got {len(flat)!r} vs {len(set(flat))!r}")  # each index at most once per epoch
+        assert all(len(b) == 8 for b in batches[:-1]), 'expected all(len(b) == 8 for b in batches[:-1])'
+        assert not drop_last or len(batches[-1]) == 8, 'expected not drop_last or len(batches[-1]) == 8'
         n_fwd = filt.n_forwarded - before
-        assert len(flat) == n_fwd  # a dropped tail is handed back: not counted as forwarded
-    assert filt.n_saved > 0 and sampler.epoch == 3
+        assert len(flat) == n_fwd, f"expected len(flat) == n_fwd, got {len(flat)!r} vs {n_fwd!r}"  # a dropped tail is handed back: not counted as forwarded
+    assert filt.n_saved > 0, f"expected filt.n_saved > 0, got {filt.n_saved!r}"
+    assert sampler.epoch == 3, f"expected sampler.epoch == 3, got {sampler.epoch!r}"
 
 
 def test_uses_data_side_epoch_when_filtered():
@@ -240,8 +258,8 @@ def test_uses_data_side_epoch_when_filtered():
     idx = torch.arange(8)
     filt(idx, 5)
     rule.select(toy.view(idx, epoch=0))
-    assert (rule.cache_epoch[idx] == 5).all()
-    assert math.isfinite(float(rule.cache_loss[idx].sum()))
+    assert (rule.cache_epoch[idx] == 5).all(), 'expected (rule.cache_epoch[idx] == 5).all()'
+    assert math.isfinite(float(rule.cache_loss[idx].sum())), 'expected math.isfinite(float(rule.cache_loss[idx].sum()))'
 
 
 @pytest.mark.parametrize("drop_last", [False, True])
@@ -262,19 +280,22 @@ def test_no_preselection_outlives_its_epoch(drop_last):
         before = filt.n_forwarded
         old_clock = rule.cache_epoch.clone() if rule.cache_epoch is not None else None
         batches = list(sampler)
-        assert filt.n_forwarded - before == sum(len(b) for b in batches)  # forwarded rows == consumed rows
+        assert filt.n_forwarded - before == sum(len(b) for b in batches), (
+            f"expected filt.n_forwarded - before == sum(len(b) for b in batches), got {filt.n_forwarded - before!r}")  # forwarded rows == consumed rows
         for b in batches:
             idx = torch.tensor(b)
             sel = rule.select(toy.view(idx, epoch))
             pre = sel.info["preselected"]
-            assert (sel.weight[pre] > 0).all()  # every pre-selected row is kept
-            assert (rule.cache_epoch[idx[~pre]] == epoch).all()  # scored rows restart their clock
+            assert (sel.weight[pre] > 0).all(), 'expected (sel.weight[pre] > 0).all()'  # every pre-selected row is kept
+            assert (rule.cache_epoch[idx[~pre]] == epoch).all(), 'expected (rule.cache_epoch[idx[~pre]] == epoch).all()'  # scored rows restart their clock
             if old_clock is not None:
-                assert torch.equal(rule.cache_epoch[idx[pre]], old_clock[idx[pre]])
+                assert torch.equal(rule.cache_epoch[idx[pre]], old_clock[idx[pre]]), (
+                    'expected torch.equal(rule.cache_epoch[idx[pre]], old_clock[idx[pre]])')
             if not drop_last and epoch > 0:
-                assert bool(pre.all()) if epoch % 2 == 1 else not pre.any()
-        assert not rule.presel.any()  # nothing pre-selected survives the epoch
-    assert filt.n_saved > 0
+                assert bool(pre.all()) if epoch % 2 == 1 else not pre.any(), (
+                    'expected bool(pre.all()) if epoch % 2 == 1 else not pre.any()')
+        assert not rule.presel.any(), 'expected not rule.presel.any()'  # nothing pre-selected survives the epoch
+    assert filt.n_saved > 0, f"expected filt.n_saved > 0, got {filt.n_saved!r}"
 
 
 def test_filter_clears_preselection_at_a_new_epoch():
@@ -286,9 +307,11 @@ def test_filter_clears_preselection_at_a_new_epoch():
     idx = torch.arange(M)
     filt(idx, 0)
     rule.select(toy.view(idx, 0))
-    assert filt(idx[:5], 1).all() and rule.presel[:5].all()
+    assert filt(idx[:5], 1).all(), 'expected filt(idx[:5], 1).all()'
+    assert rule.presel[:5].all(), 'expected rule.presel[:5].all()'
     filt(idx[5:10], 2)  # the five rows pre-selected in epoch 1 were never forwarded
-    assert not rule.presel[:5].any() and rule.presel[5:10].all()
+    assert not rule.presel[:5].any(), 'expected not rule.presel[:5].any()'
+    assert rule.presel[5:10].all(), 'expected rule.presel[5:10].all()'
 
 
 def test_cli_stale_loader_drops_nothing():
@@ -301,4 +324,6 @@ def test_cli_stale_loader_drops_nothing():
 
     rule = StaleSB(num_examples=43)
     loader = make_loaders(TrainConfig(batch_size=8), Bundle(), torch.device("cpu"), stale_rule=rule)[0]
-    assert sum(len(b[0]) for b in loader) == 43 and not loader.batch_sampler.drop_last
+    assert sum(len(b[0]) for b in loader) == 43, (
+        f"expected sum(len(b[0]) for b in loader) == 43, got {sum(len(b[0]) for b in loader)!r}")
+    assert not loader.batch_sampler.drop_last, 'expected not loader.batch_sampler.drop_last'

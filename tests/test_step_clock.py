@@ -9,6 +9,7 @@ from hypothesis import strategies as st
 from capskip_fx.runtime import clock as clock_mod
 from capskip_fx.runtime.clock import StepClock
 from capskip_fx.runtime.stats import StepStats
+from helpers.examples import examples
 
 # one backward: a head selecting over its forwards' rows; a step recorded dense at the forward (eager
 # logits), which the backward's graph claims; or a body graph first (a provisional dense step) then the head
@@ -28,7 +29,7 @@ def _run(clock: StepClock, task: list, kind: str, arg) -> int:
         assert clock.claim(), "the backward did not claim the step its forward recorded"
         return arg
     if kind == "body_then_head":
-        assert not clock.claim()
+        assert not clock.claim(), 'expected not clock.claim()'
         clock.record_dense(sum(arg), "body first", 0, provisional=True)
     for n in arg:
         clock.begin(0)
@@ -36,7 +37,7 @@ def _run(clock: StepClock, task: list, kind: str, arg) -> int:
     return sum(arg)
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=examples(60), deadline=None)
 @given(st.lists(BACKWARD, min_size=1, max_size=8))
 def test_one_step_per_backward_and_every_row_counted_once(backwards):
     clock, task = StepClock(), [-1, 0]
@@ -61,5 +62,6 @@ def test_outside_a_backward_every_begin_is_a_new_step(monkeypatch):
     """Without a graph task id (-1) nothing ties two calls to one backward: each starts a step."""
     monkeypatch.setattr(clock_mod, "graph_task", lambda: -1)
     clock = StepClock()
-    assert [clock.begin(0) for _ in range(3)] == [0, 1, 2]
-    assert not clock.in_step() and clock.peek() == 3
+    assert [clock.begin(0) for _ in range(3)] == [0, 1, 2], 'expected [clock.begin(0) for _ in range(3)] == [0, 1, 2]'
+    assert not clock.in_step(), 'expected not clock.in_step()'
+    assert clock.peek() == 3, 'expected clock.peek() == 3'

@@ -12,13 +12,13 @@ import textwrap
 
 import pytest
 import torch
-import torch.nn as nn
 import torch.nn.functional as F
 
 import capskip_fx
 from capskip_fx.config import options_from_env
 
 from conftest import max_rel_err
+from helpers.models import GraphBreak
 
 FRESH = textwrap.dedent("""
     import copy, json, sys, torch, torch.nn as nn, torch.nn.functional as F
@@ -47,20 +47,31 @@ def _fresh(env_extra: dict) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-c", FRESH], env=env, capture_output=True, text=True, timeout=300)
 
 
+@pytest.mark.subprocess
 def test_entry_point_in_a_fresh_process_static_batch_env_settings():
     out = _fresh({"CAPSKIP_RULE": "forced", "CAPSKIP_OPTIONS": "keep=0.5,backend=aot_eager"})
     assert out.returncode == 0, out.stderr[-3000:]
     res = json.loads(out.stdout.strip().splitlines()[-1])
     if res["per_dim"]:
-        assert res == {**res, "n": 8, "kept": 4, "rows": 4, "backward": "selected rows"} and res["err"] < 1e-10
+        assert res == {**res, "n": 8, "kept": 4, "rows": 4, "backward": "selected rows"}, (
+            f'expected res == {{**res, "n": 8, "kept": 4, "rows": 4,..., got {res!r}')
+        assert res["err"] < 1e-10, f'expected res["err"] < 1e-10, got {res["err"]!r}'
     else:  # torch 2.11: no per-dim dynamic sources, so a static batch runs the documented dense fallback
-        assert res["backward"] == "dense" and res["err"] < 1e-10
-        assert "the batch dim of the logits is static (8)" in out.stderr and "mark_dynamic(x, 0)" in out.stderr
+        assert res["backward"] == "dense", f'expected res["backward"] == "dense", got {res["backward"]!r}'
+        assert res["err"] < 1e-10, f'expected res["err"] < 1e-10, got {res["err"]!r}'
+        assert "the batch dim of the logits is static (8)" in out.stderr, (
+            f'expected "the batch dim of the logits is stati... in out.stderr, got out.stderr = {out.stderr!r}')
+        assert "mark_dynamic(x, 0)" in out.stderr, (
+            f'expected "mark_dynamic(x, 0)" in out.stderr, got out.stderr = {out.stderr!r}')
 
 
+@pytest.mark.subprocess
 def test_bad_environment_setting_raises_naming_the_variable():
     out = _fresh({"CAPSKIP_OPTIONS": "gather_below=2,backend=aot_eager"})
-    assert out.returncode != 0 and "CAPSKIP_OPTIONS" in out.stderr and "gather_below must be in [0, 1]" in out.stderr
+    assert out.returncode != 0, f"expected out.returncode != 0, got {out.returncode!r}"
+    assert "CAPSKIP_OPTIONS" in out.stderr, f'expected "CAPSKIP_OPTIONS" in out.stderr, got out.stderr = {out.stderr!r}'
+    assert "gather_below must be in [0, 1]" in out.stderr, (
+        f'expected "gather_below must be in [0, 1]" in out.stderr, got out.stderr = {out.stderr!r}')
 
 
 @pytest.mark.parametrize("env, match", [
@@ -77,19 +88,8 @@ def test_environment_parsing_errors(env, match):
 def test_environment_parsing_types():
     got = options_from_env({"CAPSKIP_RULE": "random", "CAPSKIP_BUDGET": "0.3",
                             "CAPSKIP_OPTIONS": "keep=0.25, backend=aot_eager, verify=False, verify_every=None"})
-    assert got == {"rule": "random", "budget": 0.3, "keep": 0.25, "backend": "aot_eager", "verify": False,
-                   "verify_every": None}
-
-
-class Broken(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.a, self.b, self.head = nn.Linear(6, 8), nn.Linear(8, 8), nn.Linear(8, 3)
-
-    def forward(self, x):
-        x = self.a(x).relu()
-        torch._dynamo.graph_break()
-        return self.head(self.b(x).relu())
+    assert (got == {"rule": "random", "budget": 0.3, "keep": 0.25, "backend": "aot_eager", "verify": False,
+                   "verify_every": None}), f'expected got == {{"rule": "random", "budget": 0.3, "ke..., got {got!r}'
 
 
 def test_graph_breaks_share_one_backend_and_skip_rows(monkeypatch):
@@ -97,7 +97,7 @@ def test_graph_breaks_share_one_backend_and_skip_rows(monkeypatch):
     monkeypatch.setenv("CAPSKIP_RULE", "forced")
     monkeypatch.setenv("CAPSKIP_OPTIONS", "keep=0.25,backend=aot_eager")
     torch.manual_seed(0)
-    model = Broken().double()
+    model = GraphBreak().double()
     opt = torch.compile(model, backend="capskip")
     for step in range(2):
         x = torch.randn(8, 6, dtype=torch.float64)
@@ -106,12 +106,15 @@ def test_graph_breaks_share_one_backend_and_skip_rows(monkeypatch):
         model.zero_grad()
         F.cross_entropy(opt(x), y).backward()
     rep = capskip_fx.report(opt)
-    assert [r["role"] for r in rep] == ["body", "head"] and all(r["row_counts"] == [2] for r in rep)
+    assert [r["role"] for r in rep] == ["body", "head"], (
+        f'expected [r["role"] for r in rep] == ["body", "head"], got {[r["role"] for r in rep]!r}')
+    assert all(r["row_counts"] == [2] for r in rep), 'expected all(r["row_counts"] == [2] for r in rep)'
     grads = {k: p.grad.clone() for k, p in model.named_parameters()}
     ref = copy.deepcopy(model)
     ref.zero_grad()
     (F.cross_entropy(ref(x), y, reduction="none") * capskip_fx.stats(opt).weight).mean().backward()
-    assert max_rel_err(grads, {k: p.grad for k, p in ref.named_parameters()}) < 1e-10
+    assert max_rel_err(grads, {k: p.grad for k, p in ref.named_parameters()}) < 1e-10, (
+        'expected max_rel_err(grads, {k: p.grad for k, p in ref.named_parameters()}) ...')
 
 
 def test_torch_compile_mode_reaches_the_backend(monkeypatch):
@@ -120,7 +123,7 @@ def test_torch_compile_mode_reaches_the_backend(monkeypatch):
     monkeypatch.setenv("CAPSKIP_RULE", "forced")
     monkeypatch.setenv("CAPSKIP_OPTIONS", "keep=0.1875,backend=aot_eager")
     torch.manual_seed(0)
-    model = Broken().double()
+    model = GraphBreak().double()
     opt = torch.compile(model, backend="capskip", mode="reduce-overhead")
     x = torch.randn(16, 6, dtype=torch.float64)
     torch._dynamo.mark_dynamic(x, 0)
@@ -128,5 +131,7 @@ def test_torch_compile_mode_reaches_the_backend(monkeypatch):
     from capskip_fx.backend import backend_of
 
     cfg = backend_of(opt).config
-    assert cfg.mode == "reduce-overhead" and cfg.buckets == 8
-    assert all(r["row_counts"] == [4] for r in capskip_fx.report(opt))  # 3 kept rows, padded to a multiple of 16 / 8
+    assert cfg.mode == "reduce-overhead", f'expected cfg.mode == "reduce-overhead", got {cfg.mode!r}'
+    assert cfg.buckets == 8, f"expected cfg.buckets == 8, got {cfg.buckets!r}"
+    assert all(r["row_counts"] == [4] for r in capskip_fx.report(opt)), (
+        'expected all(r["row_counts"] == [4] for r in capskip_fx.report(opt))')  # 3 kept rows, padded to a multiple of 16 / 8

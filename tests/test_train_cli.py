@@ -45,6 +45,7 @@ def help_run():
     return p, _imported(p.stderr)
 
 
+@pytest.mark.subprocess
 def test_harness_parser_imports_no_torch():
     p = subprocess.run([sys.executable, "-c", HARNESS_ALONE, str(ROOT / "capskip_fx")], cwd=ROOT,
                        capture_output=True, text=True, timeout=120)
@@ -52,6 +53,7 @@ def test_harness_parser_imports_no_torch():
     assert "heavy: \n" in p.stdout, f"the parser imported {p.stdout.split('heavy:')[-1].strip()} for --help"
 
 
+@pytest.mark.subprocess
 def test_help_loads_nothing_a_run_needs(help_run):
     p, modules = help_run
     assert p.returncode == 0, f"capskip-train --help failed: {p.stderr[-3000:]}"
@@ -60,6 +62,7 @@ def test_help_loads_nothing_a_run_needs(help_run):
     assert not loaded, f"--help imported what only a run needs: {loaded}"
 
 
+@pytest.mark.subprocess
 def test_help_imports_no_torch(help_run):
     p, modules = help_run
     assert p.returncode == 0, f"capskip-train --help failed: {p.stderr[-3000:]}"
@@ -72,6 +75,7 @@ def test_static_names_match_the_registries():
 
     assert set(config.RULE_NAMES) == set(RULES) | {"vcas"} | set(config.DATA_RULES), \
         f"train/config.py's RULE_NAMES {config.RULE_NAMES} differ from capskip_fx.RULES {sorted(RULES)} + vcas"
-    assert set(config.DATA_RULES.values()) <= set(RULES)  # the model half of each data-side rule is a rule
+    assert set(config.DATA_RULES.values()) <= set(RULES), (
+        f"expected set(config.DATA_RULES.values()) <= set(RULES), got {set(config.DATA_RULES.values())!r} vs {set(RULES)!r}")  # the model half of each data-side rule is a rule
     assert set(datasets.DEFAULT_IMG_SIZE) | {"pytext"} == set(config.DATASETS), \
         f"train/config.py's DATASETS {config.DATASETS} differ from the loaders' {sorted(datasets.DEFAULT_IMG_SIZE)}"

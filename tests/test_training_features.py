@@ -19,21 +19,15 @@ import capskip_fx
 from capskip_fx.rules import CAPSkip, Forced, Rule, Selection
 
 from conftest import make_deit, max_rel_err, reference_grads
+from helpers import models
 
 pytestmark = pytest.mark.usefixtures("many_compiles")  # conftest: every test compiles its own model
 
 N = 8
 
 
-class MLP(nn.Module):
-    def __init__(self, d=12, hidden=16, classes=5, p_drop=0.0):
-        super().__init__()
-        self.fc = nn.Linear(d, hidden)
-        self.drop = nn.Dropout(p_drop)
-        self.head = nn.Linear(hidden, classes)
-
-    def forward(self, x):
-        return self.head(self.drop(F.gelu(self.fc(x))))
+def MLP(d=12, hidden=16, classes=5, p_drop=0.0):
+    return models.MLP(d, hidden, classes, p_drop)
 
 
 class KeepRule(Rule):
@@ -53,9 +47,7 @@ class KeepRule(Rule):
         return Selection(weight=w)
 
 
-def _grads(model):
-    return {k: (p.grad if p.grad is not None else torch.zeros_like(p)).detach().clone()
-            for k, p in model.named_parameters()}
+_grads = models.grads
 
 
 def _half_own_labels(model, x, seed=0):
@@ -103,15 +95,22 @@ def test_autocast_bf16_selection_in_float32_and_gradients():
     with torch.autocast("cpu", dtype=torch.bfloat16):
         out = cm(x)
         loss = F.cross_entropy(out, y)
-    assert out.dtype == torch.bfloat16  # the head really ran in bf16
+    assert out.dtype == torch.bfloat16, f"expected out.dtype == torch.bfloat16, got {out.dtype!r} vs {torch.bfloat16!r}"  # the head really ran in bf16
     loss.backward()
-    assert rule.seen == [(torch.float32,) * 3]  # the rule sees float32 (upcast in RuntimeState.select)
+    assert rule.seen == [(torch.float32,) * 3], (
+        f"expected rule.seen == [(torch.float32,) * 3], got {rule.seen!r} vs {[(torch.float32,) * 3]!r}")  # the rule sees float32 (upcast in RuntimeState.select)
     st = capskip_fx.stats(cm)
-    assert st.kept == 3 and st.fallback is None
-    assert cm.backend.records[0].backward == "selected rows" and cm.backend.records[0].row_counts == {3}
+    assert st.kept == 3, f"expected st.kept == 3, got {st.kept!r}"
+    assert st.fallback is None, f"expected st.fallback is None, got {st.fallback!r}"
+    assert cm.backend.records[0].backward == "selected rows", (
+        f'expected cm.backend.records[0].backward == "selected rows", got {cm.backend.records[0].backward!r}')
+    assert cm.backend.records[0].row_counts == {3}, (
+        f"expected cm.backend.records[0].row_counts == {{3}}, got {cm.backend.records[0].row_counts!r}")
     grads = _grads(model)
-    assert max_rel_err(grads, _autocast_reference(model, x, y, st.weight)) < BF16_VS_AUTOCAST
-    assert max_rel_err(grads, reference_grads(model, x, y, st.weight)) < BF16_VS_F64
+    assert max_rel_err(grads, _autocast_reference(model, x, y, st.weight)) < BF16_VS_AUTOCAST, (
+        'expected max_rel_err(grads, _autocast_reference(model, x, y, st.weight)) < B...')
+    assert max_rel_err(grads, reference_grads(model, x, y, st.weight)) < BF16_VS_F64, (
+        'expected max_rel_err(grads, reference_grads(model, x, y, st.weight)) < BF16_...')
 
     # CAPSkip itself under autocast: float32 Gram, bound within budget, same exactness
     cm.rule = CAPSkip(budget=0.5)
@@ -121,10 +120,13 @@ def test_autocast_bf16_selection_in_float32_and_gradients():
     with torch.autocast("cpu", dtype=torch.bfloat16):
         F.cross_entropy(cm(x2), y2).backward()
     st = capskip_fx.stats(cm)
-    assert st.fallback is None and st.bound <= 0.5
-    assert max_rel_err(_grads(model), _autocast_reference(model, x2, y2, st.weight)) < BF16_VS_AUTOCAST
+    assert st.fallback is None, f"expected st.fallback is None, got {st.fallback!r}"
+    assert st.bound <= 0.5, f"expected st.bound <= 0.5, got {st.bound!r}"
+    assert max_rel_err(_grads(model), _autocast_reference(model, x2, y2, st.weight)) < BF16_VS_AUTOCAST, (
+        'expected max_rel_err(_grads(model), _autocast_reference(model, x2, y2, st.we...')
 
 
+@pytest.mark.inductor
 def test_inductor_autocast_and_varying_batch_one_compile():
     """The Inductor path: bf16 autocast, batch sizes 8, 5, 8, 3 -> one graph, one backward variant."""
     torch.manual_seed(0)
@@ -137,10 +139,15 @@ def test_inductor_autocast_and_varying_batch_one_compile():
         with torch.autocast("cpu", dtype=torch.bfloat16):
             F.cross_entropy(cm(x), y).backward()
         st = capskip_fx.stats(cm)
-        assert st.n == n and st.fallback is None
-        assert max_rel_err(_grads(model), _autocast_reference(model, x, y, st.weight)) < BF16_VS_AUTOCAST
-    assert len(cm.backend.records) == 1 and capskip_fx.stats(cm).variants == 1
-    assert cm.backend.records[0].backward == "selected rows"
+        assert st.n == n, f"expected st.n == n, got {st.n!r} vs {n!r}"
+        assert st.fallback is None, f"expected st.fallback is None, got {st.fallback!r}"
+        assert max_rel_err(_grads(model), _autocast_reference(model, x, y, st.weight)) < BF16_VS_AUTOCAST, (
+            'expected max_rel_err(_grads(model), _autocast_reference(model, x, y, st.weig...')
+    assert len(cm.backend.records) == 1, f"expected len(cm.backend.records) == 1, got {len(cm.backend.records)!r}"
+    assert capskip_fx.stats(cm).variants == 1, (
+        f"expected capskip_fx.stats(cm).variants == 1, got {capskip_fx.stats(cm).variants!r}")
+    assert cm.backend.records[0].backward == "selected rows", (
+        f'expected cm.backend.records[0].backward == "selected rows", got {cm.backend.records[0].backward!r}')
 
 
 # ---------------------------------------------------------------- accumulation
@@ -160,14 +167,15 @@ def test_gradient_accumulation_each_micro_batch_selects_its_rows():
         (F.cross_entropy(cm(x), y) / m).backward()  # grads accumulate in .grad
         weights.append(capskip_fx.stats(cm).weight.clone())
         steps.append(capskip_fx.stats(cm).step)
-    assert steps == [0, 1, 2]  # one selection per micro-batch
-    assert any((w == 0).any() for w in weights)  # something was skipped
-    assert not torch.equal(weights[0], weights[1])  # each micro-batch decided on its own rows
+    assert steps == [0, 1, 2], f"expected steps == [0, 1, 2], got {steps!r}"  # one selection per micro-batch
+    assert any((w == 0).any() for w in weights), 'expected any((w == 0).any() for w in weights)'  # something was skipped
+    assert not torch.equal(weights[0], weights[1]), 'expected not torch.equal(weights[0], weights[1])'  # each micro-batch decided on its own rows
     total = {}
     for (x, y), w in zip(micro, weights):
         for k, r in reference_grads(model, x, y, w).items():
             total[k] = total.get(k, 0) + r / m
-    assert max_rel_err(_grads(model), total) < 1e-10
+    assert max_rel_err(_grads(model), total) < 1e-10, (
+        f"expected max_rel_err(_grads(model), total) < 1e-10, got {max_rel_err(_grads(model), total)!r}")
 
 
 # ---------------------------------------------------------------- retain_graph / create_graph
@@ -198,10 +206,13 @@ def test_retain_graph_second_backward():
     first, w1, s1 = _grads(model), capskip_fx.stats(cm).weight.clone(), capskip_fx.stats(cm).step
     loss.backward()  # the rule runs again on the same (h, z, dL/dz): same rows
     w2, s2 = capskip_fx.stats(cm).weight, capskip_fx.stats(cm).step
-    assert (w1 == 0).any() and torch.equal(w1, w2) and s2 == s1 + 1
+    assert (w1 == 0).any(), 'expected (w1 == 0).any()'
+    assert torch.equal(w1, w2), 'expected torch.equal(w1, w2)'
+    assert s2 == s1 + 1, f"expected s2 == s1 + 1, got {s2!r} vs {s1 + 1!r}"
     ref = reference_grads(model, x, y, w1)
-    assert max_rel_err(first, ref) < 1e-10
-    assert max_rel_err(_grads(model), {k: 2 * r for k, r in ref.items()}) < 1e-10
+    assert max_rel_err(first, ref) < 1e-10, f"expected max_rel_err(first, ref) < 1e-10, got {max_rel_err(first, ref)!r}"
+    assert max_rel_err(_grads(model), {k: 2 * r for k, r in ref.items()}) < 1e-10, (
+        'expected max_rel_err(_grads(model), {k: 2 * r for k, r in ref.items()}) < 1e-10')
 
 
 def test_create_graph_first_order_exact_double_backward_clear_error():
@@ -211,7 +222,8 @@ def test_create_graph_first_order_exact_double_backward_clear_error():
     x, y = _batch(1)
     grads = torch.autograd.grad(F.cross_entropy(cm(x), y), list(model.parameters()), create_graph=True)
     named = dict(zip([k for k, _ in model.named_parameters()], grads))
-    assert max_rel_err(named, reference_grads(model, x, y, capskip_fx.stats(cm).weight)) < 1e-10
+    assert max_rel_err(named, reference_grads(model, x, y, capskip_fx.stats(cm).weight)) < 1e-10, (
+        'expected max_rel_err(named, reference_grads(model, x, y, capskip_fx.stats(cm...')
     with pytest.raises(RuntimeError, match="does not currently support double backward"):
         sum(g.pow(2).sum() for g in grads).backward()
 
@@ -224,18 +236,24 @@ def test_no_grad_and_eval_forwards_equal_eager():
     cm = capskip_fx.compile(model, rule="forced", keep=0.5, backend="aot_eager")
     x, y = _batch(2)
     cm.eval()
-    assert not model.training
+    assert not model.training, 'expected not model.training'
     with torch.no_grad():
-        assert torch.allclose(cm(x), model(x), rtol=0, atol=1e-13)
+        assert torch.allclose(cm(x), model(x), rtol=0, atol=1e-13), (
+            'expected torch.allclose(cm(x), model(x), rtol=0, atol=1e-13)')
     out = cm(x)  # eval mode, grad enabled: a training-capable graph without dropout
-    assert torch.allclose(out, model(x), rtol=0, atol=1e-13) and out.requires_grad
+    assert torch.allclose(out, model(x), rtol=0, atol=1e-13), (
+        'expected torch.allclose(out, model(x), rtol=0, atol=1e-13)')
+    assert out.requires_grad, f"expected out.requires_grad to be true, got {out.requires_grad!r}"
     cm.train()
     model.drop.p = 0.0  # dropout off so the train-mode graph can be compared too
     with torch.no_grad():
-        assert torch.allclose(cm(x), model(x), rtol=0, atol=1e-13)
+        assert torch.allclose(cm(x), model(x), rtol=0, atol=1e-13), (
+            'expected torch.allclose(cm(x), model(x), rtol=0, atol=1e-13)')
     grads, w = _step(cm, model, x, y)  # training after inference still selects, exactly
-    assert capskip_fx.stats(cm).kept == N // 2
-    assert max_rel_err(grads, reference_grads(model, x, y, w)) < 1e-10
+    assert capskip_fx.stats(cm).kept == N // 2, (
+        f"expected capskip_fx.stats(cm).kept == N // 2, got {capskip_fx.stats(cm).kept!r} vs {N // 2!r}")
+    assert max_rel_err(grads, reference_grads(model, x, y, w)) < 1e-10, (
+        'expected max_rel_err(grads, reference_grads(model, x, y, w)) < 1e-10')
 
 
 def test_inference_graph_leaves_no_refusal_behind():
@@ -247,8 +265,10 @@ def test_inference_graph_leaves_no_refusal_behind():
         with torch.no_grad():
             cm(x)
     _step(cm, model, x, y)
-    assert capskip_fx.stats(cm).fallback is None
-    assert all(r["reason"] is None for r in capskip_fx.report(cm))
+    assert capskip_fx.stats(cm).fallback is None, (
+        f"expected capskip_fx.stats(cm).fallback is None, got {capskip_fx.stats(cm).fallback!r}")
+    assert all(r["reason"] is None for r in capskip_fx.report(cm)), (
+        'expected all(r["reason"] is None for r in capskip_fx.report(cm))')
 
 
 # ---------------------------------------------------------------- checkpoint / resume
@@ -281,7 +301,7 @@ def test_checkpoint_resume_is_bit_identical_for_sb():
     cm, opt, w_first = _sb_run(first, batches[:S])
     buf = io.BytesIO()
     torch.save({"model": cm.state_dict(), "opt": opt.state_dict()}, buf)
-    assert "history" in cm.state_dict()["_capskip"]["rule"]  # the rule's state is in the checkpoint
+    assert "history" in cm.state_dict()["_capskip"]["rule"], 'expected "history" in cm.state_dict()["_capskip"]["rule"]'  # the rule's state is in the checkpoint
 
     resumed = fresh(123)  # a new process: other init, other seed, state from disk
     cm2 = capskip_fx.compile(resumed, rule="sb", beta=1.0, history=32, prime_epochs=0, backend="aot_eager", seed=99)
@@ -293,8 +313,9 @@ def test_checkpoint_resume_is_bit_identical_for_sb():
     _, _, w_resumed = _sb_run(resumed, batches[S:], cm2, opt2)
 
     for a, b in zip(w_straight, w_first + w_resumed):
-        assert torch.equal(a, b)
-    assert any(0 < int((w != 0).sum()) < N for w in w_resumed)  # SB really skipped rows after resuming
+        assert torch.equal(a, b), 'expected torch.equal(a, b)'
+    assert any(0 < int((w != 0).sum()) < N for w in w_resumed), (
+        'expected any(0 < int((w != 0).sum()) < N for w in w_resumed)')  # SB really skipped rows after resuming
     for (k, p), q in zip(straight.named_parameters(), resumed.parameters()):
         assert torch.equal(p, q), k
 
@@ -315,14 +336,21 @@ def test_varying_batch_sizes_no_recompile_storm():
         y = torch.randint(0, 10, (n,), generator=gen)
         grads, w = _step(cm, model, x, y)
         st = capskip_fx.stats(cm)
-        assert st.n == n and w.shape == (n,)
+        assert st.n == n, f"expected st.n == n, got {st.n!r} vs {n!r}"
+        assert w.shape == (n,), f"expected w.shape == (n,), got {w.shape!r} vs {(n,)!r}"
         if n == 1:
-            assert st.kept == 1 and "size 1" in st.fallback
+            assert st.kept == 1, f"expected st.kept == 1, got {st.kept!r}"
+            assert "size 1" in st.fallback, f'expected "size 1" in st.fallback, got st.fallback = {st.fallback!r}'
         else:
-            assert st.kept == len(keep) and st.fallback is None
-        assert max_rel_err(grads, reference_grads(model, x, y, w)) < 1e-10
-    assert len(cm.backend.records) == 1 and capskip_fx.stats(cm).variants == 1
-    assert 2 in cm.backend.records[0].row_counts  # 1 or 2 kept rows ran gathered on min_rows = 2
+            assert st.kept == len(keep), f"expected st.kept == len(keep), got {st.kept!r} vs {len(keep)!r}"
+            assert st.fallback is None, f"expected st.fallback is None, got {st.fallback!r}"
+        assert max_rel_err(grads, reference_grads(model, x, y, w)) < 1e-10, (
+            'expected max_rel_err(grads, reference_grads(model, x, y, w)) < 1e-10')
+    assert len(cm.backend.records) == 1, f"expected len(cm.backend.records) == 1, got {len(cm.backend.records)!r}"
+    assert capskip_fx.stats(cm).variants == 1, (
+        f"expected capskip_fx.stats(cm).variants == 1, got {capskip_fx.stats(cm).variants!r}")
+    assert 2 in cm.backend.records[0].row_counts, (
+        f"expected 2 in cm.backend.records[0].row_counts, got cm.backend.records[0].row_counts = {cm.backend.records[0].row_counts!r}")  # 1 or 2 kept rows ran gathered on min_rows = 2
 
 
 # ---------------------------------------------------------------- graph breaks
@@ -369,16 +397,22 @@ def _check_graph_break(model, make_x):
         before = capskip_fx.stats(cm).step
         grads, w = _step(cm, model, x, y)
         skipped += int((w == 0).sum())
-        assert capskip_fx.stats(cm).step == before + (step > 0)  # the rule ran once per step
-        assert max_rel_err(grads, reference_grads(model, x, y, w)) < 1e-10
-    assert skipped > 0
+        assert capskip_fx.stats(cm).step == before + (step > 0), (
+            f"expected capskip_fx.stats(cm).step == before + (step > 0), got {capskip_fx.stats(cm).step!r} vs {before + (step > 0)!r}")  # the rule ran once per step
+        assert max_rel_err(grads, reference_grads(model, x, y, w)) < 1e-10, (
+            'expected max_rel_err(grads, reference_grads(model, x, y, w)) < 1e-10')
+    assert skipped > 0, f"expected skipped > 0, got {skipped!r}"
     recs = cm.backend.records
-    assert len(recs) == 2
+    assert len(recs) == 2, f"expected len(recs) == 2, got {len(recs)!r}"
     head = [r for r in recs if r.head]
-    assert len(head) == 1 and head[0].backward == "selected rows" and head[0].row_counts
+    assert len(head) == 1, f"expected len(head) == 1, got {len(head)!r}"
+    assert head[0].backward == "selected rows", (
+        f'expected head[0].backward == "selected rows", got {head[0].backward!r}')
+    assert head[0].row_counts, f"expected head[0].row_counts to be true, got {head[0].row_counts!r}"
     for r in recs:
         if r is not head[0]:  # above the break: the head's rows (body graph), or dense with a reason
-            assert getattr(r, "body", False) or (r.backward.startswith("dense") and r.reason)
+            assert getattr(r, "body", False) or (r.backward.startswith("dense") and r.reason), (
+                'expected getattr(r, "body", False) or (r.backward.startswith("dense") and r....')
 
 
 @pytest.mark.parametrize("how", ["graph_break", "print"])

@@ -18,6 +18,7 @@ import capskip_fx
 from capskip_fx import VCAS
 
 from conftest import make_deit, make_mlp
+from helpers.examples import derandomize, draws as mc_draws, examples
 
 NO_PROBE = 10 ** 9  # freq: only step 0 probes
 
@@ -69,14 +70,18 @@ def test_cuts_at_residual_forks_and_probe_step_is_exact(deit2):
     ref, cm = deit2
     r = _runner(cm)
     # a pre-norm block has two residual forks (attention, MLP): 2 blocks -> 4 cuts, 5 segments
-    assert len(r.split.boundaries) == 4 and len(r.split.segments) == 5
+    assert len(r.split.boundaries) == 4, f"expected len(r.split.boundaries) == 4, got {len(r.split.boundaries)!r}"
+    assert len(r.split.segments) == 5, f"expected len(r.split.segments) == 5, got {len(r.split.segments)!r}"
     # qkv, proj, fc1, fc2 per block; the head and the patch embedding stay exact
-    assert r.slots == 8
+    assert r.slots == 8, f"expected r.slots == 8, got {r.slots!r}"
     rows = capskip_fx.report(cm)
-    assert len(rows) == 1 and rows[0]["vcas"].startswith("5 segments, 8 sampled")
-    assert r.ctrl.probes_done == 1  # step 0 was a probe: its gradient is the exact one (two halves)
+    assert len(rows) == 1, f"expected len(rows) == 1, got {len(rows)!r}"
+    assert rows[0]["vcas"].startswith("5 segments, 8 sampled"), (
+        'expected rows[0]["vcas"].startswith("5 segments, 8 sampled")')
+    assert r.ctrl.probes_done == 1, f"expected r.ctrl.probes_done == 1, got {r.ctrl.probes_done!r}"  # step 0 was a probe: its gradient is the exact one (two halves)
     x, y = _data()
-    assert _rel(_grads(cm.model), _ref_grads(ref, x, y)) < 1e-10
+    assert _rel(_grads(cm.model), _ref_grads(ref, x, y)) < 1e-10, (
+        'expected _rel(_grads(cm.model), _ref_grads(ref, x, y)) < 1e-10')
 
 
 def test_segments_run_exact_when_nothing_is_sampled(deit2):
@@ -88,10 +93,13 @@ def test_segments_run_exact_when_nothing_is_sampled(deit2):
         x, y = _data(n=6, seed=3)  # another batch size: same compiled segments
         cm.model.zero_grad(set_to_none=True)
         F.cross_entropy(cm(x), y).backward()
-        assert _rel(_grads(cm.model), _ref_grads(ref, x, y)) < 1e-10
+        assert _rel(_grads(cm.model), _ref_grads(ref, x, y)) < 1e-10, (
+            'expected _rel(_grads(cm.model), _ref_grads(ref, x, y)) < 1e-10')
         st = capskip_fx.stats(cm)
-        assert st.vcas["segment_rows"] == [6] * 5 and not st.vcas["probe"]
-        assert all(k == t for k, t in st.vcas["wgrad_rows"])
+        assert st.vcas["segment_rows"] == [6] * 5, (
+            f'expected st.vcas["segment_rows"] == [6] * 5, got {st.vcas["segment_rows"]!r} vs {[6] * 5!r}')
+        assert not st.vcas["probe"], 'expected not st.vcas["probe"]'
+        assert all(k == t for k, t in st.vcas["wgrad_rows"]), 'expected all(k == t for k, t in st.vcas["wgrad_rows"])'
     finally:
         r.ctrl.rho, r.ctrl.nu = rho, nu
 
@@ -112,7 +120,7 @@ def test_sampled_backward_drops_rows_and_is_unbiased(deit2, sampler):
         exact = _ref_grads(ref, x, y)
         cm.model.zero_grad(set_to_none=True)
         loss = F.cross_entropy(cm(x), y)
-        draws, seg_rows, w_rows, mm_rows = 300, [], [], []
+        draws, seg_rows, w_rows, mm_rows = mc_draws(300), [], [], []  # 75 in the ci profile
         acc = [torch.zeros_like(g) for g in exact]
         sq = [torch.zeros_like(g) for g in exact]
         for _ in range(draws):
@@ -126,15 +134,20 @@ def test_sampled_backward_drops_rows_and_is_unbiased(deit2, sampler):
             # the executed graph: token-row matmuls below a resampling cut run on fewer than 8*65 rows
             mm_rows.extend(s[0][0] for op, s in cm.backend.records[0].matmul_shapes if op == "aten.mm.default")
             w_rows.append(st["wgrad_rows"])
-        assert any(rows[-1] < 8 for rows in seg_rows)  # rows really dropped below the cuts
-        assert all(rows[0] == 8 for rows in seg_rows)
+        assert any(rows[-1] < 8 for rows in seg_rows), 'expected any(rows[-1] < 8 for rows in seg_rows)'  # rows really dropped below the cuts
+        assert all(rows[0] == 8 for rows in seg_rows), 'expected all(rows[0] == 8 for rows in seg_rows)'
         if sampler == "systematic":  # resampled where rho drops: cut 0 (0.75) and cut 2 (0.5)
-            assert all(rows == [8, 6, 6, 4, 4] for rows in seg_rows)
-            assert max(mm_rows) == 6 * 65 and 4 * 65 in mm_rows
-            assert all(k == int(0.5 * t) for rows in w_rows for k, t in rows)
+            assert all(rows == [8, 6, 6, 4, 4] for rows in seg_rows), (
+                'expected all(rows == [8, 6, 6, 4, 4] for rows in seg_rows)')
+            assert max(mm_rows) == 6 * 65, f"expected max(mm_rows) == 6 * 65, got {max(mm_rows)!r} vs {6 * 65!r}"
+            assert 4 * 65 in mm_rows, f"expected 4 * 65 in mm_rows, got {4 * 65!r} vs {mm_rows!r}"
+            assert all(k == int(0.5 * t) for rows in w_rows for k, t in rows), (
+                'expected all(k == int(0.5 * t) for rows in w_rows for k, t in rows)')
         else:  # Bernoulli: random counts (sometimes all 8 rows)
-            assert 8 * 65 in mm_rows and any(8 < r < 8 * 65 for r in mm_rows)
-        assert sum(k for rows in w_rows for k, _ in rows) < 0.8 * sum(t for rows in w_rows for _, t in rows)
+            assert 8 * 65 in mm_rows, f"expected 8 * 65 in mm_rows, got {8 * 65!r} vs {mm_rows!r}"
+            assert any(8 < r < 8 * 65 for r in mm_rows), 'expected any(8 < r < 8 * 65 for r in mm_rows)'
+        assert sum(k for rows in w_rows for k, _ in rows) < 0.8 * sum(t for rows in w_rows for _, t in rows), (
+            f"expected sum(k for rows in w_rows for k, _ in ... < 0.8 * sum(t for rows in w_rows for _,..., got {sum(k for rows in w_rows for k, _ in rows)!r} vs {0.8 * sum(t for rows in w_rows for _, t in rows)!r}")
         for a, s, e, (name, _) in zip(acc, sq, exact, cm.model.named_parameters()):
             mean = a / draws
             var = (s / draws - mean ** 2).clamp_min(0) * draws / (draws - 1)
@@ -151,7 +164,8 @@ def test_probe_updates_controller_and_state_dict_round_trips(deit2):
     ref, cm = deit2
     r = _runner(cm)
     sd = cm.state_dict()
-    assert sd["_capskip"]["runners"][0]["s"] == r.ctrl.s
+    assert sd["_capskip"]["runners"][0]["s"] == r.ctrl.s, (
+        f'expected sd["_capskip"]["runners"][0]["s"] == r.ctrl.s, got {sd["_capskip"]["runners"][0]["s"]!r} vs {r.ctrl.s!r}')
     # a fresh model loads the controller before its backward is compiled (pending), then uses it;
     # checkpoints written before the runners key kept it under "vcas"
     ref2, cm2 = _build()
@@ -161,8 +175,11 @@ def test_probe_updates_controller_and_state_dict_round_trips(deit2):
     x, y = _data()
     F.cross_entropy(cm2(x), y).backward()
     r2 = _runner(cm2)
-    assert r2.ctrl.s == 0.5 and r2.ctrl.step == 8 and r2.ctrl.rho == [0.9, 0.8, 0.7, 0.6]
-    assert capskip_fx.stats(cm2).vcas["nu"] == [0.3] * 8
+    assert r2.ctrl.s == 0.5, f"expected r2.ctrl.s == 0.5, got {r2.ctrl.s!r}"
+    assert r2.ctrl.step == 8, f"expected r2.ctrl.step == 8, got {r2.ctrl.step!r}"
+    assert r2.ctrl.rho == [0.9, 0.8, 0.7, 0.6], f"expected r2.ctrl.rho == [0.9, 0.8, 0.7, 0.6], got {r2.ctrl.rho!r}"
+    assert capskip_fx.stats(cm2).vcas["nu"] == [0.3] * 8, (
+        f'expected capskip_fx.stats(cm2).vcas["nu"] == [0.3] * 8, got {capskip_fx.stats(cm2).vcas["nu"]!r} vs {[0.3] * 8!r}')
 
 
 def test_controller_direction_on_a_real_probe():
@@ -175,12 +192,15 @@ def test_controller_direction_on_a_real_probe():
         r.ctrl.s, r.ctrl.nu = 0.5, [0.5] * r.slots
         r.ctrl.rho = [0.6] * len(r.ctrl.rho)
         F.cross_entropy(cm(x), y).backward()  # step 1: probe with sampling active
-        assert r.ctrl.probes_done == 2
+        assert r.ctrl.probes_done == 2, f"expected r.ctrl.probes_done == 2, got {r.ctrl.probes_done!r}"
         if up:
-            assert r.ctrl.s == pytest.approx(0.51) and all(v > 0.5 for v in r.ctrl.nu)
-            assert r.ctrl.last["act_ratio"] > 0
+            assert r.ctrl.s == pytest.approx(0.51), f"expected r.ctrl.s == pytest.approx(0.51), got {r.ctrl.s!r}"
+            assert all(v > 0.5 for v in r.ctrl.nu), 'expected all(v > 0.5 for v in r.ctrl.nu)'
+            assert r.ctrl.last["act_ratio"] > 0, (
+                f'expected r.ctrl.last["act_ratio"] > 0, got {r.ctrl.last["act_ratio"]!r}')
         else:
-            assert r.ctrl.s == pytest.approx(0.49) and all(v < 0.5 for v in r.ctrl.nu)
+            assert r.ctrl.s == pytest.approx(0.49), f"expected r.ctrl.s == pytest.approx(0.49), got {r.ctrl.s!r}"
+            assert all(v < 0.5 for v in r.ctrl.nu), 'expected all(v < 0.5 for v in r.ctrl.nu)'
 
 
 def test_capskip_then_vcas_inside_the_kept_rows():
@@ -189,17 +209,22 @@ def test_capskip_then_vcas_inside_the_kept_rows():
     x, y = _data(n=8)
     F.cross_entropy(cm(x), y).backward()  # step 0: exact (probe) over the 5 kept rows
     w = capskip_fx.stats(cm).weight
-    assert int((w != 0).sum()) == 5
+    assert int((w != 0).sum()) == 5, f"expected int((w != 0).sum()) == 5, got {int((w != 0).sum())!r}"
     grads = _grads(cm.model)
     ref.zero_grad(set_to_none=True)
     (F.cross_entropy(ref(x), y, reduction="none") * w).mean().backward()
-    assert _rel(grads, _grads(ref)) < 1e-10
+    assert _rel(grads, _grads(ref)) < 1e-10, (
+        f"expected _rel(grads, _grads(ref)) < 1e-10, got {_rel(grads, _grads(ref))!r}")
     r = _runner(cm)
     r.ctrl.rho = [0.5] * len(r.ctrl.rho)
     cm.model.zero_grad(set_to_none=True)
     F.cross_entropy(cm(x), y).backward()
     st = capskip_fx.stats(cm)
-    assert st.rows == 5 and st.vcas["segment_rows"][0] == 5 and st.vcas["segment_rows"][-1] <= 5
+    assert st.rows == 5, f"expected st.rows == 5, got {st.rows!r}"
+    assert st.vcas["segment_rows"][0] == 5, (
+        f'expected st.vcas["segment_rows"][0] == 5, got {st.vcas["segment_rows"][0]!r}')
+    assert st.vcas["segment_rows"][-1] <= 5, (
+        f'expected st.vcas["segment_rows"][-1] <= 5, got {st.vcas["segment_rows"][-1]!r}')
 
 
 def test_no_residual_block_falls_back_exact_with_reason():
@@ -211,9 +236,12 @@ def test_no_residual_block_falls_back_exact_with_reason():
     with warnings.catch_warnings(record=True) as w:
         warnings.simplefilter("always")
         F.cross_entropy(cm(x), y).backward()
-    assert any("no residual fork" in str(m.message) for m in w)
-    assert "no residual fork" in capskip_fx.report(cm)[0]["vcas"]
-    assert _rel(_grads(model), _ref_grads(ref, x, y)) < 1e-10
+    assert any("no residual fork" in str(m.message) for m in w), (
+        'expected any("no residual fork" in str(m.message) for m in w)')
+    assert "no residual fork" in capskip_fx.report(cm)[0]["vcas"], (
+        f'expected "no residual fork" in capskip_fx.report(cm)[0]["vcas"], got capskip_fx.report(cm)[0]["vcas"] = {capskip_fx.report(cm)[0]["vcas"]!r}')
+    assert _rel(_grads(model), _ref_grads(ref, x, y)) < 1e-10, (
+        'expected _rel(_grads(model), _ref_grads(ref, x, y)) < 1e-10')
 
 
 def test_refused_segmenting_leaves_the_exact_backward(monkeypatch):
@@ -230,8 +258,11 @@ def test_refused_segmenting_leaves_the_exact_backward(monkeypatch):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         F.cross_entropy(cm(x), y).backward()
-    assert "test refusal" in capskip_fx.report(cm)[0]["vcas"] and not cm.backend.state.runners
-    assert _rel(_grads(cm.model), _ref_grads(ref, x, y)) < 1e-10
+    assert "test refusal" in capskip_fx.report(cm)[0]["vcas"], (
+        f'expected "test refusal" in capskip_fx.report(cm)[0]["vcas"], got capskip_fx.report(cm)[0]["vcas"] = {capskip_fx.report(cm)[0]["vcas"]!r}')
+    assert not cm.backend.state.runners, 'expected not cm.backend.state.runners'
+    assert _rel(_grads(cm.model), _ref_grads(ref, x, y)) < 1e-10, (
+        'expected _rel(_grads(cm.model), _ref_grads(ref, x, y)) < 1e-10')
 
 
 def test_vcas_option_errors():
@@ -242,9 +273,11 @@ def test_vcas_option_errors():
     with pytest.raises(ValueError, match="tau_act"):
         capskip_fx.compile(make_mlp(), vcas={"tau_act": 0})
     cm = capskip_fx.compile(make_mlp(), rule="vcas", vcas={"freq": 5})
-    assert cm.config.vcas == VCAS(freq=5) and cm.rule.name == "dense"
+    assert cm.config.vcas == VCAS(freq=5), f"expected cm.config.vcas == VCAS(freq=5), got {cm.config.vcas!r}"
+    assert cm.rule.name == "dense", f'expected cm.rule.name == "dense", got {cm.rule.name!r}'
 
 
+@pytest.mark.inductor
 def test_inductor_segments_exact_then_sampled_without_recompiles():
     torch.manual_seed(0)
     ref, cm = _build(depth=1, dtype=torch.float32, backend="inductor")
@@ -254,18 +287,24 @@ def test_inductor_segments_exact_then_sampled_without_recompiles():
         F.cross_entropy(cm(x), y).backward()
         r = _runner(cm)
         if n == 8:  # probe step: exact
-            assert _rel(_grads(cm.model), _ref_grads(ref, x, y)) < 1e-4
+            assert _rel(_grads(cm.model), _ref_grads(ref, x, y)) < 1e-4, (
+                'expected _rel(_grads(cm.model), _ref_grads(ref, x, y)) < 1e-4')
             r.ctrl.rho, r.ctrl.nu = [0.5] * len(r.ctrl.rho), [0.4] * r.slots
     st = capskip_fx.stats(cm)
-    assert st.vcas["segment_rows"][0] == 6 and st.vcas["segment_rows"][-1] < 6 or \
-        any(k < t for k, t in st.vcas["wgrad_rows"])
+    assert (st.vcas["segment_rows"][0] == 6 and st.vcas["segment_rows"][-1] < 6 or \
+        any(k < t for k, t in st.vcas["wgrad_rows"])), (
+        'expected st.vcas["segment_rows"][0] == 6 and st.vcas["segment_rows"][-1] < 6...')
     compiled_before = len(r.compiled)
     for seed in range(3, 6):  # other row counts, other nu/rho: the same compiled segments
         r.ctrl.nu = [0.3 + 0.1 * (seed - 3)] * r.slots
         x, y = _data(n=8, dtype=torch.float32, seed=seed)
         F.cross_entropy(cm(x), y).backward()
-    assert len(capskip_fx.report(cm)) == 1 and len(r.compiled) == compiled_before
-    assert capskip_fx.stats(cm).variants == 1
+    assert len(capskip_fx.report(cm)) == 1, (
+        f"expected len(capskip_fx.report(cm)) == 1, got {len(capskip_fx.report(cm))!r}")
+    assert len(r.compiled) == compiled_before, (
+        f"expected len(r.compiled) == compiled_before, got {len(r.compiled)!r} vs {compiled_before!r}")
+    assert capskip_fx.stats(cm).variants == 1, (
+        f"expected capskip_fx.stats(cm).variants == 1, got {capskip_fx.stats(cm).variants!r}")
 
 
 class _Block(nn.Module):
@@ -340,15 +379,20 @@ def test_samplers_and_sampled_matmuls_where_the_reference_has_them(cut, cuts, sl
     model = _Transformer().double()
     ref = copy.deepcopy(model)
     want_samplers, want_linears = ref_vcas_counts(model, _Block)
-    assert (want_samplers, want_linears) == (2, 8)
+    assert (want_samplers, want_linears) == (2, 8), (
+        f"expected (want_samplers, want_linears) == (2, 8), got {(want_samplers, want_linears)!r}")
     cm = capskip_fx.compile(model, rule="vcas", backend="aot_eager", vcas=VCAS(freq=NO_PROBE, cut=cut))
     x, y = torch.randn(8, 5, 6, dtype=torch.float64), torch.randint(0, 4, (8,))
     F.cross_entropy(cm(x), y).backward()
     r = _runner(cm)
-    assert len(r.split.boundaries) == cuts and r.slots == want_linears == slots
+    assert len(r.split.boundaries) == cuts, (
+        f"expected len(r.split.boundaries) == cuts, got {len(r.split.boundaries)!r} vs {cuts!r}")
+    assert r.slots == want_linears == slots, 'expected r.slots == want_linears == slots'
     if cut == "block":
-        assert len(r.split.boundaries) == want_samplers
-    assert _rel(_grads(model), _ref_grads(ref, x, y)) < 1e-10  # the probe step: exact
+        assert len(r.split.boundaries) == want_samplers, (
+            f"expected len(r.split.boundaries) == want_samplers, got {len(r.split.boundaries)!r} vs {want_samplers!r}")
+    assert _rel(_grads(model), _ref_grads(ref, x, y)) < 1e-10, (
+        'expected _rel(_grads(model), _ref_grads(ref, x, y)) < 1e-10')  # the probe step: exact
     # the sampled matmuls are the blocks' Linears: the embedding's weight gradient stays exact
     r.ctrl.rho, r.ctrl.nu = [1.0] * len(r.ctrl.rho), [0.3] * r.slots
     model.zero_grad(set_to_none=True)
@@ -357,7 +401,8 @@ def test_samplers_and_sampled_matmuls_where_the_reference_has_them(cut, cuts, sl
     want = dict(zip([n for n, _ in ref.named_parameters()], _ref_grads(ref, x, y)))
     for name in ("embed.weight", "head.weight"):
         torch.testing.assert_close(g[name], want[name], rtol=1e-10, atol=1e-12)
-    assert any(not torch.allclose(g[n], want[n]) for n in want if n.startswith("blocks."))
+    assert any(not torch.allclose(g[n], want[n]) for n in want if n.startswith("blocks.")), (
+        'expected any(not torch.allclose(g[n], want[n]) for n in want if n.startswith...')
 
 
 def ref_soft_topk(x, k, gen):
@@ -458,7 +503,8 @@ def test_weight_variance_measured_in_the_activation_sampled_passes():
             if n.target is torch.ops.capskip.sampled_wgrad.default:
                 st = n.meta["fwd_nn_module_stack"]
                 slot_name[n.args[3]] = list(st.values())[-1][0].split(".", 1)[1]
-    assert sorted(slot_name) == list(range(8))
+    assert sorted(slot_name) == list(range(8)), (
+        f"expected sorted(slot_name) == list(range(8)), got {sorted(slot_name)!r}")
     rho_top_first, nu = [0.75, 0.5], 0.6
     seen = []
     original = r.ctrl.update
@@ -506,7 +552,7 @@ from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
 
-@settings(max_examples=6, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck))
+@settings(max_examples=examples(6), deadline=None, derandomize=derandomize(), suppress_health_check=list(HealthCheck))
 @given(depth=st.integers(2, 3), tokens=st.integers(1, 4), dim=st.sampled_from([4, 8]), n=st.integers(4, 9),
        every=st.integers(1, 2))
 def test_segmenting_any_residual_stack_is_exact(depth, tokens, dim, n, every):
@@ -527,15 +573,18 @@ def _check_residual_stack(depth, tokens, dim, n, every):
     x, y = torch.randn(n, tokens, dim, dtype=torch.float64), torch.randint(0, 4, (n,))
     F.cross_entropy(cm(x), y).backward()
     r = _runner(cm)
-    assert len(r.split.boundaries) == len(range(0, depth, every))
-    assert r.slots == 2 * depth
-    assert r.ctrl.probes_done == 1
-    assert _rel(_grads(model), _ref_grads(ref, x, y)) < 1e-10
+    assert len(r.split.boundaries) == len(range(0, depth, every)), (
+        f"expected len(r.split.boundaries) == len(range(0, depth, every)), got {len(r.split.boundaries)!r}")
+    assert r.slots == 2 * depth, f"expected r.slots == 2 * depth, got {r.slots!r} vs {2 * depth!r}"
+    assert r.ctrl.probes_done == 1, f"expected r.ctrl.probes_done == 1, got {r.ctrl.probes_done!r}"
+    assert _rel(_grads(model), _ref_grads(ref, x, y)) < 1e-10, (
+        'expected _rel(_grads(model), _ref_grads(ref, x, y)) < 1e-10')
     # and with nothing to sample (rho = nu = 1), a plain step is the exact gradient too
     r.ctrl.rho, r.ctrl.nu = [1.0] * len(r.ctrl.rho), [1.0] * r.slots
     model.zero_grad(set_to_none=True)
     F.cross_entropy(cm(x), y).backward()
-    assert _rel(_grads(model), _ref_grads(ref, x, y)) < 1e-10
+    assert _rel(_grads(model), _ref_grads(ref, x, y)) < 1e-10, (
+        'expected _rel(_grads(model), _ref_grads(ref, x, y)) < 1e-10')
 
 
 def test_bernoulli_cut_without_survivors_passes_the_exact_gradient():
@@ -557,8 +606,8 @@ def test_bernoulli_cut_without_survivors_passes_the_exact_gradient():
         model.zero_grad(set_to_none=True)
         F.cross_entropy(cm(x), y).backward()
         g = dict(model.named_parameters())["embed.weight"].grad
-        assert float(g.norm()) > 0
+        assert float(g.norm()) > 0, f"expected float(g.norm()) > 0, got {float(g.norm())!r}"
         if capskip_fx.stats(cm).vcas["segment_rows"][-1] == 16:  # nobody survived: all rows, exact
             empty += 1
             torch.testing.assert_close(g, exact["embed.weight"], rtol=1e-10, atol=1e-12)
-    assert empty > 0
+    assert empty > 0, f"expected empty > 0, got {empty!r}"

@@ -119,9 +119,16 @@ def test_zoo_model(name):
     row = run_zoo_model(name)
     assert row["max_rel_err"] < 1e-10, row
     if row["expected"] == "selected":
-        assert row["graphs"] == 1 and row["selected"] == [True], row
-        assert row["backward"] == "selected rows" and row["row_counts"] == [len(KEEP)], row
-        assert row["reason"] is None and row["kept"] == len(KEEP) and not row["warnings"], row
+        assert row["graphs"] == 1, row
+        assert row["selected"] == [True], row
+        assert row["backward"] == "selected rows", row
+        assert row["row_counts"] == [len(KEEP)], row
+        assert row["reason"] is None, row
+        assert row["kept"] == len(KEEP), row
+        assert not row["warnings"], row
     else:  # BatchNorm in train mode: refused, dense, reason recorded and warned
-        assert row["coupled"] and row["backward"] == "dense" and row["kept"] == N, row
-        assert "cross-example" in row["reason"] and any("cross-example" in m for m in row["warnings"]), row
+        assert row["coupled"], row
+        assert row["backward"] == "dense", row
+        assert row["kept"] == N, row
+        assert "cross-example" in row["reason"], row
+        assert any("cross-example" in m for m in row["warnings"]), row

@@ -413,7 +413,7 @@ def find_in_graph_loss(graph: fx.Graph, head: Head, backward: set) -> Optional[I
             if a is not head.z and a not in region and _differentiable(a, needs_grad):
                 raise Refused(f"the in-graph loss reads {a.name}, which depends on the model's float inputs or "
                               f"parameters other than through the logits: its gradient could not be selected "
-                              f"(compute the loss outside the model)", RefusalKind.IN_GRAPH_LOSS)
+                              f"(compute the loss outside the model)", RefusalKind.IN_GRAPH_LOSS, node=a)
     if head.linear_in is not None:
         raise Refused("an in-graph loss after a sum of Linear heads: the gradient into the logits has no node of "
                       "its own (compute the loss outside the model)", RefusalKind.IN_GRAPH_LOSS)

@@ -3,9 +3,9 @@
 Input: the graph selected_rows.py produced (every batch-shaped input at ``s`` rows, the kept rows).
 Output: the same graph taking those inputs at ``n`` rows (a new symbol), plus ``idx`` (``s`` kept-row
 indices, int64) and ``n`` itself as new last inputs.  Each batch input is indexed (``aten.index``) on its
-batch dim (split ``(n, factor)`` when flattened batch-major) before its first use, and every batch-shaped
-output is ``index_put`` into zeros of ``n`` rows, so Inductor fuses the gathers into their consumers
-and no eager copy conforms strides.
+batch dim (split ``(outer, n, factor)`` when flattened: batch-major ``outer == 1``, or token-major as the
+layout proof found it) before its first use, and every batch-shaped output is ``index_put`` into zeros
+of ``n`` rows, so Inductor fuses the gathers into their consumers and no eager copy conforms strides.
 
 Invariants: the gathered values equal what the eager gather (rows.gather_all) passes; the body is
 unchanged except that it reads them; every value's meta is re-propagated from the new inputs (the
@@ -59,7 +59,7 @@ def gather_in_graph(gm: fx.GraphModule, plan, example_inputs: list):
     batch = [(p, s) for p, s in zip(placeholders, plan.specs) if s.kind == "batch"]
     if readers := _stride_readers(gm, [p for p, _ in batch]):
         raise Refused(f"in-graph gather: {readers[0].name} reads a saved input's strides (as_strided)",
-                      RefusalKind.IN_GRAPH_GATHER)
+                      RefusalKind.IN_GRAPH_GATHER, node=readers[0])
     sym = plan.sym
     kept = example_inputs[-1].shape[0]  # w: the kept rows (s)
     # a distinct hint: nothing may conflate the full and the kept row counts while compiling
@@ -93,12 +93,13 @@ def gather_in_graph(gm: fx.GraphModule, plan, example_inputs: list):
     with g.inserting_before(k_node.next):  # in order, before the body
         for p, s in batch:
             users = list(p.users)
-            if s.factor == 1:
+            if s.factor == 1 and s.outer == 1:
                 got = g.call_function(aten.index.Tensor, (p, [None] * s.dim + [idx]))
             else:
-                split = g.call_function(aten.view.default, (p, _with_rows(p, s.dim, [n_node, s.factor])))
-                sel = g.call_function(aten.index.Tensor, (split, [None] * s.dim + [idx]))
-                flat = g.call_function(operator.mul, (k_node, s.factor))
+                at = s.dim + (s.outer != 1)  # the batch axis of the split view
+                split = g.call_function(aten.view.default, (p, _with_rows(p, s.dim, _split(s, n_node))))
+                sel = g.call_function(aten.index.Tensor, (split, [None] * at + [idx]))
+                flat = g.call_function(operator.mul, (k_node, s.factor * s.outer))
                 got = g.call_function(aten.view.default, (sel, _with_rows(p, s.dim, [flat])))
             for u in users:
                 u.replace_input_with(p, got)
@@ -114,12 +115,12 @@ def gather_in_graph(gm: fx.GraphModule, plan, example_inputs: list):
             continue
         with g.inserting_before(out):
             v = o.meta["val"]
-            zeros = g.call_function(aten.full.default, (_with_rows(o, s.dim, [n_node, s.factor]), 0),
+            zeros = g.call_function(aten.full.default, (_with_rows(o, s.dim, _split(s, n_node, True)), 0),
                                     {"dtype": v.dtype, "device": v.device, "layout": torch.strided,
                                      "pin_memory": False})
-            y = g.call_function(aten.reshape.default, (o, _with_rows(o, s.dim, [k_node, s.factor])))
-            full = g.call_function(aten.index_put.default, (zeros, [None] * s.dim + [idx], y))
-            flat = g.call_function(operator.mul, (n_node, s.factor))
+            y = g.call_function(aten.reshape.default, (o, _with_rows(o, s.dim, _split(s, k_node, True))))
+            full = g.call_function(aten.index_put.default, (zeros, [None] * (s.dim + (s.outer != 1)) + [idx], y))
+            flat = g.call_function(operator.mul, (n_node, s.factor * s.outer))
             outs[j] = g.call_function(aten.reshape.default, (full, _with_rows(o, s.dim, [flat])))
     out.args = (type(out.args[0])(outs),)
     g.lint()
@@ -131,6 +132,12 @@ def gather_in_graph(gm: fx.GraphModule, plan, example_inputs: list):
         raise Refused(f"in-graph gather: re-propagating shapes failed ({type(e).__name__}: {e})",
                       RefusalKind.IN_GRAPH_GATHER) from None
     return examples, n_sym
+
+
+def _split(s, rows, always_factor: bool = False) -> list:
+    """The batch dim's sizes split as ``(outer, rows, factor)``, without a leading outer of 1 (and without
+    a factor of 1 unless ``always_factor``)."""
+    return ([s.outer] if s.outer != 1 else []) + [rows] + ([s.factor] if s.factor != 1 or always_factor else [])
 
 
 def _with_rows(node: fx.Node, dim: int, rows: list) -> list:

@@ -42,6 +42,8 @@ from .row_index import recompute_row_indices
 from .selected_rows import BackwardPlan, plan_backward
 
 STRIDE_SYMBOL = "a saved view has a symbolic stride (gathered as a contiguous copy, eagerly)"
+VCAS_TOKEN_MAJOR = ("VCAS: a forward value holds the batch token-major ((outer, N, inner)); VCAS reads the "
+                    "backward's values batch-major: exact backward")
 
 
 # -- the joint graph -------------------------------------------------------------------------------
@@ -209,7 +211,9 @@ def backward(gm: fx.GraphModule, example_inputs, joint_result: Optional[JointRes
         prefix = compile_graph(plan.prefix.gm, list(plan.prefix.examples), **dict(kwargs, static_input_idxs=()))
     inputs = list(example_inputs) + [w_val]
     compiled, vcas_note, gather_refused = None, None, None
-    if ctx.vcas is not None:  # VCAS's backward, or None: the exact one below
+    if ctx.vcas is not None and _token_major(layouts):  # its segments' specs come from sizes: batch-major only
+        vcas_note = VCAS_TOKEN_MAJOR
+    elif ctx.vcas is not None:  # VCAS's backward, or None: the exact one below
         compiled, vcas_note = ctx.vcas(gm, inputs, plan.sym, compile_graph, kwargs)
     segmented = compiled is not None
     if compiled is None and ctx.gather == "graph":
@@ -227,6 +231,10 @@ def backward(gm: fx.GraphModule, example_inputs, joint_result: Optional[JointRes
         refusal, mode = e.refusal, BackwardMode.DENSE_MASKED
     return BackwardResult(compiled, mode, plan, prefix, refusal, in_graph=in_graph, gather_refused=gather_refused,
                           vcas=vcas_note, segmented=segmented, graph=gm)
+
+
+def _token_major(layouts: Mapping) -> bool:
+    return any(lay.kind == "batch" and lay.outer != 1 for lay in layouts.values())
 
 
 def _gather_in_graph(gm: fx.GraphModule, plan: BackwardPlan, example_inputs: list, compile_graph: Callable,

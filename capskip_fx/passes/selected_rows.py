@@ -8,7 +8,10 @@ Given the partitioned backward (symbolic batch ``s``) that contains ``w = capski
      is nonzero, computed from its own tangents (the head's kept rows are not reused).
   2. Every input is classified from its *example input* (real strides from the compiled
      forward, not node meta): no batch / SymInt expression of ``s`` / tensor with one batch dim
-     of size ``a*s`` (flattened batch-major when a > 1).  Anything else is refused.
+     of size ``a*s``.  Anything else is refused.  A saved activation's batch dim is then taken from
+     the layout proof, never from its sizes alone: the dim it proved, batch-major with ``a`` inner
+     rows, or token-major ``(outer, s, inner)`` with ``outer * inner == a`` (``(T*N, E)`` rows of a
+     Linear over a ``(T, N, E)`` value, as ``nn.MultiheadAttention`` makes); the gather follows it.
   3. The rewritten graph is compiled ONCE (symbolic batch; passes/pipeline.py compiles it).  At run
      time the rule picks the rows, the kept rows are moved to the front, ``kb = bucket(k)`` rows
      are gathered (the pad rows are skipped rows with weight 0: exact), SymInt inputs are
@@ -20,7 +23,7 @@ zero-weight rows (zero gradients, not None).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Optional
 
 import sympy
@@ -96,9 +99,9 @@ def plan_backward(gm: fx.GraphModule, example_inputs, layouts: dict) -> tuple[fx
             raise Refused(f"selection input {a.name} does not carry the batch in dim 0", RefusalKind.SELECTION)
     computed = {n.name for n in placeholders[len(placeholders) - len(prefix.gm.graph.output_node().args[0]):]} \
         if prefix is not None else set()
-    for node, spec in zip(placeholders, specs):
+    for i, (node, spec) in enumerate(zip(placeholders, specs)):
         if spec.kind == "batch" and not node.name.startswith("tangents") and node.name not in computed:
-            _check_proven(node.name, spec, layouts.get(node.name))
+            specs[i] = _proven(node.name, spec, layouts.get(node.name))
     out_vals = list(gm.graph.find_nodes(op="output"))[0].args[0]
     out_specs = []
     for o in out_vals:
@@ -167,12 +170,16 @@ def _split_prefix(gm: fx.GraphModule, example_inputs: list, g: fx.Node, sel: fx.
     return prefix, [example_inputs[i] for i in keep] + [n.meta["val"] for n in exported]
 
 
-def _check_proven(name: str, spec: Spec, layout) -> None:
-    """A saved activation is gathered along ``spec`` only where the dataflow proved that layout."""
+def _proven(name: str, spec: Spec, layout) -> Spec:
+    """The spec a saved activation is gathered along: the dim its sizes show, split as the dataflow
+    proved it (``outer`` > 1: token-major).  Refused unless the proof and the sizes agree."""
     if layout is None:
         raise Refused(f"saved activation {name} has no proven batch layout (not a forward value of the joint graph)",
                       RefusalKind.UNPROVEN)
-    if not (layout.kind == "batch" and layout.outer == 1 and layout.dim == spec.dim and layout.inner == spec.factor):
+    outer, inner = (layout.outer, layout.inner) if layout.kind == "batch" else (None, None)
+    if not (layout.kind == "batch" and layout.dim == spec.dim and outer.is_Integer and inner.is_Integer
+            and spec.outer == 1 and int(outer) * int(inner) == spec.factor):
         raise Refused(f"saved activation {name}: its sizes suggest batch dim {spec.dim} x{spec.factor}, but the "
                       f"dataflow says {layout}{': ' + layout.why if layout.why else ''}", RefusalKind.UNPROVEN)
+    return replace(spec, outer=int(outer), factor=int(inner))
 

@@ -110,24 +110,20 @@ class VCAS:
             v = getattr(self, name)
             if not (isinstance(v, (int, float)) and v > 0 and math.isfinite(v)):
                 raise ValueError(f"VCAS {name} must be a positive number, got {v!r}")
-        if not (isinstance(self.freq, int) and self.freq >= 1):
-            raise ValueError(f"VCAS freq must be a positive int, got {self.freq!r}")
-        if not (isinstance(self.probes, int) and self.probes >= 1):
-            raise ValueError(f"VCAS probes must be a positive int, got {self.probes!r}")
-        if not (isinstance(self.every, int) and self.every >= 1):
-            raise ValueError(f"VCAS every must be a positive int, got {self.every!r}")
+        for name in ("freq", "probes", "every"):
+            v = getattr(self, name)
+            if not (isinstance(v, int) and v >= 1):
+                raise ValueError(f"VCAS {name} must be a positive int, got {v!r}")
         if not (isinstance(self.s_step, (int, float)) and 0 < self.s_step <= 1):
             raise ValueError(f"VCAS s_step must be in (0, 1], got {self.s_step!r}")
         if not 0 < self.w_mul < 1:
             raise ValueError(f"VCAS w_mul must be in (0, 1), got {self.w_mul!r}")
-        if not 0 <= self.rho_decay <= 1:
-            raise ValueError(f"VCAS rho_decay must be in [0, 1], got {self.rho_decay!r}")
-        if not 0 <= self.nu_min <= 1:
-            raise ValueError(f"VCAS nu_min must be in [0, 1], got {self.nu_min!r}")
-        if self.cut not in ("block", "fork"):
-            raise ValueError(f"VCAS cut must be 'block' or 'fork', got {self.cut!r}")
-        if self.sampler not in ("systematic", "bernoulli"):
-            raise ValueError(f"VCAS sampler must be 'systematic' or 'bernoulli', got {self.sampler!r}")
+        for name in ("rho_decay", "nu_min"):
+            if not 0 <= getattr(self, name) <= 1:
+                raise ValueError(f"VCAS {name} must be in [0, 1], got {getattr(self, name)!r}")
+        for name, choices in (("cut", ("block", "fork")), ("sampler", ("systematic", "bernoulli"))):
+            if getattr(self, name) not in choices:
+                raise ValueError(f"VCAS {name} must be {' or '.join(map(repr, choices))}, got {getattr(self, name)!r}")
         if not (isinstance(self.nu_max, (int, float)) and self.nu_max >= 1):  # also rejects NaN
             raise ValueError(f"VCAS nu_max must be >= 1 (inf: no cap, the reference), got {self.nu_max!r}")
 

@@ -209,13 +209,14 @@ def split_backward(gm: fx.GraphModule, example_inputs, sym: sympy.Symbol, cuts: 
                 if a in seg and seg[a] < seg[n]:
                     needed_later[a] = max(needed_later.get(a, -1), seg[n])
                 elif a in seg and seg[a] > seg[n]:
-                    raise Refused(f"segmenting: {n.name} reads {a.name} from a later segment", RefusalKind.VCAS)
+                    raise Refused(f"segmenting: {n.name} reads {a.name} from a later segment", RefusalKind.VCAS,
+                                  node=n)
     for o in outs:
         if isinstance(o, fx.Node) and o in seg:
             needed_later[o] = n_seg
     for b in cuts:
         if b not in needed_later:
-            raise Refused(f"segmenting: cut {b.name} is not read below itself", RefusalKind.VCAS)
+            raise Refused(f"segmenting: cut {b.name} is not read below itself", RefusalKind.VCAS, node=b)
     segments = []
     specs: dict[str, Spec] = {}
     for i in range(n_seg):

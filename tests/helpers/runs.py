@@ -39,3 +39,20 @@ def run_killed_at_evaluation(monkeypatch, loop, n: int, run) -> None:
     with pytest.raises(Crash):
         run()
     monkeypatch.setattr(loop, "evaluate", real_evaluate)
+
+
+# the per-epoch values a resumed run must reproduce exactly (times are measured, not computed)
+EXACT = ("epoch", "steps", "train_loss", "eval_top1", "eval_loss", "backward_rows", "rows", "rows_seen",
+         "mean_kept_frac", "lr", "checks", "violations", "fallbacks")
+
+
+def assert_resumed_exactly(full_rows, resumed_rows, full: dict, res: dict) -> None:
+    """A resumed run's summary rows and result equal the uninterrupted run's (the EXACT columns,
+    final top-1 and step count)."""
+    for ra, rb in zip(full_rows, resumed_rows):
+        assert {k: ra[k] for k in EXACT} == {k: rb[k] for k in EXACT}, (
+            f"epoch {ra.get('epoch')}: resumed {[(k, rb[k]) for k in EXACT if ra[k] != rb[k]]} "
+            f"vs uninterrupted {[(k, ra[k]) for k in EXACT if ra[k] != rb[k]]}")
+    assert res["final_top1"] == full["final_top1"], (
+        f"resumed final top-1 {res['final_top1']!r} vs uninterrupted {full['final_top1']!r}")
+    assert res["steps"] == full["steps"], f"resumed steps {res['steps']!r} vs uninterrupted {full['steps']!r}"
