@@ -2,6 +2,8 @@
 
 - ``capskip::select(h, z, g, key) -> w``: the head graph's selection (runs the rule).
 - ``capskip::shared(g, key) -> w``: graphs without the head: the rows that carry gradient.
+- ``capskip::saved_copy(z) -> z'``: the copy of the logits ``select`` reads (a clone Inductor's no-op
+  removal would fold back into ``z``).
 
 The ops are opaque to AOTAutograd/Inductor (fake implementations below), so the partitioner saves
 ``h`` and ``z`` for the backward.  The selected-row backward replaces select/shared by a
@@ -56,3 +58,13 @@ def shared(g: Tensor, key: int) -> Tensor:
 @shared.register_fake
 def _shared_fake(g: Tensor, key: int) -> Tensor:
     return g.new_empty(g.shape[0])
+
+
+@torch.library.custom_op("capskip::saved_copy", mutates_args=())
+def saved_copy(z: Tensor) -> Tensor:
+    return z.clone()
+
+
+@saved_copy.register_fake
+def _saved_copy_fake(z: Tensor) -> Tensor:
+    return torch.empty_like(z)

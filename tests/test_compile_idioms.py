@@ -77,6 +77,33 @@ def test_each_linear_compiled_in_place_runs_the_rule_once_per_backward():
     assert roles.count("head") == 1, f"exactly one head graph (the logits'), got roles {roles}"
 
 
+class _InplaceAfterLinear(nn.Module):
+    """torchvision's VGG classifier pattern: Linear -> ReLU(inplace=True), here on rows or on tokens."""
+
+    def __init__(self, tokens: bool):
+        super().__init__()
+        self.tokens = tokens
+        self.fc, self.act, self.head = nn.Linear(6, 16), nn.ReLU(inplace=True), nn.Linear(16, 3)
+
+    def forward(self, x):
+        h = self.act(self.fc(x))
+        return self.head(h.mean(1) if self.tokens else h)
+
+
+@needs_dynamic_sources
+@pytest.mark.parametrize("tokens", [False, True], ids=["rows", "tokens"])
+def test_per_layer_compile_then_an_inplace_activation(tokens):
+    """Regression: every per-layer Linear graph is a candidate head and saved its output for the selection;
+    the eager in-place ReLU after it then failed autograd's version check ("modified by an inplace
+    operation") where dense saves nothing of it.  The selection now reads its own saved copy."""
+    torch.manual_seed(2)
+    model = _compile_linears(_InplaceAfterLinear(tokens).double())
+    shape = (N, 4, 6) if tokens else (N, 6)
+    for err, mode, n, kept, rows, fallback, _ in _steps(model, lambda: torch.randn(*shape, dtype=torch.float64)):
+        assert (mode, kept, rows) == ("selected", N // 2, N // 2), f"{mode}, kept {kept}, rows {rows}: {fallback}"
+        assert err < 1e-12, f"gradient differs from the selection's dense reference by {err:.3g}"
+
+
 @needs_dynamic_sources
 def test_root_module_compiled_in_place():
     torch.manual_seed(1)

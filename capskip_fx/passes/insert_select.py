@@ -13,7 +13,7 @@ the graphs; it tells the backward pass which rows it may drop.
 
 Invariants: at most one selection node per graph (``has_selection``: the pipeline skips a graph that
 has one, since some torch versions ran joint pre-passes twice); ``select`` reads ``h``, ``z`` and ``g``
-so the partitioner saves ``h`` and ``z``; graphs with cross-example coupling, or with no batch-shaped
+so the partitioner saves ``h`` and a copy of ``z`` (``_saved_copy``); graphs with cross-example coupling, or with no batch-shaped
 output, get no node (``Refused``: dense backward, reason recorded).  The functions here only rewrite
 the graph; ``passes/pipeline.py`` calls them in order and returns what they found.
 """
@@ -24,6 +24,7 @@ from typing import Optional
 
 import torch
 from torch import fx
+from torch.utils.checkpoint import CheckpointPolicy
 
 from .. import ops  # noqa: F401  (registers capskip::select)
 from ..layout import analyze
@@ -34,6 +35,7 @@ from .find_head import Head, InGraphLoss, outputs_and_tangents
 aten = torch.ops.aten
 SELECT = torch.ops.capskip.select.default
 SHARED = torch.ops.capskip.shared.default
+SAVED_COPY = torch.ops.capskip.saved_copy.default
 SELECTION_OPS = (SELECT, SHARED)
 
 
@@ -65,20 +67,26 @@ def _named_node(graph: fx.Graph, message: str) -> Optional[fx.Node]:
     return min(found, key=lambda f: f[0])[1] if found else None
 
 
-def select_head(graph: fx.Graph, head: Head, loss: Optional[InGraphLoss], key: int) -> int:
-    """Insert ``w = select(h, z, g, key)`` (``g``: the gradient into the logits computed in the backward,
-    for an in-graph loss) and mask the batch-shaped tangents with it; returns how many."""
+def select_head(graph: fx.Graph, head: Head, loss: Optional[InGraphLoss], key: int, layouts: dict) -> int:
+    """Insert ``w = select(h, z', g, key)`` (``z'`` a saved copy of the logits, given their layout in
+    ``layouts``; ``g``: the gradient into the logits computed in the backward, for an in-graph loss) and
+    mask the batch-shaped tangents with it; returns how many."""
     sym = batch_symbol_of(head.z.meta["val"])
     masked = _batch_tangents(graph, sym)
+    if loss is not None and head.tokens is not None:
+        z = head.z  # a causal LM's (N, T, vocab) logits: a copy would cost a logits' memory; loss inside the model
+    else:
+        z = _saved_copy(graph, head.z)
+        layouts[z.name] = layouts[head.z.name]
     if loss is None:
-        w = _insert(graph, head.z, SELECT, (head.h, head.z, head.g, key))
+        w = _insert(graph, z, SELECT, (head.h, z, head.g, key))
     else:  # select on the gradient into the logits, in the backward (runtime: prefix on all rows)
         outs = _output_nodes(graph)
         masked = [t for t, o in zip(*outs) if t in masked and o not in loss.nodes and o is not head.z]
         grad = loss.grad
         if head.tokens is not None:  # (s*T, C): select and mask its (s, T, C) view, the flat users read it back
             grad = _view(graph, loss.grad, [-1] + _sizes(graph, head.z, (1, 2), loss.grad), after=loss.grad)
-        w = _insert(graph, grad, SELECT, (head.h, head.z, grad, key))
+        w = _insert(graph, grad, SELECT, (head.h, z, grad, key))
         masked = [grad] + masked
     _mask_tangents(graph, w, masked)
     if loss is not None and head.tokens is not None:  # the flat gradient's other readers get the masked one
@@ -87,6 +95,20 @@ def select_head(graph: fx.Graph, head: Head, loss: Optional[InGraphLoss], key: i
         loss.grad.replace_all_uses_with(flat, delete_user_cb=lambda u: u is not grad)
     graph.lint()
     return len(masked)
+
+
+def _saved_copy(graph: fx.Graph, z: fx.Node) -> fx.Node:
+    """The copy of the logits the selection reads in the backward.  ``z`` is a user-visible output that
+    eager code after the graph may modify in place (a Linear compiled per layer, then ``relu(inplace=True)``):
+    saved itself, autograd's version check would fail where dense saves nothing of it.  A custom op, since
+    Inductor removes a plain clone as a no-op; MUST_SAVE keeps the partitioner from saving ``z`` and
+    recomputing the copy in the backward."""
+    with graph.inserting_after(z):
+        c = graph.call_function(SAVED_COPY, (z,))
+    with z.meta["val"].fake_mode:
+        c.meta["val"] = SAVED_COPY(z.meta["val"])
+    c.meta["recompute"] = CheckpointPolicy.MUST_SAVE
+    return c
 
 
 def _sizes(graph: fx.Graph, z: fx.Node, dims: tuple, before: fx.Node) -> list:

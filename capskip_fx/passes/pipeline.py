@@ -102,7 +102,8 @@ def joint(graph: fx.Graph, ctx: JointContext) -> Optional[JointResult]:
         loss = find_in_graph_loss(graph, head, backward_nodes(graph))
         recompute_row_indices(graph, sym)  # before the proof: the backward must not read arange(N)
         layouts = insert_select.prove_layout(graph, sym, exclude=loss.nodes if loss else ())
-        masked = insert_select.select_head(graph, head, loss, ctx.key)
+        layouts = dict(layouts)
+        masked = insert_select.select_head(graph, head, loss, ctx.key, layouts)
     except Refused as e:
         return _refused(e.refusal, ctx)
     return JointResult(head=True, in_graph_loss=loss is not None, masked_tangents=masked, head_bias=head.bias,
