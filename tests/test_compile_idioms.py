@@ -95,7 +95,7 @@ class _InplaceAfterLinear(nn.Module):
 def test_per_layer_compile_then_an_inplace_activation(tokens):
     """Regression: every per-layer Linear graph is a candidate head and saved its output for the selection;
     the eager in-place ReLU after it then failed autograd's version check ("modified by an inplace
-    operation") where dense saves nothing of it.  The selection now reads its own saved copy."""
+    operation") where dense saves nothing of it.  The graph now returns a copy of what it saves."""
     torch.manual_seed(2)
     model = _compile_linears(_InplaceAfterLinear(tokens).double())
     shape = (N, 4, 6) if tokens else (N, 6)

@@ -13,7 +13,7 @@ the graphs; it tells the backward pass which rows it may drop.
 
 Invariants: at most one selection node per graph (``has_selection``: the pipeline skips a graph that
 has one, since some torch versions ran joint pre-passes twice); ``select`` reads ``h``, ``z`` and ``g``
-so the partitioner saves ``h`` and a copy of ``z`` (``_saved_copy``); graphs with cross-example coupling, or with no batch-shaped
+so the partitioner saves ``h`` and ``z``, and the graph returns a copy of ``z`` (``_return_a_copy``); graphs with cross-example coupling, or with no batch-shaped
 output, get no node (``Refused``: dense backward, reason recorded).  The functions here only rewrite
 the graph; ``passes/pipeline.py`` calls them in order and returns what they found.
 """
@@ -24,7 +24,6 @@ from typing import Optional
 
 import torch
 from torch import fx
-from torch.utils.checkpoint import CheckpointPolicy
 
 from .. import ops  # noqa: F401  (registers capskip::select)
 from ..layout import analyze
@@ -73,11 +72,7 @@ def select_head(graph: fx.Graph, head: Head, loss: Optional[InGraphLoss], key: i
     mask the batch-shaped tangents with it; returns how many."""
     sym = batch_symbol_of(head.z.meta["val"])
     masked = _batch_tangents(graph, sym)
-    if loss is not None and head.tokens is not None:
-        z = head.z  # a causal LM's (N, T, vocab) logits: a copy would cost a logits' memory; loss inside the model
-    else:
-        z = _saved_copy(graph, head.z)
-        layouts[z.name] = layouts[head.z.name]
+    z = head.z
     if loss is None:
         w = _insert(graph, z, SELECT, (head.h, z, head.g, key))
     else:  # select on the gradient into the logits, in the backward (runtime: prefix on all rows)
@@ -89,6 +84,9 @@ def select_head(graph: fx.Graph, head: Head, loss: Optional[InGraphLoss], key: i
         w = _insert(graph, grad, SELECT, (head.h, z, grad, key))
         masked = [grad] + masked
     _mask_tangents(graph, w, masked)
+    if loss is None or head.tokens is None:  # a causal LM's (N, T, vocab) logits: a copy costs a logits' memory
+        copy = _return_a_copy(graph, head.z)
+        layouts[copy.name] = layouts[head.z.name]
     if loss is not None and head.tokens is not None:  # the flat gradient's other readers get the masked one
         masked_3d = next(u for u in grad.users if u.target is aten.mul.Tensor)
         flat = _view(graph, masked_3d, [-1] + _sizes(graph, head.z, (2,), masked_3d), after=masked_3d)
@@ -97,17 +95,17 @@ def select_head(graph: fx.Graph, head: Head, loss: Optional[InGraphLoss], key: i
     return len(masked)
 
 
-def _saved_copy(graph: fx.Graph, z: fx.Node) -> fx.Node:
-    """The copy of the logits the selection reads in the backward.  ``z`` is a user-visible output that
-    eager code after the graph may modify in place (a Linear compiled per layer, then ``relu(inplace=True)``):
-    saved itself, autograd's version check would fail where dense saves nothing of it.  A custom op, since
-    Inductor removes a plain clone as a no-op; MUST_SAVE keeps the partitioner from saving ``z`` and
-    recomputing the copy in the backward."""
+def _return_a_copy(graph: fx.Graph, z: fx.Node) -> fx.Node:
+    """Return a copy of the logits and save ``z`` itself for the selection.  Returned, ``z`` would be a
+    user-visible tensor that eager code after the graph may modify in place (a Linear compiled per layer,
+    then ``relu(inplace=True)``), and autograd's version check on the saved output would then fail where
+    dense saves nothing of it.  A custom op: Inductor removes a plain clone as a no-op."""
     with graph.inserting_after(z):
         c = graph.call_function(SAVED_COPY, (z,))
     with z.meta["val"].fake_mode:
         c.meta["val"] = SAVED_COPY(z.meta["val"])
-    c.meta["recompute"] = CheckpointPolicy.MUST_SAVE
+    out = graph.output_node()  # forward outputs then input gradients, flat: only the former can be z
+    out.args = ([c if o is z else o for o in out.args[0]],)
     return c
 
 
