@@ -446,6 +446,8 @@ def test_row_mixing_refused_naming_the_op(name, f, op, extra):
     g, res = joint(name, lambda: Fn(f), _x())
     assert res.refusal is not None and res.refusal.startswith("cross-example op in the forward"), res.refusal
     assert op in res.refusal and extra in res.refusal
+    assert res.node is not None, f"the {name} refusal should carry the node it refused at"
+    assert target(res.node).startswith(op), f"the {name} refusal should be located at {op}, not at {target(res.node)}"
 
 
 def _row_indexed_mask(rows):
@@ -484,6 +486,7 @@ def test_batch_cat_output_is_refused_naming_the_cat():
     assert "output of the forward" in res.refusal, res.refusal
     cat = node(g, lambda n: target(n) == "aten.cat.default")
     assert res.layouts[cat.name] == Layout("batch", 0, 2, 1)
+    assert res.node is cat, f"the token-major output's refusal should point at the cat that made it so, not {res.node}"
 
 
 def test_batchnorm_train_mode_refused_as_cross_example():
@@ -502,11 +505,39 @@ def test_unknown_op_refused_only_where_it_matters():
     m = node(g, lambda n: "mystery" in target(n))
     assert res.layouts[m.name].kind == "unknown" and "mystery" in res.layouts[m.name].why
     assert res.refusal is not None and "unknown" in res.refusal and "saved for the backward" in res.refusal
+    assert res.node is m, f"the refusal should point at the op that lost the layout ({m.name}), not at {res.node}"
     # an unknown value nobody reads: no refusal
     gm = _trace(lambda x: (mystery(x), x * 2)[1], torch.randn(N, D))
     res2 = analyze(gm.graph, batch_symbol(gm.graph))
     m2 = node(gm.graph, lambda n: "mystery" in target(n))
     assert res2.layouts[m2.name].kind == "unknown" and res2.refusal is None
+
+
+def test_refusal_naming_no_op_still_locates_the_value():
+    """An input with the batch in dim 1 is unknown from the start: the message names no op (no
+    ``name (target)``), yet the refusal carries the op of the value that matters, for its source line."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.proxy_tensor import make_fx
+    from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv, StatelessSymbolicContext
+
+    from capskip_fx.passes.insert_select import prove_layout
+    from capskip_fx.records import RefusalKind, Refused
+    y = torch.randn(D, N)  # made outside the fake mode: a real tensor to fake
+    with FakeTensorMode(shape_env=ShapeEnv()) as mode:
+        fake = mode.from_tensor(y, symbolic_context=StatelessSymbolicContext(
+            dynamic_sizes=[DimDynamic.STATIC, DimDynamic.DYNAMIC]))
+        gm = make_fx(lambda y: y.sin(), tracing_mode="fake")(fake)
+    sym = fake.shape[1].node.expr
+    sin = node(gm.graph, lambda n: target(n) == "aten.sin.default")
+    res = analyze(gm.graph, sym)
+    assert res.refusal is not None, "an output whose batch layout is unknown must be refused"
+    assert f"{sin.name} ({sin.target})" not in res.refusal, f"the message should name no op here: {res.refusal}"
+    assert res.node is sin, f"the refusal should point at the output value {sin.name}, not at {res.node}"
+    with pytest.raises(Refused) as caught:
+        prove_layout(gm.graph, sym)
+    refusal = caught.value.refusal
+    assert refusal.kind is RefusalKind.BATCH_LAYOUT, f"an unknown output is a batch-layout refusal, not {refusal.kind}"
+    assert refusal.op == "aten.sin.default", f"the refusal should name the output's op, got {refusal.op!r}"
 
 
 def test_layout_api():

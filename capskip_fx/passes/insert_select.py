@@ -19,7 +19,6 @@ the graph; ``passes/pipeline.py`` calls them in order and returns what they foun
 """
 from __future__ import annotations
 
-import re
 from typing import Optional
 
 import torch
@@ -52,17 +51,8 @@ def prove_layout(graph: fx.Graph, sym, exclude=()) -> dict:
     or outputs whose rows can't be gathered."""
     result = analyze(graph, sym, exclude)
     if result.refusal is not None:
-        raise Refused(result.refusal, result.kind or RefusalKind.BATCH_LAYOUT, node=_named_node(graph, result.refusal))
+        raise Refused(result.refusal, result.kind or RefusalKind.BATCH_LAYOUT, node=result.node)
     return result.layouts
-
-
-def _named_node(graph: fx.Graph, message: str) -> Optional[fx.Node]:
-    """The node a layout refusal names first (its messages name nodes as ``name (target)``), for the
-    refusal's op and source line.  Until layout.py's analysis returns the refusing node itself, this
-    finds it by that name: a refusal whose text names no node just carries no location."""
-    found = [(m.start(), n) for n in graph.nodes
-             for m in [re.search(rf"(?<![\w.]){re.escape(f'{n.name} ({n.target})')}", message)] if m]
-    return min(found, key=lambda f: f[0])[1] if found else None
 
 
 def select_head(graph: fx.Graph, head: Head, loss: Optional[InGraphLoss], key: int) -> int:
