@@ -101,6 +101,7 @@ class Layout:
     why: str = field(default="", compare=False)  # unknown: the op and source line that lost track
     #                                                (token-major batch: the op that made it so)
     origin: Optional[fx.Node] = field(default=None, compare=False, repr=False)  # the node ``why`` names
+    #                                               (during the walk only: LayoutAnalysis.layouts have none)
 
     @property
     def gatherable(self) -> bool:
@@ -378,9 +379,9 @@ class _Walk:
         layouts: dict[str, Layout] = {}
         for n, r in self.lay.items():
             if isinstance(r, Layout):
-                layouts[n.name] = r
+                layouts[n.name] = _detached(r)
             else:
-                layouts.update({f"{n.name}.{i}": x for i, x in enumerate(r) if x is not None})
+                layouts.update({f"{n.name}.{i}": _detached(x) for i, x in enumerate(r) if x is not None})
         kind, refusal, at = (self.refusals + checks)[0] if self.refusals or checks else (None, None, None)
         return LayoutAnalysis(layouts, refusal, kind, at)
 
@@ -502,6 +503,12 @@ class _Walk:
                         l.dim != first.dim or not same_size(l.outer * l.inner, first.outer * first.inner)):
                     raise self.mixing(n, f"{what} batch values in different dims ({a.name}: {l}, {first})")
         return first
+
+
+def _detached(lay: Layout) -> Layout:
+    """``lay`` without its origin node: the layouts outlive the joint graph (graph records keep them for
+    the backward pass), and a node would keep that whole graph alive."""
+    return lay if lay.origin is None else replace(lay, origin=None)
 
 
 def _aligned(lay: Layout, ndim_in: int, ndim_out: int) -> Layout:

@@ -525,6 +525,8 @@ def test_unknown_op_refused_only_where_it_matters():
     assert "unknown" in res.refusal, f"the refusal should say the layout is unknown: {res.refusal}"
     assert "saved for the backward" in res.refusal, f"the refusal should say the value is saved for the backward: {res.refusal}"
     assert res.node is m, f"the refusal should point at the op that lost the layout ({m.name}), not at {res.node}"
+    assert res.layouts[m.name].origin is None, (
+        "the returned layouts should hold no graph node: graph records keep them after the joint graph is gone")
     # an unknown value nobody reads: no refusal
     gm = _trace(lambda x: (mystery(x), x * 2)[1], torch.randn(N, D))
     res2 = analyze(gm.graph, batch_symbol(gm.graph))
