@@ -51,6 +51,9 @@ Invariants:
   output or the backward is refused: the backward may recompute ``arange`` at the kept rows' count.
 * Refusals met during the walk come first (the first in topological order); the checks of forward
   outputs and backward consumers come after them.  The walk itself never stops early.
+* ``LayoutAnalysis.node`` is the node the refusal is about (the mixing op; for an unknown or token-major
+  value, the op that lost or moved the batch, recorded in ``Layout.origin``, else the value itself), so
+  a refusal names its op and source line without parsing its text.
 
 Sizes are compared structurally (sympy monomials such as ``5*s``): no ``simplify``, and no guard is
 ever added to the shape env (no ``bool()`` of a SymInt).
@@ -70,7 +73,7 @@ from __future__ import annotations
 
 import operator
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Optional, Union
 
 import sympy
@@ -97,6 +100,8 @@ class Layout:
     inner: sympy.Expr = ONE
     why: str = field(default="", compare=False)  # unknown: the op and source line that lost track
     #                                                (token-major batch: the op that made it so)
+    origin: Optional[fx.Node] = field(default=None, compare=False, repr=False)  # the node ``why`` names
+    #                                               (during the walk only: LayoutAnalysis.layouts have none)
 
     @property
     def gatherable(self) -> bool:
@@ -124,6 +129,8 @@ class LayoutAnalysis:
     layouts: dict[str, Layout]  # see the module docstring for the keys
     refusal: Optional[str]  # None if the forward is row-separable and its saved values gatherable
     kind: Optional[RefusalKind] = None  # the refusal's kind (CROSS_EXAMPLE: row mixing)
+    node: Optional[fx.Node] = None  # where it refused: the mixing op, the op that lost the layout, the
+    #                                 value that matters (its op and source line locate the refusal)
 
 
 # --------------------------------------------------------------------------------------------
@@ -221,11 +228,11 @@ POINTWISE_EXTRA = _packets(aten, "copy copy_ fill_ masked_fill where _masked_sca
 
 
 class _Refuse(Exception):
-    """A refusal met at a node (message = the refusal): row mixing, or a layout rows can't be gathered by."""
+    """A refusal met at ``node`` (message = the refusal): row mixing, or a layout rows can't be gathered by."""
 
-    def __init__(self, message: str, kind: RefusalKind = RefusalKind.BATCH_LAYOUT):
+    def __init__(self, message: str, kind: RefusalKind, node: fx.Node):
         super().__init__(message)
-        self.kind = kind
+        self.kind, self.node = kind, node
 
 
 def backward_nodes(graph: fx.Graph) -> set[fx.Node]:
@@ -299,7 +306,7 @@ class _Walk:
         self.any_layout: set[fx.Node] = set()  # batch values whose rows are constant or i.i.d. random
         self.row_index: set[fx.Node] = set()  # batch-major values whose row b holds the value b (arange(N))
         self.row_value: dict[fx.Node, fx.Node] = {}  # values computed from a row index -> the op that used it
-        self.refusals: list[tuple[RefusalKind, str]] = []
+        self.refusals: list[tuple[RefusalKind, str, fx.Node]] = []
 
     # ---- value helpers
     def of(self, a: Any) -> Optional[Layout]:
@@ -310,7 +317,7 @@ class _Walk:
         return None
 
     def unknown(self, n: fx.Node, what: str = "") -> Layout:
-        return Layout("unknown", why=f"{_op(n)}{' ' + what if what else ''}{_where(n)}")
+        return Layout("unknown", why=f"{_op(n)}{' ' + what if what else ''}{_where(n)}", origin=n)
 
     def track(self, lay: Layout, out: torch.Tensor) -> Optional[Layout]:
         """``lay``'s batch dim, found again intact as the output's one s-dim (None if it isn't)."""
@@ -318,7 +325,7 @@ class _Walk:
         ks = symbol_dims(shape, self.sym)
         if len(ks) != 1 or not same_size(shape[ks[0]], lay.outer * self.sym * lay.inner):
             return None
-        return Layout("batch", ks[0], lay.outer, lay.inner, lay.why)
+        return replace(lay, kind="batch", dim=ks[0])
 
     def from_shape(self, out: torch.Tensor) -> Optional[Layout]:
         """Batch-major layout of a value whose rows fit any layout (constant, random, expanded)."""
@@ -351,7 +358,7 @@ class _Walk:
         return out
 
     def mixing(self, n: fx.Node, what: str) -> _Refuse:
-        return _Refuse(f"cross-example op in the forward: {_op(n)} {what}{_where(n)}", RefusalKind.CROSS_EXAMPLE)
+        return _Refuse(f"cross-example op in the forward: {_op(n)} {what}{_where(n)}", RefusalKind.CROSS_EXAMPLE, n)
 
     # ---- the walk
     def run(self) -> LayoutAnalysis:
@@ -361,39 +368,43 @@ class _Walk:
             try:
                 r = self.visit(n)
             except _Refuse as e:
-                self.refusals.append((e.kind, str(e)))
+                self.refusals.append((e.kind, str(e), e.node))
                 r = self.per_output(n, lambda v: None, "(row mixing)")
             except Exception as e:  # an argument form a rule did not expect: conservative
                 r = self.per_output(n, lambda v: None, f"(not analysed: {type(e).__name__}: {e})")
             if r is not None:
                 self.lay[n] = r
-        checks = [(RefusalKind.BATCH_LAYOUT, c) for c in self.check_uses()] + \
-            [(RefusalKind.ROW_INDEX_VALUE, c) for c in self.check_row_values()]
+        checks = [(RefusalKind.BATCH_LAYOUT, c, at) for c, at in self.check_uses()] + \
+            [(RefusalKind.ROW_INDEX_VALUE, c, at) for c, at in self.check_row_values()]
         layouts: dict[str, Layout] = {}
         for n, r in self.lay.items():
             if isinstance(r, Layout):
-                layouts[n.name] = r
+                layouts[n.name] = _detached(r)
             else:
-                layouts.update({f"{n.name}.{i}": x for i, x in enumerate(r) if x is not None})
-        kind, refusal = (self.refusals + checks)[0] if self.refusals or checks else (None, None)
-        return LayoutAnalysis(layouts, refusal, kind)
+                layouts.update({f"{n.name}.{i}": _detached(x) for i, x in enumerate(r) if x is not None})
+        kind, refusal, at = (self.refusals + checks)[0] if self.refusals or checks else (None, None, None)
+        return LayoutAnalysis(layouts, refusal, kind, at)
 
     def check_row_values(self) -> list:
         """A row index used as a value (arithmetic, not indexing) that reaches an output or the backward:
-        a gathered backward recomputing ``arange`` would number the kept rows 0..k-1, not by their rows."""
+        a gathered backward recomputing ``arange`` would number the kept rows 0..k-1, not by their rows.
+        (message, node) pairs: the node is the op that used the row index, or the row index read."""
         for n, origin in self.row_value.items():
             if any(u.op == "output" or u in self.bwd for u in n.users):
-                return [f"the row index arange(N) is used as a value, not to index rows ({_op(origin)}"
-                        f"{_where(origin)}): a selected-row backward would recompute it at the kept rows' count"]
+                return [(f"the row index arange(N) is used as a value, not to index rows ({_op(origin)}"
+                         f"{_where(origin)}): a selected-row backward would recompute it at the kept rows' count",
+                         origin)]
         for n in self.row_index:  # gathered, it would number the kept rows by their old rows
             if any(u in self.bwd for u in n.users):
-                return [f"the row index {_op(n)} is read by the backward{_where(n)}: gathered at the kept rows it "
-                        "would index rows the backward does not have (the pass recomputes arange(N) itself only "
-                        "in the backward of x[arange(N), j])"]
+                return [(f"the row index {_op(n)} is read by the backward{_where(n)}: gathered at the kept rows "
+                         "it would index rows the backward does not have (the pass recomputes arange(N) itself "
+                         "only in the backward of x[arange(N), j])", n)]
         return []
 
     def check_uses(self) -> list:
-        """Unknown values that are forward outputs or are read by the backward; token-major outputs."""
+        """Unknown values that are forward outputs or are read by the backward; token-major outputs.
+        (message, node) pairs: the node is the op that lost the layout (or made it token-major), else the
+        value itself (an input whose sizes use the batch symbol oddly has no op to name)."""
         out = []
         for n, r in self.lay.items():
             if not isinstance(r, Layout) or r.batch_major:
@@ -406,12 +417,12 @@ class _Walk:
                 else:
                     continue
                 if r.kind == "unknown":
-                    out.append(f"the batch layout of {n.name} is unknown (lost at {r.why}) and it {role}: "
-                               "its rows can't be selected")
+                    out.append((f"the batch layout of {n.name} is unknown (lost at {r.why}) and it {role}: "
+                                "its rows can't be selected", r.origin or n))
                 else:
-                    out.append(f"{n.name} holds the batch token-major ({r}: index (o*N + b)*inner + r with "
-                               f"o < {r.outer}{', since ' + r.why if r.why else ''}) and it {role}: "
-                               f"the selected-row backward takes outputs batch-major only{_where(n)}")
+                    out.append((f"{n.name} holds the batch token-major ({r}: index (o*N + b)*inner + r with "
+                                f"o < {r.outer}{', since ' + r.why if r.why else ''}) and it {role}: "
+                                f"the selected-row backward takes outputs batch-major only{_where(n)}", r.origin or n))
                 break
         return out
 
@@ -494,8 +505,14 @@ class _Walk:
         return first
 
 
+def _detached(lay: Layout) -> Layout:
+    """``lay`` without its origin node: the layouts outlive the joint graph (graph records keep them for
+    the backward pass), and a node would keep that whole graph alive."""
+    return lay if lay.origin is None else replace(lay, origin=None)
+
+
 def _aligned(lay: Layout, ndim_in: int, ndim_out: int) -> Layout:
-    return Layout("batch", lay.dim + ndim_out - ndim_in, lay.outer, lay.inner, lay.why)
+    return replace(lay, kind="batch", dim=lay.dim + ndim_out - ndim_in)
 
 
 def _ndim(a: fx.Node) -> int:
@@ -540,7 +557,7 @@ def reshape_layout(lay: Layout, in_shape: list, out_shape: list, sym: sympy.Symb
     inner = exact_quotient(i_tot, product(out_shape[k + 1:]), sym)
     if outer is None or inner is None or not same_size(out_shape[k], outer * sym * inner):
         return None
-    return Layout("batch", k, outer, inner, lay.why)
+    return replace(lay, kind="batch", dim=k, outer=outer, inner=inner)
 
 
 def _reshape(w: _Walk, n: fx.Node) -> Result:
@@ -551,7 +568,7 @@ def _reshape(w: _Walk, n: fx.Node) -> Result:
     def one(v):
         r = reshape_layout(x, in_shape, shape_exprs(v), w.sym)
         if r is not None and r.outer != 1 and not x.why:  # remember where it became token-major
-            r = Layout("batch", r.dim, r.outer, r.inner, f"{_op(n)} merged dims left of the batch{_where(n)}")
+            r = replace(r, why=f"{_op(n)} merged dims left of the batch{_where(n)}", origin=n)
         return r if r is None or r.outer != 1 else Layout("batch", r.dim, r.outer, r.inner)
     return w.per_output(n, one, "(split the batch dim)")
 
@@ -634,7 +651,7 @@ def _slab(w: _Walk, x: Layout, start: Any, length: sympy.Expr) -> Optional[Layou
     if start != 0 and (start.is_Number and start < 0 or exact_quotient(start, unit, w.sym) is None):
         return None
     outer = exact_quotient(length, unit, w.sym)
-    return Layout("batch", x.dim, outer, x.inner, x.why) if outer is not None else None
+    return replace(x, kind="batch", outer=outer) if outer is not None else None
 
 
 def _slice(w: _Walk, n: fx.Node) -> Result:
@@ -699,8 +716,9 @@ def _cat(w: _Walk, n: fx.Node) -> Result:
         outer = ZERO
         for _, l in batch:
             outer = outer + l.outer
-        why = batch[0][1].why or f"{_op(n)} along the batch dim{_where(n)}"
-        lay = Layout("batch", dim, outer, batch[0][1].inner, why)
+        first = batch[0][1]
+        lay = replace(first, dim=dim, outer=outer) if first.why else replace(
+            first, dim=dim, outer=outer, why=f"{_op(n)} along the batch dim{_where(n)}", origin=n)
         return w.per_output(n, lambda v: w.track(lay, v))
     lay = w.agree(n, batch, "concatenates")
     if all(a in w.any_layout for a, _ in batch):
@@ -831,7 +849,7 @@ def _matmul_out(w: _Walk, n: fx.Node, a: fx.Node, b: fx.Node) -> Optional[Layout
             d = nd - (1 if ndb == 1 else 2) if lay.dim == ndi - 2 else lay.dim + nd - ndi
         else:
             d = nd - 1 if lay.dim == ndi - 1 else lay.dim + nd - ndi
-        lands.append((arg, Layout("batch", d, lay.outer, lay.inner, lay.why)))
+        lands.append((arg, replace(lay, kind="batch", dim=d)))
     if len(lands) == 2 and lands[0][1] != lands[1][1]:
         raise w.mixing(n, f"pairs rows of the batch ({a.name}: {la}, {b.name}: {lb}): an (N, N) product such as "
                           "a Gram matrix h @ h.T")

@@ -27,18 +27,18 @@ def _joint_pass(key, config, logits_index=None) -> JointPass:
 def test_uuid_is_source_and_config_not_the_registry_key(tmp_path, monkeypatch):
     a = _joint_pass(1, CapskipConfig()).uuid()
     assert a == _joint_pass(2, CapskipConfig()).uuid(), (
-        f"expected a == _joint_pass(2, CapskipConfig()).uuid(), got {a!r}")  # another process numbers keys anew
+        f"the cache key must not depend on the registry key (another process numbers keys anew); uuid {a!r}")  # another process numbers keys anew
     assert a != _joint_pass(1, CapskipConfig(gather_below=0.5)).uuid(), (
-        f"expected a != _joint_pass(1, CapskipConfig(gather_b..., got {a!r}")
+        f"gather_below changes the compiled graph: it must change the cache key; uuid {a!r}")
     assert a != _joint_pass(1, CapskipConfig(vcas=True)).uuid(), (
-        f"expected a != _joint_pass(1, CapskipConfig(vcas=Tru..., got {a!r}")
+        f"vcas=True changes the compiled graph: it must change the cache key; uuid {a!r}")
     assert a != _joint_pass(1, CapskipConfig(), logits_index=1).uuid(), (
-        f"expected a != _joint_pass(1, CapskipConfig(), logit..., got {a!r}")  # another head
+        f"another logits output is another head: it must change the cache key; uuid {a!r}")  # another head
     files = pipeline.source_files()
     assert any(f.endswith(os.path.join("passes", "insert_select.py")) for f in files), (
-        'expected any(f.endswith(os.path.join("passes", "insert_select.py")) for f in...')
+        f"the key should hash the passes' source (insert_select.py among them); files {files}")
     assert not any("train" in f.split(os.sep) for f in files), (
-        'expected not any("train" in f.split(os.sep) for f in files)')
+        f"the harness (train/) is not compiled into graphs: editing it must not invalidate the cache; files {files}")
     uuids = []
     for i, text in enumerate(("x = 1\n", "x = 2\n")):  # an edited pass must not be served its old graphs
         src = tmp_path / f"v{i}" / "pass.py"  # torch caches each path's hash per process: one path per version
@@ -46,7 +46,7 @@ def test_uuid_is_source_and_config_not_the_registry_key(tmp_path, monkeypatch):
         src.write_text(text)
         monkeypatch.setattr(pipeline, "source_files", lambda src=src: (str(src),))
         uuids.append(_joint_pass(1, CapskipConfig()).uuid())
-    assert uuids[0] != uuids[1], f"expected uuids[0] != uuids[1], got {uuids[0]!r} vs {uuids[1]!r}"
+    assert uuids[0] != uuids[1], f"an edited pass must not be served its old graphs: the key stayed {uuids[0]!r}"
 
 
 _CHILD = textwrap.dedent("""

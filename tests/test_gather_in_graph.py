@@ -36,7 +36,8 @@ def _check(cm, model, shape, steps, tol):
         assert st.kept == len(keep), (st.kept, st.rows)
         assert st.rows < n, (st.kept, st.rows)
         assert max_rel_err(grads, reference_grads(model, x, y, st.weight)) < tol, (
-            'expected max_rel_err(grads, reference_grads(model, x, y, st.weight)) < tol')
+            f"batch {n}, keep {keep}: the in-graph gather's gradients differ from the reference; rel. error "
+            f"{max_rel_err(grads, reference_grads(model, x, y, st.weight))!r}")
 
 
 @pytest.mark.parametrize("backend", ["aot_eager", pytest.param("inductor", marks=pytest.mark.skipif(
@@ -50,13 +51,14 @@ def test_deit_gathers_in_graph_exactly(backend):
     # caches off: a graph served from an earlier run's cache skips the pass, and the counter must see it run
     with torch._inductor.config.patch(fx_graph_cache=False), torch._functorch.config.patch(enable_autograd_cache=False):
         _check(cm, model, (3, 32, 32), [(12, [0, 3, 4, 9]), (9, [8, 1]), (12, [5])], 1e-9)
-    assert not any(r.cached for r in cm.backend.records), 'expected not any(r.cached for r in cm.backend.records)'
+    assert not any(r.cached for r in cm.backend.records), "with the caches off no graph may come from a cache: the counter must see the pass run"
     head = next(r for r in cm.backend.records if r.head)
-    assert head.gather == "graph", f'expected head.gather == "graph", got {head.gather!r}'
-    assert head.gather_refused is None, f"expected head.gather_refused is None, got {head.gather_refused!r}"
+    assert head.gather == "graph", f"gather='graph' should gather the head's saved rows inside the graph, not {head.gather!r}"
+    assert head.gather_refused is None, f"the in-graph gather should not be refused on DeiT, got {head.gather_refused!r}"
     assert counters()["gather_in_graph"] == before + 1, (
-        f'expected counters()["gather_in_graph"] == before + 1, got {counters()["gather_in_graph"]!r} vs {before + 1!r}')
-    assert head.row_counts == {4, 2}, f"expected head.row_counts == {{4, 2}}, got {head.row_counts!r}"  # min_rows pads 1 kept row to 2
+        f"the in-graph gather pass should have run once for the one graph: counter {counters()['gather_in_graph']!r}, "
+        f"was {before!r}")
+    assert head.row_counts == {4, 2}, f"the head should run at 4 rows and at 2 (min_rows pads 1 kept row to 2), ran at {head.row_counts!r}"  # min_rows pads 1 kept row to 2
 
 
 class _Broken(nn.Module):
@@ -87,9 +89,10 @@ def test_graph_break_scatters_input_gradients_in_graph(backend):
     assert all(r.gather == "graph" for r in recs), [r.as_dict() for r in cm.backend.records]
     head = next(r for r in recs if r.head)
     assert any(s is not None and s.kind == "batch" for s in head.plan.out_specs), (
-        'expected any(s is not None and s.kind == "batch" for s in head.plan.out_specs)')  # an input gradient scattered
+        f"{backend}: the input gradient across the graph break should be scattered back by rows; out specs "
+        f"{head.plan.out_specs}")  # an input gradient scattered
     assert any(s.kind == "batch" and s.factor == 3 for s in head.plan.specs), (
-        'expected any(s.kind == "batch" and s.factor == 3 for s in head.plan.specs)')  # a flattened (N*T, D) input
+        f"{backend}: the flattened (N*T, D) input should be gathered with factor T=3; specs {head.plan.specs}")  # a flattened (N*T, D) input
 
 
 def test_refused_rewrite_keeps_the_eager_gather(monkeypatch):
@@ -102,11 +105,11 @@ def test_refused_rewrite_keeps_the_eager_gather(monkeypatch):
     cm = capskip_fx.compile(model, rule="dense", backend="aot_eager", gather="graph")
     _check(cm, model, (3, 6), [(10, [1, 2, 7])], 1e-9)
     head = next(r for r in cm.backend.records if r.head)
-    assert head.gather == "eager", f'expected head.gather == "eager", got {head.gather!r}'
+    assert head.gather == "eager", f"a refused in-graph rewrite should fall back to the eager gather (not dense), got {head.gather!r}"
     assert "refused for the test" in head.gather_refused, (
-        f'expected "refused for the test" in head.gather_refused, got head.gather_refused = {head.gather_refused!r}')
+        f"the record should keep why the in-graph gather was refused, got {head.gather_refused!r}")
     assert "refused for the test" in head.as_dict()["gather"], (
-        'expected "refused for the test" in head.as_dict()["gather"]')
+        f"the report's gather column should show the refusal, got {head.as_dict()['gather']!r}")
 
 
 def test_guard_on_the_full_row_count_is_refused():
@@ -136,20 +139,21 @@ def test_buckets_bound_the_row_counts(n, buckets, granule):
     cfg = capskip_fx.CapskipConfig(buckets=buckets, granule=granule, min_rows=1)
     counts = {cfg.bucket(k, n) for k in range(n + 1)}
     assert len(counts - {n}) <= buckets, (
-        f"expected len(counts - {{n}}) <= buckets, got {len(counts - {n})!r} vs {buckets!r}")
+        f"n={n}: row counts below N should fall into at most {buckets} buckets (fewer graphs), got {sorted(counts - {n})!r}")
     assert all(k <= cfg.bucket(k, n) <= n for k in range(n + 1)), (
-        'expected all(k <= cfg.bucket(k, n) <= n for k in range(n + 1))')
+        f"n={n}: a bucket must hold the kept rows (>= k) and never exceed the batch N; buckets "
+        f"{[cfg.bucket(k, n) for k in range(n + 1)]}")
 
 
 def test_reduce_overhead_sets_cudagraphs_and_buckets(monkeypatch):
     cfg = capskip_fx.CapskipConfig(mode="reduce-overhead")
-    assert cfg.buckets == 8, f"expected cfg.buckets == 8, got {cfg.buckets!r}"
+    assert cfg.buckets == 8, f"reduce-overhead should default to 8 row buckets (bounded CUDA graphs), got {cfg.buckets!r}"
     assert cfg.inductor_options() == {"triton.cudagraphs": True}, (
-        'expected cfg.inductor_options() == {"triton.cudagraphs": True}')
+        f"reduce-overhead should turn on Inductor's CUDA graphs, options {cfg.inductor_options()!r}")
     assert capskip_fx.CapskipConfig(mode="reduce-overhead", buckets=2).buckets == 2, (
-        'expected capskip_fx.CapskipConfig(mode="reduce-overhead", buckets=2).buckets...')
+        "an explicit buckets= should override reduce-overhead's default")
     assert capskip_fx.CapskipConfig(mode="max-autotune-no-cudagraphs").buckets is None, (
-        'expected capskip_fx.CapskipConfig(mode="max-autotune-no-cudagraphs").buckets...')
+        "a mode without CUDA graphs needs no row buckets")
     with pytest.raises(ValueError, match="reduce-overhead"):  # torch's message lists the modes
         capskip_fx.CapskipConfig(mode="fast")
     seen = []
@@ -165,7 +169,7 @@ def test_reduce_overhead_sets_cudagraphs_and_buckets(monkeypatch):
     # on CPU Inductor skips CUDA graphs (its log says why); the graphs, buckets and gradients are the same
     cm = capskip_fx.compile(model, rule="dense", backend="aot_eager", mode="reduce-overhead", gather="graph")
     _check(cm, model, (3, 6), [(16, [1, 2, 7]), (16, [0, 3, 5, 6, 9])], 1e-9)
-    assert seen, f"expected seen to be true, got {seen!r}"
-    assert all(seen), 'expected all(seen)'
+    assert seen, "the backend's inner compile was never called: the spy saw no graph"
+    assert all(seen), f"every graph should compile with CUDA graphs on under reduce-overhead; seen {seen}"
     head = next(r for r in cm.backend.records if r.head)
-    assert head.row_counts == {4, 6}, f"expected head.row_counts == {{4, 6}}, got {head.row_counts!r}"  # multiples of ceil(16 / 8)
+    assert head.row_counts == {4, 6}, f"3 and 5 kept rows of 16 should pad to multiples of ceil(16 / 8) = 2: 4 and 6, ran at {head.row_counts!r}"  # multiples of ceil(16 / 8)

@@ -70,16 +70,20 @@ def _step(kind, rule, backend_="aot_eager", **opts):
     for k, p in model.named_parameters():
         r = dict(ref.named_parameters())[k].grad
         if r is None:
-            assert p.grad is None or p.grad.abs().max() == 0
+            assert p.grad is None or p.grad.abs().max() == 0, (
+                f"{k} gets no gradient in the reference, but the compiled {kind} head gave it a nonzero one")
             continue
-        assert (p.grad.double() - r).norm() <= 1e-5 * max(r.norm(), 1e-6), k
+        err = ((p.grad.double() - r).norm() / max(r.norm(), 1e-6)).item()
+        assert err <= 1e-5, f"{kind} head with rule {rule}: {k}'s gradient differs from the reference by {err:.2e}"
     return model, ref, st, x, y
 
 
 @pytest.mark.parametrize("kind", ["scaled", "temperature"])
 def test_scaled_linear_head_selects_rows(kind):
     _, _, st, _, _ = _step(kind, "random", keep=0.5)
-    assert (st.mode, st.kept, st.rows) == ("selected", 8, 8), st
+    assert st.mode == "selected", f"a {kind} Linear head should be found and its rows selected: {st}"
+    assert st.kept == 8, f"keep=0.5 of the 16-row batch should keep 8: {st}"
+    assert st.rows == 8, f"the backward should run on the 8 kept rows only: {st}"
 
 
 def _per_example(ref, kind, x, y):
@@ -108,32 +112,42 @@ def test_capskip_bound_follows_every_head_parameter(kind):
     per = _per_example(ref, kind, x, y)
     skipped = st.weight.double() == 0
     k = int(skipped.sum())
-    assert 0 < k < N, st
+    assert 0 < k < N, f"with every row correct and budget 0.3, CAPSkip should skip some rows and keep some: {st}"
     total = per.sum(0).norm()
-    assert abs(float(st.bound) - (per[skipped].sum(0).norm() / total).item()) < 1e-4
+    bound = (per[skipped].sum(0).norm() / total).item()
+    assert abs(float(st.bound) - bound) < 1e-4, (
+        f"{kind}: the reported bound {float(st.bound):.6f} should be ||S_k||/||G|| over every head parameter, {bound:.6f}")
     order = per.norm(dim=1).argsort().tolist()
-    assert set(order[:k]) == set(torch.nonzero(skipped).flatten().tolist())
-    assert all(per[order[:kk]].sum(0).norm() > 0.3 * total for kk in range(k + 1, N + 1))
+    assert set(order[:k]) == set(torch.nonzero(skipped).flatten().tolist()), (
+        f"{kind}: CAPSkip should skip the {k} rows of smallest gradient norm {sorted(order[:k])}, "
+        f"skipped {torch.nonzero(skipped).flatten().tolist()}")
+    longer = [kk for kk in range(k + 1, N + 1) if per[order[:kk]].sum(0).norm() <= 0.3 * total]
+    assert not longer, f"{kind}: skipping {longer} rows would also fit the budget, CAPSkip stopped at {k}"
 
 
 @pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
 @pytest.mark.parametrize("kind", ["distilled", "distilled_tokens", "one_input"])
 def test_distilled_head_selects_rows(kind, backend):
     _, _, st, _, _ = _step(kind, "random", keep=0.5, backend_=backend)
-    assert (st.mode, st.kept, st.rows) == ("selected", 8, 8), st
+    assert st.mode == "selected", f"a {kind} two-head model ({backend}) should run selected rows: {st}"
+    assert st.kept == 8, f"keep=0.5 of the 16-row batch should keep 8: {st}"
+    assert st.rows == 8, f"the backward should run on the 8 kept rows only: {st}"
 
 
 def test_heads_with_unequal_weights_run_dense_masked_exactly():
     """0.7 * head - 0.3 * head_dist: the Gram features are scaled copies the forward does not need, so
     they are computed in the backward: the rule still applies, exact, on all rows."""
     _, _, st, _, _ = _step("weighted", "random", keep=0.5)
-    assert (st.mode, st.kept) == ("dense-masked", 8), st
+    assert st.mode == "dense-masked", f"unequally weighted heads need the Gram features in the backward: {st}"
+    assert st.kept == 8, f"the rule should still keep 8 of 16 rows (weighted 0 in the dense backward): {st}"
 
 
 @pytest.mark.parametrize("kind,why", [("learnable", "learnable temperature"), ("cosine", "computed, not a parameter")])
 def test_heads_capskip_cannot_follow_are_refused_with_the_reason(kind, why):
     _, _, st, _, _ = _step(kind, "random", keep=0.5)
-    assert st.mode == "dense" and "no classifier head" in st.fallback and why in st.fallback, st
+    assert st.mode == "dense", f"a {kind} head CAPSkip cannot follow should run dense: {st}"
+    assert "no classifier head" in st.fallback, f"the fallback should say no classifier head was found: {st.fallback!r}"
+    assert why in st.fallback, f"the fallback should say why ({why!r}): {st.fallback!r}"
 
 
 class Heads(nn.Module):
@@ -170,11 +184,12 @@ def test_capskip_gram_of_any_sum_of_heads_is_the_parameters(heads):
     cm = capskip_fx.compile(model, rule="capskip", budget=0.3, backend="aot_eager")
     F.cross_entropy(cm(x), y).backward()
     st_ = capskip_fx.stats(cm)
-    assert st_.mode in ("selected", "dense-masked"), st_
+    assert st_.mode in ("selected", "dense-masked"), f"a sum of Linear heads {heads} should apply the rule: {st_}"
     w = st_.weight.double()
     (F.cross_entropy(ref(x.double()), y, reduction="none") * w).mean().backward()
     for (k, p), (_, r) in zip(model.named_parameters(), ref.named_parameters()):
-        assert (p.grad.double() - r.grad).norm() <= 1e-5 * max(r.grad.norm(), 1e-6), k
+        err = ((p.grad.double() - r.grad).norm() / max(r.grad.norm(), 1e-6)).item()
+        assert err <= 1e-5, f"heads {heads}: {k}'s gradient differs from the reference by {err:.2e}"
     params = [p for k, p in ref.named_parameters() if k.startswith("heads.")]
     per = []
     for i in range(N):
@@ -185,4 +200,7 @@ def test_capskip_gram_of_any_sum_of_heads_is_the_parameters(heads):
     total = per.sum(0).norm()
     if total == 0:
         return
-    assert abs(float(st_.bound) - (per[w == 0].sum(0).norm() / total).item()) < 1e-4
+    bound = (per[w == 0].sum(0).norm() / total).item()
+    assert abs(float(st_.bound) - bound) < 1e-4, (
+        f"heads {heads}: the reported bound {float(st_.bound):.6f} should be ||S_k||/||G|| of every head's "
+        f"weight and bias, {bound:.6f}")

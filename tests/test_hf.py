@@ -62,9 +62,12 @@ def test_trainer_skips_rows_with_the_in_model_loss(make, monkeypatch, tmp_path):
                                           remove_unused_columns=False, disable_tqdm=True)
     transformers.Trainer(model=opt, args=args, train_dataset=_Data(sample)).train()
     st = capskip_fx.stats(opt)
-    assert (st.n, st.kept, st.rows) == (8, 4, 4)
+    assert st.n == 8, f"Trainer's batch should reach the graph whole (8 rows), stats saw {st.n}"
+    assert st.kept == 4, f"keep=0.5 of 8 rows should keep 4, kept {st.kept}"
+    assert st.rows == 4, f"the backward should run on the 4 kept rows only, ran on {st.rows}"
     rep = capskip_fx.report(opt)
-    assert any(r["role"] == "head" and r["backward"] == "selected rows" for r in rep)
+    assert any(r["role"] == "head" and r["backward"] == "selected rows" for r in rep), (
+        f"the in-model loss's head graph should run its backward on selected rows; report: {rep}")
     # one step by hand on the same compiled model: gradients == the eager reference of the kept rows
     batch = torch.utils.data.default_collate([_Data(sample)[i] for i in range(8, 16)])
     ref = copy.deepcopy(model).eval()
@@ -80,7 +83,7 @@ def test_trainer_skips_rows_with_the_in_model_loss(make, monkeypatch, tmp_path):
     # shift invariance) and carry float32 rounding noise on both sides
     total = torch.sqrt(sum(r.double().pow(2).sum() for r in refs.values())).item()
     err = max((grads[k] - r).double().norm().item() / max(r.double().norm().item(), 1e-6 * total) for k, r in refs.items())
-    assert err < 1e-4
+    assert err < 1e-4, f"the Trainer model's gradients should match the eager kept-row reference, rel. error {err:.2e}"
 
 
 def test_trainer_with_the_model_compiled_in_place(monkeypatch, tmp_path):
@@ -102,11 +105,15 @@ def test_trainer_with_the_model_compiled_in_place(monkeypatch, tmp_path):
     add_callback(trainer)
     trainer.train()
     st = capskip_fx.stats(model)
-    assert (st.mode, st.n, st.kept, st.rows) == ("selected", 8, 4, 4), st
+    assert st.mode == "selected", f"the model compiled in place should run selected rows, not {st.mode}: {st}"
+    assert st.n == 8, f"Trainer's batch should reach the graph whole (8 rows): {st}"
+    assert st.kept == 4, f"keep=0.5 of 8 rows should keep 4: {st}"
+    assert st.rows == 4, f"the backward should run on the 4 kept rows only: {st}"
     logged = [h for h in trainer.state.log_history if "capskip/kept_pct" in h]
     assert logged, f"no capskip fields in the logs: {trainer.state.log_history}"
-    assert logged[-1]["capskip/kept_pct"] == 50.0 and logged[-1]["capskip/steps"] == 3, logged[-1]
-    assert "eval_loss" in trainer.evaluate(), "Trainer found the labels (model signature kept)"
+    assert logged[-1]["capskip/kept_pct"] == 50.0, f"the callback should log keep=0.5 as 50%: {logged[-1]}"
+    assert logged[-1]["capskip/steps"] == 3, f"the callback should count the 3 training steps: {logged[-1]}"
+    assert "eval_loss" in trainer.evaluate(), "no eval_loss: Trainer did not find the labels (model signature lost)"
     trainer.save_model(str(tmp_path / "saved"))
     fresh = type(model).from_pretrained(str(tmp_path / "saved"))
     for (k, a), b in zip(model.state_dict().items(), fresh.state_dict().values()):
@@ -161,12 +168,19 @@ def test_decoder_classifier_selects_rows_exactly(kind, side, gather):
     cm = capskip_fx.compile(model, rule="random", keep=0.5, backend="aot_eager", gather=gather)
     F.cross_entropy(cm(input_ids=ids, attention_mask=mask).logits, y).backward()
     st = capskip_fx.stats(cm)
-    assert (st.mode, st.n, st.kept) == ("selected", 8, 4), st
-    assert any(r["role"] == "head" and r["backward"] == "selected rows" for r in capskip_fx.report(cm))
+    assert st.mode == "selected", f"a {kind} classifier ({side} padding) should run selected rows: {st}"
+    assert st.n == 8, f"the batch should reach the graph whole (8 rows): {st}"
+    assert st.kept == 4, f"keep=0.5 of 8 rows should keep 4: {st}"
+    rep = capskip_fx.report(cm)
+    assert any(r["role"] == "head" and r["backward"] == "selected rows" for r in rep), (
+        f"the last-token gather should leave a head graph with a selected backward; report: {rep}")
     (F.cross_entropy(ref(input_ids=ids, attention_mask=mask).logits, y, reduction="none") * st.weight.double()).mean().backward()
     grads = _grads(model)
     refs = {k: p.grad for k, p in ref.named_parameters() if k in grads}
-    assert refs.keys() == grads.keys() and _rel_err(grads, refs) < 1e-4
+    assert refs.keys() == grads.keys(), (
+        f"the compiled model should give gradients to the reference's parameters, differs in {refs.keys() ^ grads.keys()}")
+    err = _rel_err(grads, refs)
+    assert err < 1e-4, f"{kind} ({side}, gather={gather}) gradients differ from the kept-row reference: {err:.2e}"
 
 
 @pytest.mark.parametrize("side", ["right", "left"])
@@ -182,7 +196,8 @@ def test_decoder_classifier_capskip_bound_from_per_example_gradients(side):
     cm = capskip_fx.compile(model, rule="capskip", budget=0.5, backend="aot_eager")
     cm(input_ids=ids, attention_mask=mask, labels=y).loss.backward()
     st = capskip_fx.stats(cm)
-    assert st.mode == "selected" and 0 < st.kept < 8, st
+    assert st.mode == "selected", f"CAPSkip with labels= should run selected rows: {st}"
+    assert 0 < st.kept < 8, f"with every row correct and budget 0.5, CAPSkip should skip some rows and keep some: {st}"
     per = []
     for i in range(8):
         ref.zero_grad()
@@ -192,13 +207,18 @@ def test_decoder_classifier_capskip_bound_from_per_example_gradients(side):
     per = torch.stack(per)
     skipped = st.weight.double() == 0
     bound = per[skipped].sum(0).norm() / per.sum(0).norm()
-    assert abs(float(st.bound) - bound.item()) < 1e-4 and float(st.bound) <= 0.5
+    assert abs(float(st.bound) - bound.item()) < 1e-4, (
+        f"the reported bound {float(st.bound):.6f} should be ||S_k||/||G|| of the per-example gradients, {bound.item():.6f}")
+    assert float(st.bound) <= 0.5, f"the skipped rows' bound {float(st.bound)} exceeds the budget 0.5"
     # and no longer prefix of the increasing-norm order fits the budget
     order = [i for i in per.norm(dim=1).argsort().tolist()]
     k = int(skipped.sum())
-    assert set(order[:k]) == set(torch.nonzero(skipped).flatten().tolist())
+    assert set(order[:k]) == set(torch.nonzero(skipped).flatten().tolist()), (
+        f"CAPSkip should skip the {k} rows of smallest gradient norm {sorted(order[:k])}, "
+        f"skipped {torch.nonzero(skipped).flatten().tolist()}")
     for kk in range(k + 1, 9):
-        assert per[order[:kk]].sum(0).norm() > 0.5 * per.sum(0).norm()
+        assert per[order[:kk]].sum(0).norm() > 0.5 * per.sum(0).norm(), (
+            f"skipping {kk} rows would also fit the budget: CAPSkip should have skipped the longest prefix, not {k}")
 
 
 def _distilbert():
@@ -218,11 +238,14 @@ def test_distilbert_with_labels_selects_rows(backend):
     cm = torch.compile(model, backend="capskip", options={"rule": "random", "keep": 0.5, "backend": backend})
     cm(input_ids=ids, attention_mask=mask, labels=y).loss.backward()
     st = capskip_fx.stats(cm)
-    assert (st.mode, st.n, st.kept) == ("selected", 8, 4), st
+    assert st.mode == "selected", f"DistilBERT with labels= ({backend}) should run selected rows: {st}"
+    assert st.n == 8, f"the batch should reach the graph whole (8 rows): {st}"
+    assert st.kept == 4, f"keep=0.5 of 8 rows should keep 4: {st}"
     (F.cross_entropy(ref(input_ids=ids, attention_mask=mask).logits, y, reduction="none") * st.weight.double()).mean().backward()
     grads = _grads(model)
     refs = {k: p.grad for k, p in ref.named_parameters() if k in grads}
-    assert _rel_err(grads, refs) < 1e-4
+    err = _rel_err(grads, refs)
+    assert err < 1e-4, f"DistilBERT ({backend}) gradients differ from the kept-row reference: rel. error {err:.2e}"
 
 
 # ------------------------------------------------------------------------------------------
@@ -267,9 +290,12 @@ def test_causal_lm_with_labels_selects_sequences_exactly(kind, rule, backend):
     cm = capskip_fx.compile(model, rule=rule, backend=backend, **opts)
     cm(input_ids=ids, attention_mask=mask, labels=labels).loss.backward()
     st = capskip_fx.stats(cm)
-    assert st.mode == "selected" and 0 < st.kept < 8 and st.rows < 8, st
+    assert st.mode == "selected", f"{kind}: the step should select sequences: {st}"
+    assert 0 < st.kept < 8, f"{kind}: the rule should keep some but not all of 8 sequences: {st}"
+    assert st.rows < 8, f"{kind}: the backward should run on fewer than 8 sequences: {st}"
     heads = [r for r in capskip_fx.report(cm) if r["role"] == "head"]
-    assert heads and heads[0]["backward"] == "selected rows", capskip_fx.report(cm)
+    assert heads, f"{kind}: no head graph in {capskip_fx.report(cm)}"
+    assert heads[0]["backward"] == "selected rows", f"{kind}: the head graph's backward: {heads[0]}"
     head = next(r for r in cm.backend.records if r.head)
     assert head.in_graph_loss == (kind != "gpt2"), f"{kind}: in-graph loss {head.in_graph_loss}"
     assert head.verified, "the gathered backward was not checked against the dense-masked one"
@@ -277,7 +303,8 @@ def test_causal_lm_with_labels_selects_sequences_exactly(kind, rule, backend):
     grads = _grads(model)
     refs = {k: p.grad for k, p in ref.named_parameters() if k in grads}
     assert refs.keys() == grads.keys(), "parameters with a gradient differ"
-    assert _rel_err(grads, refs) < 1e-4
+    err = _rel_err(grads, refs)
+    assert err < 1e-4, f"{kind} ({rule}, {backend}) gradients differ from the kept-sequence reference: {err:.2e}"
 
 
 def test_token_classification_with_labels_selects_sequences_exactly():
@@ -292,8 +319,11 @@ def test_token_classification_with_labels_selects_sequences_exactly():
     cm = capskip_fx.compile(model, rule="random", keep=0.5, backend="aot_eager")
     cm(input_ids=ids, attention_mask=mask, labels=labels).loss.backward()
     st = capskip_fx.stats(cm)
-    assert (st.mode, st.kept, st.rows) == ("selected", 4, 4), st
+    assert st.mode == "selected", f"token classification should select sequences: {st}"
+    assert (st.kept, st.rows) == (4, 4), f"keep=0.5 of 8 sequences should keep and run 4: {st}"
     _weighted_token_loss(ref(input_ids=ids, attention_mask=mask).logits, labels, st.weight.double(), False).backward()
     grads = _grads(model)
     refs = {k: p.grad for k, p in ref.named_parameters() if k in grads}
-    assert refs.keys() == grads.keys() and _rel_err(grads, refs) < 1e-4
+    assert refs.keys() == grads.keys(), "parameters with a gradient differ"
+    err = _rel_err(grads, refs)
+    assert err < 1e-4, f"token classification gradients differ from the kept-sequence reference: {err:.2e}"

@@ -29,26 +29,26 @@ def test_tiny_run_reports_ratios_with_intervals(tmp_path):
     data = json.loads((tmp_path / "r.json").read_text())
     rows = {r["arm"]: r for r in data["rows"]}
     assert list(rows) == ["torch.compile", "dense", "forced:keep=0.5", "infobatch"], (
-        f'expected list(rows) == ["torch.compile", "dense", "forced:ke..., got {list(rows)!r}')
+        f"the report should list the torch.compile baseline, then the arms in the order given; got {list(rows)!r}")
     assert rows["forced:keep=0.5"]["kept_frac"] == 0.5, (
-        f'expected rows["forced:keep=0.5"]["kept_frac"] == 0.5, got {rows["forced:keep=0.5"]["kept_frac"]!r}')
+        f"the forced keep=0.5 arm should report half its rows kept, got {rows['forced:keep=0.5']['kept_frac']!r}")
     assert rows["dense"]["kept_frac"] == 1.0, (
-        f'expected rows["dense"]["kept_frac"] == 1.0, got {rows["dense"]["kept_frac"]!r}')
+        f"the dense arm keeps every row, reported {rows['dense']['kept_frac']!r}")
     assert rows["torch.compile"]["ratio"] == 1.0, (
-        f'expected rows["torch.compile"]["ratio"] == 1.0, got {rows["torch.compile"]["ratio"]!r}')
+        f"the baseline's ratio to itself should be exactly 1, got {rows['torch.compile']['ratio']!r}")
     for r in rows.values():
-        assert len(r["block_ratios"]) == 3, f'expected len(r["block_ratios"]) == 3, got {len(r["block_ratios"])!r}'
-        assert all(x > 0 for x in r["block_ratios"]), 'expected all(x > 0 for x in r["block_ratios"])'
-        assert r["ratio_lo"] <= r["ratio"] <= r["ratio_hi"], 'expected r["ratio_lo"] <= r["ratio"] <= r["ratio_hi"]'
-        assert math.isfinite(r["ratio_hi"]), 'expected math.isfinite(r["ratio_hi"])'
+        assert len(r["block_ratios"]) == 3, f"{r['arm']}: one ratio per block (--blocks 3), got {len(r['block_ratios'])!r}"
+        assert all(x > 0 for x in r["block_ratios"]), f"{r['arm']}: a time ratio must be positive, got {r['block_ratios']}"
+        assert r["ratio_lo"] <= r["ratio"] <= r["ratio_hi"], f"{r['arm']}: the ratio should lie inside its interval: {r['ratio_lo']} <= {r['ratio']} <= {r['ratio_hi']}"
+        assert math.isfinite(r["ratio_hi"]), f"{r['arm']}: the interval's upper end should be finite with 3 blocks, got {r['ratio_hi']}"
         assert r["ratio"] == pytest.approx(sum(r["block_ratios"]) / 3, rel=1e-12), (
-            f'expected r["ratio"] == pytest.approx(sum(r["block_ratios"]) ..., got {r["ratio"]!r}')
+            f"{r['arm']}: the ratio should be the mean of the block ratios {r['block_ratios']}, got {r['ratio']!r}")
     assert data["env"]["dataset"] == "digits", (
-        f'expected data["env"]["dataset"] == "digits", got {data["env"]["dataset"]!r}')
-    assert data["env"]["blocks"] == 3, f'expected data["env"]["blocks"] == 3, got {data["env"]["blocks"]!r}'
+        f"the run should record the harness's dataset (digits), got {data['env']['dataset']!r}")
+    assert data["env"]["blocks"] == 3, f"the run should record --blocks 3, got {data['env']['blocks']!r}"
     md = (tmp_path / "r.md").read_text()
-    assert "| forced:keep=0.5 | 0.500 |" in md, f'expected "| forced:keep=0.5 | 0.500 |" in md, got md = {md!r}'
-    assert "r vs torch.compile [95% CI]" in md, f'expected "r vs torch.compile [95% CI]" in md, got md = {md!r}'
+    assert "| forced:keep=0.5 | 0.500 |" in md, f"the markdown table should show the forced arm's kept fraction 0.500; table: {md!r}"
+    assert "r vs torch.compile [95% CI]" in md, f"the markdown table should head its ratio column with the baseline and the interval; table: {md!r}"
 
 
 @pytest.fixture(scope="module")

@@ -79,7 +79,7 @@ def joint(key: str, make_model, *inputs) -> tuple:
         torch.compile(fn, backend=backend, fullgraph=True)(model, *inputs)
     assert cap.graph is not None, "no joint graph captured"
     sym = batch_symbol(cap.graph)
-    assert isinstance(sym, sympy.Symbol)
+    assert isinstance(sym, sympy.Symbol), f"the captured graph should have a symbolic batch size, found {sym!r}"
     _JOINTS[key] = (cap.graph, analyze(cap.graph, sym))
     return _JOINTS[key]
 
@@ -92,7 +92,7 @@ def saved(graph) -> list:
 
 def node(graph, pred):
     found = [n for n in graph.nodes if pred(n)]
-    assert found, "node not found"
+    assert found, "the graph has no node of the kind this test looks for"
     return found[0]
 
 
@@ -104,7 +104,8 @@ def assert_saved_gatherable(graph, res: LayoutAnalysis):
     for n in saved(graph):
         lay = res.layouts.get(n.name)
         if isinstance(n.meta.get("val"), torch.Tensor):
-            assert lay is not None and lay.kind in ("free", "batch") and lay.gatherable, (n.name, lay)
+            assert lay is not None, f"saved value {n.name} got no layout: the backward could not gather it"
+            assert lay.gatherable, f"saved value {n.name} has layout {lay}: its rows can't be gathered"
 
 
 # ------------------------------------------------------------------------------------------
@@ -260,91 +261,95 @@ def _tokens():
 
 def test_mlp_is_batch_major_throughout():
     g, res = joint("mlp", MLP, _x())
-    assert res.refusal is None
+    assert res.refusal is None, f"an MLP is row-separable, yet refused: {res.refusal}"
     x = node(g, lambda n: n.op == "placeholder" and isinstance(n.meta["val"], torch.Tensor) and n.meta["val"].dim() == 2
              and isinstance(n.meta["val"].shape[0], torch.SymInt))
-    assert res.layouts[x.name] == Layout("batch", 0)
+    assert res.layouts[x.name] == Layout("batch", 0), f"the input should be batch-major, not {res.layouts[x.name]}"
     for n in g.nodes:
         if target(n) == "aten.addmm.default" and n not in backward_nodes(g):
-            assert res.layouts[n.name] == Layout("batch", 0)
+            assert res.layouts[n.name] == Layout("batch", 0), f"Linear output {n.name} should be batch-major, not {res.layouts[n.name]}"
     weights = [n for n in g.nodes if n.op == "placeholder" and n.name.startswith("primals")
                and isinstance(n.meta["val"], torch.Tensor) and n is not x]
-    assert weights and all(res.layouts[w.name] == Layout("free") for w in weights)
-    assert not any(k.startswith("tangents") for k in res.layouts)  # backward nodes get no layout
+    assert weights, "the joint graph should have weight placeholders"
+    not_free = {w.name: str(res.layouts[w.name]) for w in weights if res.layouts[w.name] != Layout("free")}
+    assert not not_free, f"weights do not depend on the batch, yet have layouts {not_free}"
+    tangents = [k for k in res.layouts if k.startswith("tangents")]
+    assert not tangents, f"backward nodes should get no layout: {tangents}"
     assert_saved_gatherable(g, res)
 
 
 def test_vit_block_is_row_separable_and_batch_major():
     g, res = joint("vit", ViTBlock, torch.randn(N, 3, 4, 4))
-    assert res.refusal is None
+    assert res.refusal is None, f"a ViT block is row-separable, yet refused: {res.refusal}"
     assert_saved_gatherable(g, res)
     s = batch_symbol(g)
     bwd = backward_nodes(g)
     fwd = [n for n in g.nodes if n not in bwd]
     # the matmul inputs are (N*T, D) rows: batch-major with inner = tokens (4 patches, then 5 with cls)
     inners = sorted(int(res.layouts[n.args[1].name].inner) for n in fwd if target(n) == "aten.addmm.default")
-    assert inners == [1, 4, 5, 5]
+    assert inners == [1, 4, 5, 5], f"the matmuls' rows should be grouped by 1, 4 patches and 5 tokens (with cls), got inners {inners}"
     # the cls token expanded over the batch is a batch value (rows are copies)
     expand = node(g, lambda n: target(n) == "aten.expand.default" and n not in bwd)
-    assert res.layouts[expand.name] == Layout("batch", 0)
+    assert res.layouts[expand.name] == Layout("batch", 0), f"the cls token expanded over the batch is a batch value, not {res.layouts[expand.name]}"
     # sdpa returns a tuple: each element has its own key, and the getitems agree
     sdpa = node(g, lambda n: "scaled_dot_product" in target(n))
-    assert res.layouts[f"{sdpa.name}.0"] == Layout("batch", 0) == res.layouts[f"{sdpa.name}.1"]
+    assert res.layouts[f"{sdpa.name}.0"] == Layout("batch", 0), f"sdpa's output should be batch-major, not {res.layouts[f'{sdpa.name}.0']}"
+    assert res.layouts[f"{sdpa.name}.1"] == Layout("batch", 0), f"sdpa's second element should be batch-major, not {res.layouts[f'{sdpa.name}.1']}"
     # LayerNorm is decomposed: var_mean over the last dim keeps the batch in dim 0
     vm = node(g, lambda n: target(n) == "aten.var_mean.correction")
-    assert res.layouts[f"{vm.name}.0"] == Layout("batch", 0)
+    assert res.layouts[f"{vm.name}.0"] == Layout("batch", 0), f"LayerNorm's var_mean over features should keep the batch in dim 0, not {res.layouts[f'{vm.name}.0']}"
     # the analysis added no guard to the shape env
     env = next(n.meta["val"] for n in g.nodes if isinstance(n.meta.get("val"), torch.Tensor)).fake_mode.shape_env
     before = len(env.guards)
     analyze(g, s)
-    assert len(env.guards) == before
+    assert len(env.guards) == before, f"the analysis added {len(env.guards) - before} guards to the shape env; it must add none"
     # every batch value uses the one symbol in its batch dim only
     for n in fwd:
         lay = res.layouts.get(n.name)
         if lay is not None and lay.kind == "batch":
             size = n.meta["val"].shape[lay.dim]
-            assert sympy.expand(size.node.expr - lay.outer * s * lay.inner) == 0, n.name
+            assert sympy.expand(size.node.expr - lay.outer * s * lay.inner) == 0, f"{n.name}'s batch dim has size {size}, not outer*s*inner of its layout {lay}"
 
 
 def test_positional_input_without_batch_is_free():
     g, res = joint("pos", PosAdd, _tokens(), torch.randn(T, D))
-    assert res.refusal is None
+    assert res.refusal is None, f"adding a positional table is row-separable, yet refused: {res.refusal}"
     pos = node(g, lambda n: n.op == "placeholder" and isinstance(n.meta["val"], torch.Tensor)
                and tuple(n.meta["val"].shape) == (T, D))
-    assert res.layouts[pos.name] == Layout("free")
+    assert res.layouts[pos.name] == Layout("free"), f"the positional table has no batch: it should be free, not {res.layouts[pos.name]}"
     add = node(g, lambda n: target(n) == "aten.add.Tensor" and pos in n.args)
-    assert res.layouts[add.name] == Layout("batch", 0)
+    assert res.layouts[add.name] == Layout("batch", 0), f"tokens plus positions should be batch-major, not {res.layouts[add.name]}"
     assert_saved_gatherable(g, res)
 
 
 def test_dropout_is_row_separable():
     g, res = joint("dropout", lambda: Fn(nn.Dropout(0.5)), _x())
-    assert res.refusal is None
+    assert res.refusal is None, f"dropout is row-separable, yet refused: {res.refusal}"
     rand = node(g, lambda n: target(n).startswith("aten.rand"))
-    assert res.layouts[rand.name] == Layout("batch", 0)
+    assert res.layouts[rand.name] == Layout("batch", 0), f"dropout's random mask has i.i.d. rows: batch-major, not {res.layouts[rand.name]}"
     assert_saved_gatherable(g, res)
 
 
 def test_batchnorm_eval_mode_is_row_separable():
     g, res = joint("bn_eval", lambda: BN(train=False), _x())
-    assert res.refusal is None
+    assert res.refusal is None, f"BatchNorm in eval mode is per row, yet refused: {res.refusal}"
     assert_saved_gatherable(g, res)
 
 
 def test_conv_groupnorm_pooling():
     # group norm decomposes into views, var_mean per sample and an as_strided; max pool into prims
     g, res = joint("conv", ConvNet, torch.randn(2, 3, 4, 4))
-    assert res.refusal is None
+    assert res.refusal is None, f"conv, GroupNorm and pooling are per sample, yet refused: {res.refusal}"
     conv = node(g, lambda n: target(n) == "aten.convolution.default")
-    assert res.layouts[conv.name] == Layout("batch", 0)
+    assert res.layouts[conv.name] == Layout("batch", 0), f"a convolution's output should be batch-major, not {res.layouts[conv.name]}"
     assert_saved_gatherable(g, res)
 
 
 def test_embedding_of_batch_indices():
     g, res = joint("emb", Emb, torch.randint(0, 10, (N, T)))
-    assert res.refusal is None
+    assert res.refusal is None, f"an embedding of per-row indices is row-separable, yet refused: {res.refusal}"
     emb = node(g, lambda n: target(n) == "aten.embedding.default")
-    assert res.layouts[emb.name] == Layout("batch", 0)
+    assert res.layouts[emb.name] == Layout("batch", 0), f"the embedding of batch indices should be batch-major, not {res.layouts[emb.name]}"
 
 
 @pytest.mark.parametrize("name,f", [
@@ -358,7 +363,7 @@ def test_embedding_of_batch_indices():
 ])
 def test_ops_along_feature_dims_are_row_separable(name, f):
     g, res = joint(name, lambda: Fn(f), _x())
-    assert res.refusal is None, res.refusal
+    assert res.refusal is None, f"{name} works along the feature dims only, yet refused: {res.refusal}"
     assert_saved_gatherable(g, res)
 
 
@@ -370,27 +375,28 @@ def test_token_major_rows_reach_a_matmul_per_row():
     """(T*N, D) rows into a Linear: each output row reads its own input row, so the matmul is per row and
     its saved input is gathered along dim 0 viewed (T, N, 1)."""
     g, res = joint("token_major", TokenMajor, _tokens())
-    assert res.refusal is None, res.refusal
+    assert res.refusal is None, f"token-major rows into a Linear are per row, yet refused: {res.refusal}"
     bwd = backward_nodes(g)
     view = node(g, lambda n: n not in bwd and target(n) == "aten.view.default" and n.args[0].op != "placeholder")
     lay = res.layouts[view.name]  # the (T*N, D) rows fed to the Linear
-    assert (lay.dim, lay.outer, lay.inner) == (0, T, 1), lay
-    assert lay.gatherable and not lay.batch_major, lay
+    assert (lay.dim, lay.outer, lay.inner) == (0, T, 1), f"the (T*N, D) rows should be token-major in dim 0 (outer T, inner 1), not {lay}"
+    assert lay.gatherable, f"token-major rows can be gathered at the middle axis of (T, N, 1), yet {lay} is not"
+    assert not lay.batch_major, f"(T*N, D) rows from a transpose are token-major, not batch-major: {lay}"
     mm = node(g, lambda n: n not in bwd and target(n) == "aten.addmm.default")
-    assert res.layouts[mm.name] == Layout("batch", 0, T, 1), res.layouts[mm.name]
+    assert res.layouts[mm.name] == Layout("batch", 0, T, 1), f"the Linear keeps its input's token-major rows, not {res.layouts[mm.name]}"
     assert_saved_gatherable(g, res)
 
 
 def test_token_major_value_saved_for_the_backward_is_gathered():
     g, res = joint("token_major_saved", TokenMajorSaved, _tokens())
     sig = node(g, lambda n: target(n) == "aten.sigmoid.default")
-    assert res.layouts[sig.name] == Layout("batch", 0, T, 1), res.layouts[sig.name]
-    assert res.refusal is None, res.refusal
+    assert res.layouts[sig.name] == Layout("batch", 0, T, 1), f"the sigmoid of token-major rows stays token-major, not {res.layouts[sig.name]}"
+    assert res.refusal is None, f"a token-major value saved for the backward can be gathered, yet refused: {res.refusal}"
     assert_saved_gatherable(g, res)
     # the Linear itself reads batch-major rows again: (N, T, D) viewed as (N*T, D)
     bwd = backward_nodes(g)
     mm = node(g, lambda n: n not in bwd and target(n) == "aten.mm.default")  # a 3-D Linear: view, mm, add
-    assert res.layouts[mm.args[0].name] == Layout("batch", 0, 1, T)
+    assert res.layouts[mm.args[0].name] == Layout("batch", 0, 1, T), f"(N, T, D) viewed as (N*T, D) is batch-major with inner T, not {res.layouts[mm.args[0].name]}"
 
 
 def test_mha_batch_first_false_on_batch_major_input_is_per_row():
@@ -398,31 +404,33 @@ def test_mha_batch_first_false_on_batch_major_input_is_per_row():
     multiplies (T*N, E) rows, token-major; the head split (T, N*H, d) merges the batch with the heads
     batch-major (inner H), and attention runs per (row, head)."""
     g, res = joint("mha_bf_false", lambda: MHA(batch_first=False, transpose=True), _tokens())
-    assert res.refusal is None, res.refusal
+    assert res.refusal is None, f"MHA on a transposed batch-major input is per row, yet refused: {res.refusal}"
     assert_saved_gatherable(g, res)
     bwd = backward_nodes(g)
     mm = node(g, lambda n: n not in bwd and target(n) == "aten.mm.default")
-    assert res.layouts[mm.args[0].name] == Layout("batch", 0, T, 1), res.layouts[mm.args[0].name]
+    assert res.layouts[mm.args[0].name] == Layout("batch", 0, T, 1), f"the in-projection multiplies token-major (T*N, E) rows, not {res.layouts[mm.args[0].name]}"
     s = batch_symbol(g)
     split = node(g, lambda n: n not in bwd and target(n) == "aten.view.default" and n.meta["val"].dim() == 3
                  and isinstance(n.meta["val"].shape[1], torch.SymInt) and n.meta["val"].shape[1].node.expr == 2 * s)
-    assert res.layouts[split.name] == Layout("batch", 1, 1, 2), res.layouts[split.name]
+    assert res.layouts[split.name] == Layout("batch", 1, 1, 2), f"the head split (T, N*H, d) should hold the batch in dim 1 with inner H=2, not {res.layouts[split.name]}"
 
 
 def test_mha_batch_first_false_on_sequence_major_input_refused():
     """(T, N, E) fed as is: the wrapper's batch dim 0 is then the sequence, which attention mixes."""
     g, res = joint("mha_seq_first", lambda: MHA(batch_first=False, transpose=False), torch.randn(T, N, D))
-    assert res.refusal is not None and "cross-example" in res.refusal and "attends over the batch" in res.refusal
+    assert res.refusal is not None, "attention over a sequence-major input's batch dim mixes rows: it must be refused"
+    assert "cross-example" in res.refusal, f"the refusal should call it row mixing: {res.refusal}"
+    assert "attends over the batch" in res.refusal, f"the refusal should say attention runs over the batch: {res.refusal}"
 
 
 def test_mha_batch_first_true_is_per_row_too():
     """batch_first=True only swaps dims at the boundary: nn.MultiheadAttention's Python path transposes
     to (T, N, E) and multiplies (T*N, E) rows, so its joint graph equals the batch_first=False one."""
     g, res = joint("mha_bf_true", lambda: MHA(batch_first=True, transpose=False), _tokens())
-    assert res.refusal is None, res.refusal
+    assert res.refusal is None, f"MHA with batch_first=True is per row, yet refused: {res.refusal}"
     assert_saved_gatherable(g, res)
     g2, res2 = joint("mha_bf_false", lambda: MHA(batch_first=False, transpose=True), _tokens())
-    assert [target(n) for n in g.nodes] == [target(n) for n in g2.nodes]
+    assert [target(n) for n in g.nodes] == [target(n) for n in g2.nodes], "batch_first=True should give the same joint graph as a transposed batch_first=False"
 
 
 # ------------------------------------------------------------------------------------------
@@ -444,8 +452,12 @@ def test_mha_batch_first_true_is_per_row_too():
 ])
 def test_row_mixing_refused_naming_the_op(name, f, op, extra):
     g, res = joint(name, lambda: Fn(f), _x())
-    assert res.refusal is not None and res.refusal.startswith("cross-example op in the forward"), res.refusal
-    assert op in res.refusal and extra in res.refusal
+    assert res.refusal is not None, f"{name} mixes rows: it must be refused"
+    assert res.refusal.startswith("cross-example op in the forward"), f"the {name} refusal should say row mixing first: {res.refusal}"
+    assert op in res.refusal, f"the {name} refusal should name the op {op}: {res.refusal}"
+    assert extra in res.refusal, f"the {name} refusal should say how it mixes ({extra!r}): {res.refusal}"
+    assert res.node is not None, f"the {name} refusal should carry the node it refused at"
+    assert target(res.node).startswith(op), f"the {name} refusal should be located at {op}, not at {target(res.node)}"
 
 
 def _row_indexed_mask(rows):
@@ -459,9 +471,9 @@ def _row_indexed_mask(rows):
 
 def test_row_index_from_arange_is_not_mixing():
     g, res = joint("row_index", lambda: Fn(_row_indexed_mask(lambda n: torch.arange(n))), _x())
-    assert res.refusal is None, res.refusal
+    assert res.refusal is None, f"indexing rows by arange(N) reads row b from row b, yet refused: {res.refusal}"
     idx = node(g, lambda n: target(n) == "aten.index.Tensor")
-    assert res.layouts[idx.name] == Layout("batch", 0)
+    assert res.layouts[idx.name] == Layout("batch", 0), f"the mask indexed by the row index should be batch-major, not {res.layouts[idx.name]}"
     assert_saved_gatherable(g, res)
 
 
@@ -473,47 +485,91 @@ def test_row_index_from_arange_is_not_mixing():
 ])
 def test_other_row_indices_are_mixing(name, rows):
     g, res = joint(f"row_index_{name}", lambda: Fn(_row_indexed_mask(rows)), _x())
-    assert res.refusal is not None and res.refusal.startswith("cross-example op in the forward"), res.refusal
+    assert res.refusal is not None, f"a {name} row index permutes rows: it must be refused"
+    assert res.refusal.startswith("cross-example op in the forward"), f"the {name} refusal should say row mixing: {res.refusal}"
 
 
 def test_batch_cat_output_is_refused_naming_the_cat():
     # cat along the batch stacks the batch as slabs (outer 2); the Linear reads it per row, but the (2N, 2)
     # output is token-major: its tangent would be gathered batch-major from its sizes, so refused
     g, res = joint("cat_batch", lambda: Fn(lambda h: torch.cat([h, 2 * h])), _x())
-    assert res.refusal is not None and "aten.cat.default" in res.refusal and "token-major" in res.refusal
-    assert "output of the forward" in res.refusal, res.refusal
+    assert res.refusal is not None, "a token-major output (cat along the batch) must be refused"
+    assert "aten.cat.default" in res.refusal, f"the refusal should name the cat that made the output token-major: {res.refusal}"
+    assert "token-major" in res.refusal, f"the refusal should say the output is token-major: {res.refusal}"
+    assert "output of the forward" in res.refusal, f"the refusal should say the value is an output: {res.refusal}"
     cat = node(g, lambda n: target(n) == "aten.cat.default")
-    assert res.layouts[cat.name] == Layout("batch", 0, 2, 1)
+    assert res.layouts[cat.name] == Layout("batch", 0, 2, 1), f"cat of two batch values along the batch is two slabs (outer 2), not {res.layouts[cat.name]}"
+    assert res.node is cat, f"the token-major output's refusal should point at the cat that made it so, not {res.node}"
 
 
 def test_batchnorm_train_mode_refused_as_cross_example():
     g, res = joint("bn_train", lambda: BN(train=True), _x())
-    assert res.refusal is not None
-    assert "cross-example" in res.refusal and "BatchNorm" in res.refusal and "var_mean" in res.refusal
+    assert res.refusal is not None, "BatchNorm in train mode mixes rows: it must be refused"
+    assert "cross-example" in res.refusal, f"the refusal should call it row mixing: {res.refusal}"
+    assert "BatchNorm" in res.refusal, f"the refusal should name BatchNorm: {res.refusal}"
+    assert "var_mean" in res.refusal, f"the refusal should name the var_mean op: {res.refusal}"
 
 
 def test_batch_size_used_as_a_value_refused():
     g, res = joint("scale", lambda: Fn(lambda h: h / h.shape[0]), _x())
-    assert res.refusal is not None and "uses the batch size as a value" in res.refusal
+    assert res.refusal is not None, "dividing by the batch size makes a row depend on N: it must be refused"
+    assert "uses the batch size as a value" in res.refusal, f"the refusal should say the batch size is used as a value: {res.refusal}"
 
 
 def test_unknown_op_refused_only_where_it_matters():
     g, res = joint("mystery", lambda: Fn(mystery), _x())
     m = node(g, lambda n: "mystery" in target(n))
-    assert res.layouts[m.name].kind == "unknown" and "mystery" in res.layouts[m.name].why
-    assert res.refusal is not None and "unknown" in res.refusal and "saved for the backward" in res.refusal
+    assert res.layouts[m.name].kind == "unknown", f"an op the analysis does not model should be unknown, not {res.layouts[m.name]}"
+    assert "mystery" in res.layouts[m.name].why, f"the unknown layout should name the op that lost it: {res.layouts[m.name].why!r}"
+    assert res.refusal is not None, "an unknown value saved for the backward must be refused"
+    assert "unknown" in res.refusal, f"the refusal should say the layout is unknown: {res.refusal}"
+    assert "saved for the backward" in res.refusal, f"the refusal should say the value is saved for the backward: {res.refusal}"
+    assert res.node is m, f"the refusal should point at the op that lost the layout ({m.name}), not at {res.node}"
+    assert res.layouts[m.name].origin is None, (
+        "the returned layouts should hold no graph node: graph records keep them after the joint graph is gone")
     # an unknown value nobody reads: no refusal
     gm = _trace(lambda x: (mystery(x), x * 2)[1], torch.randn(N, D))
     res2 = analyze(gm.graph, batch_symbol(gm.graph))
     m2 = node(gm.graph, lambda n: "mystery" in target(n))
-    assert res2.layouts[m2.name].kind == "unknown" and res2.refusal is None
+    assert res2.layouts[m2.name].kind == "unknown", f"an op the analysis does not model should be unknown, not {res2.layouts[m2.name]}"
+    assert res2.refusal is None, f"an unknown value nobody reads should not refuse the graph: {res2.refusal}"
+
+
+def test_refusal_naming_no_op_still_locates_the_value():
+    """An input with the batch in dim 1 is unknown from the start: the message names no op (no
+    ``name (target)``), yet the refusal carries the op of the value that matters, for its source line."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.proxy_tensor import make_fx
+    from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv, StatelessSymbolicContext
+
+    from capskip_fx.passes.insert_select import prove_layout
+    from capskip_fx.records import RefusalKind, Refused
+    y = torch.randn(D, N)  # made outside the fake mode: a real tensor to fake
+    with FakeTensorMode(shape_env=ShapeEnv()) as mode:
+        fake = mode.from_tensor(y, symbolic_context=StatelessSymbolicContext(
+            dynamic_sizes=[DimDynamic.STATIC, DimDynamic.DYNAMIC]))
+        gm = make_fx(lambda y: y.sin(), tracing_mode="fake")(fake)
+    sym = fake.shape[1].node.expr
+    sin = node(gm.graph, lambda n: target(n) == "aten.sin.default")
+    res = analyze(gm.graph, sym)
+    assert res.refusal is not None, "an output whose batch layout is unknown must be refused"
+    assert f"{sin.name} ({sin.target})" not in res.refusal, f"the message should name no op here: {res.refusal}"
+    assert res.node is sin, f"the refusal should point at the output value {sin.name}, not at {res.node}"
+    with pytest.raises(Refused) as caught:
+        prove_layout(gm.graph, sym)
+    refusal = caught.value.refusal
+    assert refusal.kind is RefusalKind.BATCH_LAYOUT, f"an unknown output is a batch-layout refusal, not {refusal.kind}"
+    assert refusal.op == "aten.sin.default", f"the refusal should name the output's op, got {refusal.op!r}"
 
 
 def test_layout_api():
-    assert Layout("free").gatherable and Layout("batch", 2, 1, 7).gatherable
-    assert Layout("batch", 0, 3, 1).gatherable and not Layout("unknown", why="x").gatherable
-    assert Layout("batch", 2, 1, 7).batch_major and not Layout("batch", 0, 3, 1).batch_major
-    assert Layout("batch", 0, sympy.Integer(2), 1, why="cat") == Layout("batch", 0, 2, 1)  # why is a note
+    assert Layout("free").gatherable, "a free value is the same for every row: gatherable"
+    assert Layout("batch", 2, 1, 7).gatherable, "a batch-major value is gathered along its batch dim"
+    assert Layout("batch", 0, 3, 1).gatherable, "a token-major value is gathered at the middle axis of (outer, N, inner)"
+    assert not Layout("unknown", why="x").gatherable, "an unknown layout gives no dim to gather"
+    assert Layout("batch", 2, 1, 7).batch_major, "outer 1 is batch-major, whatever the inner factor"
+    assert not Layout("batch", 0, 3, 1).batch_major, "outer 3 is token-major"
+    assert Layout("batch", 0, sympy.Integer(2), 1, why="cat") == Layout("batch", 0, 2, 1), "why is a note: layouts equal in dim, outer and inner are equal"
     with pytest.raises(ValueError):
         analyze(torch.fx.Graph(), None)
 
@@ -544,21 +600,22 @@ def test_reshape_layout_regroupings(dims, data):
     shape_in, shape_out = _regroup(fine, cuts_in), _regroup(fine, cuts_out)
     lay_in = reshape_layout(Layout("batch", p), fine, shape_in, s)
     lay = reshape_layout(lay_in, shape_in, shape_out, s)
-    assert lay is not None and lay.kind == "batch"
+    assert lay is not None, f"regrouping {shape_in} as {shape_out} keeps the batch index whole, yet no layout was found"
+    assert lay.kind == "batch", f"a reshape of a batch value should stay a batch value, not {lay}"
     n = 3  # check on a real tensor whose values are the batch index
     real = [int(e.subs(s, n)) for e in fine]
     x = torch.arange(n).reshape([1] * p + [n] + [1] * (len(fine) - p - 1)).expand(real)
     y = x.reshape([int(e.subs(s, n)) for e in shape_out]).movedim(lay.dim, 0)
     y = y.reshape(int(lay.outer), n, int(lay.inner), -1)
-    assert (y == torch.arange(n).view(1, n, 1, 1)).all()
+    assert (y == torch.arange(n).view(1, n, 1, 1)).all(), f"layout {lay} of {shape_out} does not put row b's elements at index b of its middle axis"
 
 
 def test_reshape_layout_refuses_non_layouts():
     s = sympy.Symbol("s", positive=True, integer=True)
     flat = Layout("batch", 0, sympy.Integer(2), sympy.Integer(3))  # (2*s*3,): index (o*s + b)*3 + r
-    assert reshape_layout(flat, [6 * s], [sympy.Integer(6), s], s) is None  # b mixed with o and r
-    assert reshape_layout(flat, [6 * s], [sympy.Integer(2), 3 * s], s) == Layout("batch", 1, 1, 3)
-    assert reshape_layout(flat, [6 * s], [2 * s, sympy.Integer(3)], s) == Layout("batch", 0, 2, 1)
+    assert reshape_layout(flat, [6 * s], [sympy.Integer(6), s], s) is None, "(6, s) mixes the batch index with o and r: no layout"
+    assert reshape_layout(flat, [6 * s], [sympy.Integer(2), 3 * s], s) == Layout("batch", 1, 1, 3), "(2, 3*s): the outer factor becomes dim 0, the batch dim 1 with inner 3"
+    assert reshape_layout(flat, [6 * s], [2 * s, sympy.Integer(3)], s) == Layout("batch", 0, 2, 1), "(2*s, 3): the inner factor becomes dim 1, the batch stays token-major in dim 0"
 
 
 def _trace(f, x):
@@ -692,18 +749,20 @@ def test_random_programs_layouts_are_true(data):
                 v1 = pert[nd_]
                 changed = (v0 != v1) if not v0.is_floating_point() else (v0 - v1).abs() > 1e-5 * (1 + v0.abs())
                 if lay.kind == "free":
-                    assert not changed.any(), (nd_.name, lay)
+                    assert not changed.any(), f"{nd_.name} is claimed free, yet changes when row {b} of the input does"
                     continue
                 size = v0.shape[lay.dim]
-                assert size == int(lay.outer) * n * int(lay.inner), (nd_.name, lay, v0.shape)
+                assert size == int(lay.outer) * n * int(lay.inner), f"{nd_.name} of shape {tuple(v0.shape)}: its batch dim is not outer*N*inner of {lay}"
                 owner = (torch.arange(size) // int(lay.inner)) % n
                 mine = (owner == b).view([-1 if d == lay.dim else 1 for d in range(v0.dim())]).expand(v0.shape)
-                assert not (changed & ~mine).any(), (nd_.name, lay, [str(o) for o in gm.graph.nodes])
+                assert not (changed & ~mine).any(), f"{nd_.name} ({lay}): perturbing row {b} changed elements other rows own; program: {[str(o) for o in gm.graph.nodes]}"
     out = next(iter(gm.graph.find_nodes(op="output"))).args[0]
     out = list(out) if isinstance(out, (list, tuple)) else [out]
     if res.refusal is None:
-        assert all(res.layouts[o.name].kind != "unknown" and res.layouts[o.name].batch_major for o in out)
-    assert sym is not None
+        for o in out:
+            assert res.layouts[o.name].kind != "unknown", f"unrefused, yet output {o.name}'s layout is unknown"
+            assert res.layouts[o.name].batch_major, f"unrefused, yet output {o.name} is not batch-major: {res.layouts[o.name]}"
+    assert sym is not None, "the traced program should keep its symbolic batch size"
 
 
 # ------------------------------------------------------------------------------------------
@@ -738,20 +797,24 @@ def test_per_row_gather_is_row_separable(kind):
     g, res = joint(f"per_row_{kind}", lambda: LastToken(_per_row_pick(kind)), _tokens())
     out = next(iter(g.find_nodes(op="output"))).args[0][0]
     if kind != "index":
-        assert res.refusal is None, res.refusal
-        assert res.layouts[out.name] == Layout("batch", 0)
+        assert res.refusal is None, f"a per-row {kind} of the last token is row-separable, yet refused: {res.refusal}"
+        assert res.layouts[out.name] == Layout("batch", 0), f"the per-row pick should be batch-major, not {res.layouts[out.name]}"
         return
     # the backward's index_put reads arange(N): gathered at the kept rows it would be wrong, so it is refused
     # until the pass gives the backward its own arange
-    assert res.refusal is not None and "row index" in res.refusal and "read by the backward" in res.refusal
+    assert res.refusal is not None, "a row index read by the backward must be refused until the pass recomputes it"
+    assert "row index" in res.refusal, f"the refusal should name the row index: {res.refusal}"
+    assert "read by the backward" in res.refusal, f"the refusal should say the backward reads it: {res.refusal}"
     sym = batch_symbol(g)
-    assert recompute_row_indices(g, sym) == 1
+    recomputed = recompute_row_indices(g, sym)
+    assert recomputed == 1, f"the pass should give the backward its own arange for the one row index, did {recomputed}"
     res2 = analyze(g, sym)
-    assert res2.refusal is None, res2.refusal
+    assert res2.refusal is None, f"with the backward's own arange the graph is row-separable, yet refused: {res2.refusal}"
     idx = node(g, lambda n: target(n) == "aten.index.Tensor" and n.args[0].meta["val"].dim() == 3)
-    assert res2.layouts[idx.name] == Layout("batch", 0)
+    assert res2.layouts[idx.name] == Layout("batch", 0), f"x[arange(N), j] should be batch-major, not {res2.layouts[idx.name]}"
     assert_saved_gatherable(g, res2)
-    assert recompute_row_indices(g, sym) == 0  # idempotent
+    recomputed = recompute_row_indices(g, sym)
+    assert recomputed == 0, f"a second run of the pass should change nothing (idempotent), yet it recomputed {recomputed}"
 
 
 @pytest.mark.parametrize("name,pick", [
@@ -762,7 +825,7 @@ def test_per_row_gather_is_row_separable(kind):
 ])
 def test_per_row_gather_with_a_wrong_index_is_refused(name, pick):
     g, res = joint(f"per_row_bad_{name}", lambda: LastToken(pick), _tokens())
-    assert res.refusal is not None, name
+    assert res.refusal is not None, f"the {name} pick reads other rows: it must be refused"
 
 
 _ROWS = {"arange": lambda n: torch.arange(n), "shift": lambda n: (torch.arange(n) + 1) % n,
@@ -789,7 +852,7 @@ def test_any_index_pattern_is_per_row_or_refused(rows_kind, cols_kind, unsqueeze
     gm = _trace(program, torch.randn(n, T, D))
     res = analyze(gm.graph, batch_symbol(gm.graph))
     if rows_kind == "arange" and cols_kind in ("own", "const"):
-        assert res.refusal is None, res.refusal
+        assert res.refusal is None, f"x[arange(N), {cols_kind}] is the per-row pattern and must not be refused: {res.refusal}"
     if res.refusal is not None:
         return
     x0 = torch.randn(n, T, D)
@@ -799,4 +862,4 @@ def test_any_index_pattern_is_per_row_or_refused(rows_kind, cols_kind, unsqueeze
         x1 = x0.clone()
         x1[b] = torch.randn(T, D)
         changed = (gm(x1) != y0).flatten(1).any(1)
-        assert not changed[torch.arange(n) != b].any(), (rows_kind, cols_kind, b)
+        assert not changed[torch.arange(n) != b].any(), f"unrefused x[{rows_kind}, {cols_kind}] (unsqueeze={unsqueeze}): perturbing row {b} changed other rows' outputs"

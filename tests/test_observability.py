@@ -32,16 +32,16 @@ def test_stats_repr_and_report_table():
     _step(cm)
     text = repr(capskip_fx.stats(cm))
     for field in ("n=8", "kept=", "rows=", "bound=", "fallback=None", "variants=1"):
-        assert field in text, f"expected field in text, got {field!r} vs {text!r}"
-    assert "tensor" not in text, f'expected "tensor" not in text, got text = {text!r}'  # the weight is elided
+        assert field in text, f"the stats repr should show {field!r} (a step's summary at a glance), got {text!r}"
+    assert "tensor" not in text, f"the stats repr should elide the weight tensor, got {text!r}"  # the weight is elided
     rep = capskip_fx.report(cm)
-    assert rep[0]["role"] == "head", f'expected rep[0]["role"] == "head", got {rep[0]["role"]!r}'
-    assert rep.rows == list(rep), f"expected rep.rows == list(rep), got {rep.rows!r} vs {list(rep)!r}"
+    assert rep[0]["role"] == "head", f"the MLP's one graph is its head graph, report says role {rep[0]['role']!r}"
+    assert rep.rows == list(rep), f"a report should iterate over its rows: rows {rep.rows!r}, iterated {list(rep)!r}"
     lines = str(rep).splitlines()
     assert lines[0].split()[:3] == ["graph", "role", "backward"], (
-        f'expected lines[0].split()[:3] == ["graph", "role", "backward"], got {lines[0].split()[:3]!r}')
+        f"the report table should start with its header (graph, role, backward), got {lines[0]!r}")
     assert lines[1].split()[:2] == ["0", "head"], (
-        f'expected lines[1].split()[:2] == ["0", "head"], got {lines[1].split()[:2]!r}')
+        f"the table's first row should be graph 0, the head, got {lines[1]!r}")
 
 
 def test_report_says_not_yet_verified_and_explains_its_columns():
@@ -86,8 +86,8 @@ def test_structured_trace_has_the_rewritten_backward(tmp_path):
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
     text = "".join(p.read_text() for p in tmp_path.iterdir())
-    assert "capskip_backward_graph_0" in text, f'expected "capskip_backward_graph_0" in text, got text = {text!r}'
-    assert "capskip_w" in text, f'expected "capskip_w" in text, got text = {text!r}'
+    assert "capskip_backward_graph_0" in text, f"TORCH_TRACE should hold the rewritten backward as an artifact named capskip_backward_graph_0; trace {text[:2000]!r}"
+    assert "capskip_w" in text, f"the traced backward should read the selection weight capskip_w; trace {text[:2000]!r}"
 
 
 class _CentredMLP(nn.Module):

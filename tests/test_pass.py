@@ -26,11 +26,16 @@ def test_backward_matmuls_run_on_kept_rows():
     selected_step(cm, x, torch.zeros(N, dtype=torch.long))
     assert len(cm.backend.records) == graphs, "the same input twice recompiled the model"
     rec = cm.backend.records[-1]
-    assert rec.backward == "selected rows" and rec.plan.gathered_inputs > 10
+    assert rec.backward == "selected rows", f"the DeiT graph's backward should run selected rows, not {rec.backward}"
+    assert rec.plan.gathered_inputs > 10, (
+        f"every block's saved activations should be gathered, only {rec.plan.gathered_inputs} were")
     dims = [d for _, shapes in rec.matmul_shapes for s in shapes for d in s]
-    assert len(rec.matmul_shapes) >= 8  # qkv, proj, fc1, fc2 (+ head): dX and dW each
-    assert 3 * T in dims and 3 in dims  # token rows and head rows at k = 3
-    assert N * T not in dims and N not in dims  # nothing at the full batch
+    assert len(rec.matmul_shapes) >= 8, (  # qkv, proj, fc1, fc2 (+ head): dX and dW each
+        f"the backward should run the qkv, proj, fc1 and fc2 matmuls (dX and dW), saw {len(rec.matmul_shapes)}")
+    assert 3 * T in dims, f"the token matmuls should run on the 3 kept rows' {3 * T} tokens; sizes seen: {sorted(set(dims))}"
+    assert 3 in dims, f"the head's matmuls should run on the 3 kept rows; sizes seen: {sorted(set(dims))}"
+    assert N * T not in dims, f"no matmul should run on the full batch's {N * T} tokens; sizes seen: {sorted(set(dims))}"
+    assert N not in dims, f"no matmul should run on the full batch of {N} rows; sizes seen: {sorted(set(dims))}"
 
 
 def test_variants_bounded_over_varying_k_and_batch():
@@ -43,15 +48,17 @@ def test_variants_bounded_over_varying_k_and_batch():
         x = make_input("mlp", n, torch.float64, seed=step)
         y = torch.randint(0, 5, (n,))
         grads, w = selected_step(cm, x, y)
-        assert max_rel_err(grads, reference_grads(model, x, y, w)) < 1e-10
+        err = max_rel_err(grads, reference_grads(model, x, y, w))
+        assert err < 1e-10, f"batch {n}, k={k}: gradients differ from the float64 reference by {err:.2e}"
         if k == 0:
-            assert all(g.abs().max() == 0 for g in grads.values())  # zeros, not None
+            nonzero = [name for name, g in grads.items() if g.abs().max() != 0]
+            assert not nonzero, f"with no row kept every gradient should be zero (not None); nonzero: {nonzero}"
         if step == 0:  # the model is shared: count what compiles after this test's first step
             graphs, variants = len(cm.backend.records), capskip_fx.stats(cm).variants
     assert len(cm.backend.records) == graphs, "a new batch size or kept count recompiled the forward"
     assert capskip_fx.stats(cm).variants == variants, "a new batch size or kept count compiled another backward"
-    assert {2, 5, 3, 7} <= cm.backend.records[-1].row_counts, (
-        f"the backward should have run at every kept count, ran at {cm.backend.records[-1].row_counts}")
+    counts = cm.backend.records[-1].row_counts
+    assert {2, 5, 3, 7} <= counts, f"the backward should have run at k = 2, 5, 3 and 7 rows; it ran at {sorted(counts)}"
 
 
 class BNNet(nn.Module):
@@ -76,11 +83,17 @@ def test_batchnorm_train_mode_refused_dense_and_correct():
         F.cross_entropy(cm(x), y).backward()
     grads = {k: p.grad.clone() for k, p in model.named_parameters()}
     st = capskip_fx.stats(cm)
-    assert st.fallback and "cross-example" in st.fallback and st.kept == 8
+    assert st.fallback, "BatchNorm in train mode mixes rows: the step should report a dense fallback"
+    assert "cross-example" in st.fallback, f"the fallback should name the row mixing: {st.fallback!r}"
+    assert st.kept == 8, f"a dense step keeps every row (8), kept {st.kept}"
     rec = cm.backend.records[0]
-    assert rec.coupled and not rec.head and rec.backward == "dense" and "cross-example" in rec.reason
+    assert rec.coupled, f"the record should mark the graph as coupling rows: {rec.as_dict()}"
+    assert not rec.head, f"a coupled graph should get no selection head: {rec.as_dict()}"
+    assert rec.backward == "dense", f"a coupled graph's backward should run dense, not {rec.backward}"
+    assert "cross-example" in rec.reason, f"the record's reason should name the row mixing: {rec.reason!r}"
     F.cross_entropy(ref(x), y).backward()
-    assert max_rel_err(grads, {k: p.grad for k, p in ref.named_parameters()}) < 1e-10
+    err = max_rel_err(grads, {k: p.grad for k, p in ref.named_parameters()})
+    assert err < 1e-10, f"the dense fallback's gradients should equal plain PyTorch's, differ by {err:.2e}"
 
 
 def test_batchnorm_eval_mode_is_not_coupled():
@@ -90,8 +103,10 @@ def test_batchnorm_eval_mode_is_not_coupled():
     x = torch.randn(8, 3, 6, 6, dtype=torch.float64)
     y = torch.randint(0, 5, (8,))
     grads, w = selected_step(cm, x, y)
-    assert cm.backend.records[0].backward == "selected rows"
-    assert max_rel_err(grads, reference_grads(model, x, y, w)) < 1e-10
+    backward = cm.backend.records[0].backward
+    assert backward == "selected rows", f"BatchNorm in eval mode is per row: the backward should be selected, not {backward}"
+    err = max_rel_err(grads, reference_grads(model, x, y, w))
+    assert err < 1e-10, f"eval-mode BatchNorm gradients differ from the float64 reference by {err:.2e}"
 
 
 @pytest.mark.parametrize("b", [-0.5, 1.01, float("nan"), None, "0.1"])
@@ -118,7 +133,8 @@ def test_no_linear_head_falls_back_with_reason():
     x = torch.randn(6, 4)
     with pytest.warns(UserWarning, match="no classifier head"):
         F.cross_entropy(cm(x), torch.zeros(6, dtype=torch.long)).backward()
-    assert "no classifier head" in capskip_fx.stats(cm).fallback
+    fallback = capskip_fx.stats(cm).fallback
+    assert "no classifier head" in fallback, f"the fallback should say no classifier head was found: {fallback!r}"
 
 
 class TokenMajor(nn.Module):
@@ -147,13 +163,17 @@ def test_token_major_flattening_is_gathered_token_major(verify):
     y = torch.randint(0, 3, (6,))
     F.cross_entropy(cm(x), y).backward()
     st = capskip_fx.stats(cm)
-    assert (st.mode, st.kept, st.rows) == ("selected", 2, 2), st
+    assert st.mode == "selected", f"a token-major flattening should still run selected rows: {st}"
+    assert st.kept == 2, f"the forced rule keeps rows 0 and 2: {st}"
+    assert st.rows == 2, f"the backward should run on the 2 kept rows only: {st}"
     grads = {k: p.grad for k, p in model.named_parameters()}
     err = max_rel_err(grads, reference_grads(model, x, y, st.weight))
-    assert err < 1e-10, err
+    assert err < 1e-10, f"token-major gather (verify={verify}): gradients differ from the reference by {err:.2e}"
     rec = cm.backend.records[0]
-    assert rec.head and rec.backward == "selected rows", rec.as_dict()
-    assert any((s.dim, s.outer, s.factor) == (0, 5, 1) for s in rec.plan.specs if s.kind == "batch"), rec.plan.specs
+    assert rec.head, f"the graph should have its selection head: {rec.as_dict()}"
+    assert rec.backward == "selected rows", f"the graph's backward should be selected, not {rec.backward}"
+    assert any((s.dim, s.outer, s.factor) == (0, 5, 1) for s in rec.plan.specs if s.kind == "batch"), (
+        f"the Linear's (T*N, 4) input should be gathered token-major (dim 0, outer T=5); specs: {rec.plan.specs}")
 
 
 def test_string_backend_with_options():
@@ -167,11 +187,16 @@ def test_string_backend_with_options():
         model.zero_grad()
         F.cross_entropy(opt(x), y).backward()
         st = capskip_fx.stats(opt)
-        assert st.n == n and st.kept == n // 2 and st.variants == 1
+        assert st.n == n, f"the string backend should see the whole batch of {n}: {st}"
+        assert st.kept == n // 2, f"options keep=0.5 should keep {n // 2} of {n} rows: {st}"
+        assert st.variants == 1, f"a new batch size should reuse the one backward variant: {st}"
         grads = {k: p.grad.clone() for k, p in model.named_parameters()}
-        assert max_rel_err(grads, reference_grads(model, x, y, st.weight)) < 1e-10
-    assert capskip_fx.report(opt)[0]["backward"] == "selected rows"
-    assert capskip_fx.stats(model).n == 6  # the original module finds its backend too
+        err = max_rel_err(grads, reference_grads(model, x, y, st.weight))
+        assert err < 1e-10, f"batch {n}: the string backend's gradients differ from the reference by {err:.2e}"
+    backward = capskip_fx.report(opt)[0]["backward"]
+    assert backward == "selected rows", f"the string backend's graph should run selected rows, not {backward}"
+    n_seen = capskip_fx.stats(model).n
+    assert n_seen == 6, f"stats() of the original module should find its backend (last batch 6), saw {n_seen}"
     with pytest.raises(TypeError, match="capskip_fx.compile"):
         capskip_fx.stats(nn.Linear(2, 2))  # a module no capskip backend compiled
 
@@ -185,13 +210,19 @@ def test_graph_break_body_graph_reuses_head_selection(backend):
         x = make_input("mlp", 8, torch.float64, seed=step)[:, :6].contiguous()
         y = torch.randint(0, 3, (8,))
         grads, w = selected_step(cm, x, y)
-        assert max_rel_err(grads, reference_grads(model, x, y, w)) < 1e-10
+        err = max_rel_err(grads, reference_grads(model, x, y, w))
+        assert err < 1e-10, f"step {step} across a graph break ({backend}): gradients differ by {err:.2e}"
     roles = {r["role"]: r for r in capskip_fx.report(cm)}
-    assert set(roles) == {"head", "body"} and len(cm.backend.records) == 2
-    assert all(r["backward"] == "selected rows" and r["row_counts"] == [2] for r in roles.values())
+    assert set(roles) == {"head", "body"}, f"a graph break should give one head and one body graph, got roles {set(roles)}"
+    graphs = len(cm.backend.records)
+    assert graphs == 2, f"the model with one graph break should compile 2 graphs, not {graphs}"
+    for role, r in roles.items():
+        assert r["backward"] == "selected rows", f"the {role} graph's backward should be selected, not {r['backward']}"
+        assert r["row_counts"] == [2], f"the {role} graph should run on the 2 kept rows, ran at {r['row_counts']}"
     if backend == "aot_eager":
         body = next(r for r in cm.backend.records if r.body)
-        assert [s for _, s in body.matmul_shapes] == [[(8, 2), (2, 6)]]  # dW_a from the 2 kept rows
+        shapes = [s for _, s in body.matmul_shapes]
+        assert shapes == [[(8, 2), (2, 6)]], f"the body's dW should come from the 2 kept rows only; matmuls: {shapes}"
 
 
 @pytest.mark.inductor
@@ -205,9 +236,12 @@ def test_varying_batch_and_k_on_inductor_deit_compiles_once():
         x = make_input("deit", n, torch.float32, seed=n)
         y = torch.randint(0, 10, (n,))
         grads, w = selected_step(cm, x, y)
-        assert max_rel_err(grads, reference_grads(model, x, y, w)) < 1e-5
-        assert capskip_fx.stats(cm).rows == (n + 1) // 2
+        err = max_rel_err(grads, reference_grads(model, x, y, w))
+        assert err < 1e-5, f"batch {n} on Inductor: gradients differ from the reference by {err:.2e}"
+        rows = capskip_fx.stats(cm).rows
+        assert rows == (n + 1) // 2, f"batch {n}: the backward should run on the {(n + 1) // 2} even rows, ran on {rows}"
         if graphs is None:  # the model is shared: count what compiles after this test's first step
             graphs, variants = len(cm.backend.records), capskip_fx.stats(cm).variants
-    assert len(cm.backend.records) == graphs, "a new batch size recompiled the forward"
-    assert capskip_fx.stats(cm).variants == variants, "a new batch size or kept count compiled another backward"
+    assert len(cm.backend.records) == graphs, "ragged batches recompiled the forward"
+    assert capskip_fx.stats(cm).variants == variants, (
+        "the LayerNorm backward must not specialise: a new batch size compiled another backward variant")

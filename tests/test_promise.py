@@ -66,14 +66,15 @@ def test_two_forwards_one_backward_capskip_b1(order):
     sum(F.cross_entropy(cm(x), y) for x, y in pairs).backward()
     ones, zeros = torch.ones(8, dtype=torch.float64), torch.zeros(8, dtype=torch.float64)
     assert max_rel_err(_grads(model), _ref(model, [(x1, y1, ones), (x2, y2, zeros)])) < 1e-10, (
-        'expected max_rel_err(_grads(model), _ref(model, [(x1, y1, ones), (x2, y2, ze...')
+        f"{order}: x1 (all misclassified) must get its full gradient and x2 (all right) none; rel. error "
+        f"{max_rel_err(_grads(model), _ref(model, [(x1, y1, ones), (x2, y2, zeros)]))!r}")
     st = capskip_fx.stats(cm)
-    assert (st.n, st.kept) == (16, 8), f"expected (st.n, st.kept) == (16, 8), got {(st.n, st.kept)!r}"
-    assert len(st.forwards) == 2, f"expected len(st.forwards) == 2, got {len(st.forwards)!r}"
-    assert st.fallback is None, f"expected st.fallback is None, got {st.fallback!r}"
+    assert (st.n, st.kept) == (16, 8), f"two forwards of 8 rows, x1's 8 kept: (n, kept) should be (16, 8), got {(st.n, st.kept)!r}"
+    assert len(st.forwards) == 2, f"the step's stats should list each of the two forwards, got {len(st.forwards)!r}"
+    assert st.fallback is None, f"both forwards ran selected: no dense fallback expected, got {st.fallback!r}"
     assert sorted(f.kept for f in st.forwards) == [0, 8], (
-        f"expected sorted(f.kept for f in st.forwards) == [0, 8], got {sorted(f.kept for f in st.forwards)!r}")
-    assert "forwards" in st.as_dict(), 'expected "forwards" in st.as_dict()'
+        f"each forward keeps its own rows (x2's 0, x1's 8), got {sorted(f.kept for f in st.forwards)!r}")
+    assert "forwards" in st.as_dict(), "the stats' dict form should carry the per-forward breakdown"
 
 
 def test_each_forward_keeps_its_own_labels_in_any_backward_order():
@@ -91,9 +92,11 @@ def test_each_forward_keeps_its_own_labels_in_any_backward_order():
     losses[1].backward()
     w = [(y % 2 == 1).double() for y in ys]
     assert max_rel_err(_grads(model), _ref(model, list(zip(xs, ys, w)))) < 1e-10, (
-        'expected max_rel_err(_grads(model), _ref(model, list(zip(xs, ys, w)))) < 1e-10')
+        f"each forward must be weighted by its own labels whatever the backward order; rel. error "
+        f"{max_rel_err(_grads(model), _ref(model, list(zip(xs, ys, w))))!r}")
     assert [t.tolist() for t in rule.seen] == [ys[2].tolist(), ys[0].tolist(), ys[1].tolist()], (
-        f"expected [t.tolist() for t in rule.seen] == [ys[2].tolist(), ys[0].tolist(), ys[1..., got {[t.tolist() for t in rule.seen]!r} vs {[ys[2].tolist(), ys[0].tolist(), ys[1].tolist()]!r}")
+        f"the rule should see each forward's own labels in backward order (3rd, 1st, 2nd), never the metrics "
+        f"forward's: saw {[t.tolist() for t in rule.seen]!r}, expected {[ys[2].tolist(), ys[0].tolist(), ys[1].tolist()]!r}")
 
 
 def test_same_compiled_graph_twice_in_one_step_both_exact():
@@ -105,14 +108,15 @@ def test_same_compiled_graph_twice_in_one_step_both_exact():
     st = capskip_fx.stats(cm)
     # the second forward's head backward runs first: it got the first keep set
     w2, w1 = (f.weight for f in st.forwards)
-    assert w2.nonzero().flatten().tolist() == [0, 3], 'expected w2.nonzero().flatten().tolist() == [0, 3]'
-    assert w1.nonzero().flatten().tolist() == [1, 2, 5], 'expected w1.nonzero().flatten().tolist() == [1, 2, 5]'
+    assert w2.nonzero().flatten().tolist() == [0, 3], f"the second forward's backward runs first and gets the first keep set [0, 3], kept {w2.nonzero().flatten().tolist()}"
+    assert w1.nonzero().flatten().tolist() == [1, 2, 5], f"the first forward gets the second keep set [1, 2, 5], kept {w1.nonzero().flatten().tolist()}"
     assert max_rel_err(_grads(model), _ref(model, [(x1, y1, w1), (x2, y2, w2)])) < 1e-10, (
-        'expected max_rel_err(_grads(model), _ref(model, [(x1, y1, w1), (x2, y2, w2)]...')
+        f"two uses of one graph in a step must each get their own rows' gradient; rel. error "
+        f"{max_rel_err(_grads(model), _ref(model, [(x1, y1, w1), (x2, y2, w2)]))!r}")
     assert cm.backend.records[0].backward == "selected rows", (
-        f'expected cm.backend.records[0].backward == "selected rows", got {cm.backend.records[0].backward!r}')
+        f"reusing the graph twice in a step should not make it dense: backward {cm.backend.records[0].backward!r}")
     assert cm.backend.records[0].reason is None, (
-        f"expected cm.backend.records[0].reason is None, got {cm.backend.records[0].reason!r}")
+        f"the graph should have no dense reason, got {cm.backend.records[0].reason!r}")
 
 
 def test_two_compiled_models_interleaved():
@@ -121,12 +125,12 @@ def test_two_compiled_models_interleaved():
     o1, o2 = c1(x), c2(x)
     (F.cross_entropy(o2, y) + F.cross_entropy(o1, y)).backward()
     w1, w2 = capskip_fx.stats(c1).weight, capskip_fx.stats(c2).weight
-    assert int(w1.sum()) == 4, f"expected int(w1.sum()) == 4, got {int(w1.sum())!r}"
-    assert int(w2.sum()) == 2, f"expected int(w2.sum()) == 2, got {int(w2.sum())!r}"
+    assert int(w1.sum()) == 4, f"model 1 (keep=0.5 of 8) should keep its own 4 rows, not model 2's: kept {int(w1.sum())!r}"
+    assert int(w2.sum()) == 2, f"model 2 (keep=0.25 of 8) should keep its own 2 rows, not model 1's: kept {int(w2.sum())!r}"
     assert max_rel_err(_grads(m1), _ref(m1, [(x, y, w1)])) < 1e-10, (
-        'expected max_rel_err(_grads(m1), _ref(m1, [(x, y, w1)])) < 1e-10')
+        f"interleaved with model 2, model 1's gradients must match its own rows; rel. error {max_rel_err(_grads(m1), _ref(m1, [(x, y, w1)]))!r}")
     assert max_rel_err(_grads(m2), _ref(m2, [(x, y, w2)])) < 1e-10, (
-        'expected max_rel_err(_grads(m2), _ref(m2, [(x, y, w2)])) < 1e-10')
+        f"interleaved with model 1, model 2's gradients must match its own rows; rel. error {max_rel_err(_grads(m2), _ref(m2, [(x, y, w2)]))!r}")
 
 
 class Rolled(nn.Module):
@@ -152,9 +156,10 @@ def test_rows_mixed_between_graph_breaks_stay_exact():
     F.cross_entropy(cm(x), y).backward()
     w = capskip_fx.stats(cm).weight
     assert max_rel_err(_grads(model), _ref(model, [(x, y, w)])) < 1e-10, (
-        'expected max_rel_err(_grads(model), _ref(model, [(x, y, w)])) < 1e-10')
+        f"rows rolled between graph breaks must keep their gradient in the body graph; rel. error "
+        f"{max_rel_err(_grads(model), _ref(model, [(x, y, w)]))!r}")
     body = next(r for r in cm.backend.records if r.body)
-    assert body.row_counts == {2}, f"expected body.row_counts == {{2}}, got {body.row_counts!r}"  # the rolled rows 2 and 5 carry the gradient: gathered, not masked away
+    assert body.row_counts == {2}, f"the body graph should gather the 2 rows that carry gradient after the roll, ran at {body.row_counts!r}"  # the rolled rows 2 and 5 carry the gradient: gathered, not masked away
 
 
 @pytest.mark.parametrize("every", [None, 2])
@@ -176,14 +181,16 @@ def test_verify_waits_for_informative_steps_and_rechecks_every_k(every, monkeypa
         model.zero_grad()
         F.cross_entropy(cm(x), y).backward()
         assert max_rel_err(_grads(model), _ref(model, [(x, y, capskip_fx.stats(cm).weight)])) < 1e-10, (
-            'expected max_rel_err(_grads(model), _ref(model, [(x, y, capskip_fx.stats(cm)...')
+            f"step {step} (keep {plan[step]}): gradients differ from the reference; rel. error "
+            f"{max_rel_err(_grads(model), _ref(model, [(x, y, capskip_fx.stats(cm).weight)]))!r}")
     assert checked == ([1] if every is None else [1, 2, 4]), (
-        f"expected checked == [1] if every is None else [1, 2, 4], got {checked!r}")
+        f"verify should skip the steps keeping 0 or all rows and check informative step 1 "
+        f"{'once' if every is None else 'and every 2nd after (1, 2, 4)'}; checked at {checked!r}")
     rec = cm.backend.records[0]
-    assert rec.verified, f"expected rec.verified to be true, got {rec.verified!r}"
-    assert rec.checks == len(checked), f"expected rec.checks == len(checked), got {rec.checks!r} vs {len(checked)!r}"
+    assert rec.verified, f"the gathered backward should be recorded as verified against the dense one, got {rec.verified!r}"
+    assert rec.checks == len(checked), f"the record should count every verify run: {rec.checks!r} recorded, {len(checked)!r} ran"
     assert capskip_fx.report(cm)[0]["verified"], (
-        f'expected capskip_fx.report(cm)[0]["verified"] to be true, got {capskip_fx.report(cm)[0]["verified"]!r}')
+        f"report() should show the graph as verified, got {capskip_fx.report(cm)[0]['verified']!r}")
 
 
 def test_compiled_autograd_is_refused_with_a_clear_message():
@@ -234,7 +241,8 @@ def test_non_batch_positional_and_batch_keyword_inputs(n):
     ref.zero_grad()
     (F.cross_entropy(ref(x, pos, mask=mask), y, reduction="none") * w).sum().div(n).backward()
     assert max_rel_err(_grads(model), _grads(ref)) < 1e-10, (
-        f"expected max_rel_err(_grads(model), _grads(ref)) < 1e-10, got {max_rel_err(_grads(model), _grads(ref))!r}")
+        f"batch {n}: a non-batch positional input and a batch keyword mask must give exact gradients; rel. error "
+        f"{max_rel_err(_grads(model), _grads(ref))!r}")
 
 
 class PaddedTokens(nn.Module):
@@ -276,34 +284,36 @@ def test_padding_mask_indexed_by_the_row_index(shift):
     w = st.weight if st.weight is not None else torch.ones(6, dtype=torch.float64)
     (F.cross_entropy(ref(x, mask), y, reduction="none") * w).sum().div(6).backward()
     assert max_rel_err(_grads(model), _grads(ref)) < 1e-10, (
-        f"expected max_rel_err(_grads(model), _grads(ref)) < 1e-10, got {max_rel_err(_grads(model), _grads(ref))!r}")
+        f"shift {shift}: the padding mask indexed by rows must give exact gradients, selected or dense; rel. error "
+        f"{max_rel_err(_grads(model), _grads(ref))!r}")
     if shift:
-        assert st.kept == 6, f"expected st.kept == 6, got {st.kept!r}"
-        assert "remainder" in st.fallback, f'expected "remainder" in st.fallback, got st.fallback = {st.fallback!r}'
+        assert st.kept == 6, f"a shifted row index mixes rows: the dense step keeps all 6 rows, kept {st.kept!r}"
+        assert "remainder" in st.fallback, f"the dense fallback should say why (a remainder of the graph is refused), got {st.fallback!r}"
     else:
         assert (st.kept, st.rows, st.fallback) == (2, 2, None), (
-            f"expected (st.kept, st.rows, st.fallback) == (2, 2, None), got {(st.kept, st.rows, st.fallback)!r}")
+            f"arange(N) is a row index: the 2 kept rows should run selected with no fallback; (kept, rows, fallback) "
+            f"= {(st.kept, st.rows, st.fallback)!r}")
 
 
 def test_counters_record_rewrites_and_refusals():
     counters().clear()
     model, cm = _net(rule="forced", keep=0.5)
     F.cross_entropy(cm(_x(6, 1)), torch.arange(6) % 3).backward()
-    assert counters()["graphs"] == 1, f'expected counters()["graphs"] == 1, got {counters()["graphs"]!r}'
-    assert counters()["rewritten"] == 1, f'expected counters()["rewritten"] == 1, got {counters()["rewritten"]!r}'
-    assert counters()["variants"] == 1, f'expected counters()["variants"] == 1, got {counters()["variants"]!r}'
+    assert counters()["graphs"] == 1, f"one compiled MLP should count one graph, got {counters()['graphs']!r}"
+    assert counters()["rewritten"] == 1, f"the MLP's graph should count as rewritten (selection inserted), got {counters()['rewritten']!r}"
+    assert counters()["variants"] == 1, f"one step should compile one backward variant, got {counters()['variants']!r}"
     torch.manual_seed(0)
     bn = capskip_fx.compile(nn.Sequential(nn.Linear(6, 8), nn.BatchNorm1d(8), nn.Linear(8, 3)).double(),
                             backend="aot_eager")
     with pytest.warns(UserWarning):
         F.cross_entropy(bn(_x(6, 1)), torch.arange(6) % 3).backward()
     refused = {k: v for k, v in counters().items() if k.startswith("refused: ")}
-    assert refused == {f"refused: {RefusalKind.CROSS_EXAMPLE.value}": 1}, f"one cross-example refusal, got {refused}"
+    assert refused == {f"refused: {RefusalKind.CROSS_EXAMPLE.value}": 1}, f"BatchNorm in train mode should count one cross-example refusal and no other, got {refused}"
     rec = bn.backend.records[0]
-    assert rec.refusal.kind is RefusalKind.CROSS_EXAMPLE, f"a typed refusal, got {rec.refusal!r}"
-    assert rec.coupled, f"a typed refusal, got {rec.refusal!r}"
-    assert rec.reason == rec.refusal.detail, rec.reason
-    assert rec.reason.startswith("cross-example op"), rec.reason
+    assert rec.refusal.kind is RefusalKind.CROSS_EXAMPLE, f"the refusal should be typed CROSS_EXAMPLE, got {rec.refusal!r}"
+    assert rec.coupled, f"a cross-example refusal should mark the record as coupled; refusal {rec.refusal!r}"
+    assert rec.reason == rec.refusal.detail, f"the record's reason should be the refusal's detail, got {rec.reason!r}"
+    assert rec.reason.startswith("cross-example op"), f"the reason should say row mixing first, got {rec.reason!r}"
 
 
 class InModelLoss(nn.Module):
@@ -338,16 +348,17 @@ def test_in_graph_loss_selects_on_the_gradient_into_the_logits(backend):
         loss, z = cm(x, y)
         loss.backward()
     st = capskip_fx.stats(cm)
-    assert (st.kept, st.rows) == (3, 3), f"expected (st.kept, st.rows) == (3, 3), got {(st.kept, st.rows)!r}"
+    assert (st.kept, st.rows) == (3, 3), f"{backend}: with an in-graph loss the 3 kept rows should run the backward, (kept, rows) = {(st.kept, st.rows)!r}"
     assert cm.backend.records[0].in_graph_loss, (
-        f"expected cm.backend.records[0].in_graph_loss to be true, got {cm.backend.records[0].in_graph_loss!r}")
+        f"the graph should be recorded as selecting on the in-graph loss's gradient, got {cm.backend.records[0].in_graph_loss!r}")
     ref = copy.deepcopy(model)
     ref.zero_grad()
     (F.cross_entropy(ref(x), y, reduction="none", ignore_index=-100) * st.weight).sum().div(7).backward()
     assert max_rel_err(_grads(model), _grads(ref)) < 1e-10, (
-        f"expected max_rel_err(_grads(model), _grads(ref)) < 1e-10, got {max_rel_err(_grads(model), _grads(ref))!r}")
+        f"{backend}: the in-graph loss (an ignored row, mean over 7) must give the kept rows' exact gradient; rel. error "
+        f"{max_rel_err(_grads(model), _grads(ref))!r}")
     assert capskip_fx.report(cm)[0]["backward"] == "selected rows", (
-        f'expected capskip_fx.report(cm)[0]["backward"] == "selected rows", got {capskip_fx.report(cm)[0]["backward"]!r}')
+        f"{backend}: the in-graph loss graph should run a selected backward, got {capskip_fx.report(cm)[0]['backward']!r}")
 
 
 @pytest.mark.parametrize("extra", ["aux", "reads_h"])
@@ -363,7 +374,8 @@ def test_in_graph_loss_that_reaches_other_activations_is_refused(extra):
     ref.zero_grad()
     ref(x, y)[0].backward()
     assert max_rel_err(_grads(model), _grads(ref)) < 1e-10, (
-        f"expected max_rel_err(_grads(model), _grads(ref)) < 1e-10, got {max_rel_err(_grads(model), _grads(ref))!r}")
+        f"a refused in-graph loss ({extra}) must fall back to the exact dense gradient; rel. error "
+        f"{max_rel_err(_grads(model), _grads(ref))!r}")
 
 
 def test_many_models_sharing_one_forward_each_get_their_graph():
@@ -380,6 +392,7 @@ def test_many_models_sharing_one_forward_each_get_their_graph():
                                     rule="forced", keep=0.5, backend="aot_eager")
             F.cross_entropy(cm(_x(6, i)), torch.arange(6) % 3).backward()
             assert capskip_fx.report(cm)[0]["backward"] == "selected rows", (
-                f'expected capskip_fx.report(cm)[0]["backward"] == "selected rows", got {capskip_fx.report(cm)[0]["backward"]!r}')
+                f"model {i} of 10 sharing one forward should get its own graph (selected, not eager), got "
+                f"{capskip_fx.report(cm)[0]['backward']!r}")
             assert capskip_fx.stats(cm).kept == 3, (
-                f"expected capskip_fx.stats(cm).kept == 3, got {capskip_fx.stats(cm).kept!r}")
+                f"model {i}: keep=0.5 of 6 should keep 3 rows, kept {capskip_fx.stats(cm).kept!r}")

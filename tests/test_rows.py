@@ -45,9 +45,11 @@ def test_gather_all_equals_reference(n, t, kinds, keep, contiguous_target):
     out = gather_all(args, specs, idx, n, lays)
     for o, a, s, (sizes, strides) in zip(out, args, specs, lays):
         ref = gather_rows(a, s, idx, n, sizes, strides)
-        assert torch.equal(o, ref)
-        assert tuple(o.shape) == tuple(sizes) and o.stride() == tuple(strides)
-        assert o.untyped_storage().data_ptr() != a.untyped_storage().data_ptr()  # a copy: the source may go
+        assert torch.equal(o, ref), f"gather_all should gather the kept rows {idx.tolist()} of a {s} view as gather_rows does"
+        assert tuple(o.shape) == tuple(sizes), f"gathered rows should have the target sizes {sizes}, got {tuple(o.shape)}"
+        assert o.stride() == tuple(strides), f"gathered rows should have the target strides {strides}, got {o.stride()}"
+        assert o.untyped_storage().data_ptr() != a.untyped_storage().data_ptr(), (
+            "the gathered rows should be a copy: the source activation may be freed")
 
 
 def test_qkv_views_share_one_gathered_buffer():
@@ -56,4 +58,5 @@ def test_qkv_views_share_one_gathered_buffer():
     idx = torch.tensor([0, 2])
     lays = [((2,) + tuple(v.shape[1:]), v.stride()) for v in views]
     out = gather_all(views, [Spec("batch")] * 3, idx, 4, lays)
-    assert len({o.untyped_storage().data_ptr() for o in out}) == 1
+    buffers = len({o.untyped_storage().data_ptr() for o in out})
+    assert buffers == 1, f"q, k and v views of one buffer should be gathered into one buffer, not {buffers}"

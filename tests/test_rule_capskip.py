@@ -54,7 +54,7 @@ def reference_check(delta, h, correct, b, weight):
     total = G.sum(0).norm()
     skipped = weight == 0
     # only correct rows are skipped
-    assert not (skipped & ~correct).any(), 'expected not (skipped & ~correct).any()'
+    assert not (skipped & ~correct).any(), f"CAPSkip skipped a misclassified row: {torch.nonzero(skipped & ~correct).flatten().tolist()}"
     cand = torch.nonzero(correct).flatten().tolist()
     order = sorted(cand, key=lambda i: (norms[i].item(), i))
     # ties beyond exact duplicates would make the order ambiguous between the two formulas
@@ -64,17 +64,19 @@ def reference_check(delta, h, correct, b, weight):
     # the skip set is the length-k prefix (up to exact norm ties)
     assert (set(torch.nonzero(skipped).flatten().tolist()) == set(order[:k]) or \
         sorted(norms[skipped].tolist()) == sorted(norms[order[:k]].tolist())), (
-        'expected set(torch.nonzero(skipped).flatten().tolist()) == set(order[:k]) or...')
+        f"the {k} skipped rows should be the {k} correct rows of smallest gradient norm {sorted(order[:k])} (up to "
+        f"exact ties), skipped {torch.nonzero(skipped).flatten().tolist()}")
     prefix = [G[order[:j]].sum(0).norm().item() if j else 0.0 for j in range(len(order) + 1)]
     if b == 0:
         assert all(norms[i] == 0 for i in torch.nonzero(skipped).flatten().tolist()), (
-            'expected all(norms[i] == 0 for i in torch.nonzero(skipped).flatten().tolist())')
+            f"budget 0 allows skipping only zero-gradient rows; skipped norms {norms[skipped].tolist()}")
         return k
     thr = b * total.item()
-    assert prefix[k] <= thr * (1 + REL) + 1e-300, (prefix[k], thr)
+    assert prefix[k] <= thr * (1 + REL) + 1e-300, (
+        f"the skipped rows' summed gradient {prefix[k]!r} exceeds the budget b ||G|| = {thr!r}")
     for j in range(k + 1, len(order) + 1):  # no longer prefix fits
         assume(abs(prefix[j] - thr) > REL * max(thr, 1e-300))
-        assert prefix[j] > thr, f"expected prefix[j] > thr, got {prefix[j]!r} vs {thr!r}"
+        assert prefix[j] > thr, f"skipping {j} rows (> k={k}) would also fit the budget ({prefix[j]!r} <= {thr!r}): the prefix is not maximal"
     return k
 
 
@@ -84,17 +86,18 @@ def test_capskip_matches_bruteforce(batch):
     delta, h, z, y, b = batch
     correct = correct_mask(delta, z, y)
     w, bound, n_skip = capskip_weights(delta, h, correct, b)
-    assert torch.isfinite(w).all(), 'expected torch.isfinite(w).all()'
-    assert set(w.unique().tolist()) <= {0.0, 1.0}, 'expected set(w.unique().tolist()) <= {0.0, 1.0}'
+    assert torch.isfinite(w).all(), f"CAPSkip's weights should be finite, got {w.tolist()}"
+    assert set(w.unique().tolist()) <= {0.0, 1.0}, f"CAPSkip weights rows 0 (skipped) or 1 only, got {w.unique().tolist()}"
     k = reference_check(delta, h, correct, b, w)
-    assert int(n_skip) == k, f"expected int(n_skip) == k, got {int(n_skip)!r} vs {k!r}"
+    assert int(n_skip) == k, f"the reported skip count {int(n_skip)!r} should equal the rows weighted 0, {k!r}"
     G = per_example_grads(delta, h)
     tot = G.sum(0).norm()
     if k and tot > 0:
         assert math.isclose(bound.item(), (G[w == 0].sum(0).norm() / tot).item(), rel_tol=1e-9, abs_tol=1e-12), (
-            'expected math.isclose(bound.item(), (G[w == 0].sum(0).norm() / tot).item(), ...')
+            f"the reported bound {bound.item()!r} should be ||S_k|| / ||G|| of the skipped rows, "
+            f"{(G[w == 0].sum(0).norm() / tot).item()!r}")
         assert bound.item() <= b * (1 + REL), (
-            f"expected bound.item() <= b * (1 + REL), got {bound.item()!r} vs {b * (1 + REL)!r}")
+            f"the reported bound {bound.item()!r} exceeds the budget b = {b!r}")
 
 
 @settings(max_examples=examples(100), deadline=None)
@@ -106,8 +109,8 @@ def test_budget_one_with_all_correct_skips_everything(n, c, seed):
     delta = (z.softmax(1) - torch.nn.functional.one_hot(y, c).double()) / n
     h = torch.randn(n, 4, generator=g, dtype=torch.float64)
     w, bound, k = capskip_weights(delta, h, correct_mask(delta, z, y), 1.0)
-    assert int(k) == n, f"expected int(k) == n, got {int(k)!r} vs {n!r}"
-    assert (w == 0).all(), 'expected (w == 0).all()'
+    assert int(k) == n, f"budget 1 with every row correct should skip all {n} rows, skipped {int(k)!r}"
+    assert (w == 0).all(), f"budget 1 with every row correct should weight every row 0, got {w.tolist()}"
 
 
 def test_budget_zero_keeps_every_nonzero_row():
@@ -116,8 +119,8 @@ def test_budget_zero_keeps_every_nonzero_row():
     delta = (z.softmax(1) - torch.nn.functional.one_hot(y, 2).double()) / 3
     delta[1] = 0  # zero gradient row: free
     w, _, k = capskip_weights(delta, torch.randn(3, 2, dtype=torch.float64), correct_mask(delta, z, y), 0.0)
-    assert w.tolist() == [1.0, 0.0, 1.0], f"expected w.tolist() == [1.0, 0.0, 1.0], got {w.tolist()!r}"
-    assert int(k) == 1, f"expected int(k) == 1, got {int(k)!r}"
+    assert w.tolist() == [1.0, 0.0, 1.0], f"budget 0 should skip only the zero-gradient row 1 and keep the others, got weights {w.tolist()!r}"
+    assert int(k) == 1, f"budget 0 should count the one zero-gradient row as skipped, got {int(k)!r}"
 
 
 def test_nonmonotone_prefix_found():
@@ -126,11 +129,11 @@ def test_nonmonotone_prefix_found():
     delta = torch.tensor([[0.1, -0.1], [-0.1, 0.1], [0.5, -0.5]], dtype=torch.float64)
     correct = torch.tensor([True, True, False])
     w, bound, k = capskip_weights(delta, h, correct, 0.05)
-    assert w.tolist() == [0.0, 0.0, 1.0], f"expected w.tolist() == [0.0, 0.0, 1.0], got {w.tolist()!r}"
-    assert bound.item() == 0.0, f"expected bound.item() == 0.0, got {bound.item()!r}"
+    assert w.tolist() == [0.0, 0.0, 1.0], f"the cancelling pair (rows 0, 1) should be skipped together, got weights {w.tolist()!r}"
+    assert bound.item() == 0.0, f"an exactly cancelling pair sums to zero gradient: the bound should be 0, got {bound.item()!r}"
     # stopping at the first violation would have skipped nothing
     first = (per_example_grads(delta, h)[0].norm() / per_example_grads(delta, h).sum(0).norm()).item()
-    assert first > 0.05, f"expected first > 0.05, got {first!r}"
+    assert first > 0.05, f"the test needs a 1-prefix that breaks the budget 0.05 on its own, it has {first!r}"
 
 
 def test_large_num_classes_and_single_row():
@@ -144,20 +147,20 @@ def test_large_num_classes_and_single_row():
     w, _, _ = capskip_weights(delta, h, correct, 0.2)
     reference_check(delta, h, correct, 0.2, w)
     w1, _, k1 = capskip_weights(delta[:1], h[:1], correct[:1], 0.5)
-    assert w1.shape == (1,), f"expected w1.shape == (1,), got {w1.shape!r}"
+    assert w1.shape == (1,), f"a single-row batch should get one weight, got shape {tuple(w1.shape)!r}"
 
 
 def test_label_inference_and_rule_object():
     z = torch.tensor([[2.0, 0.0, 0.0], [0.0, 2.0, 0.0], [0.0, 0.0, 2.0]])
     y = torch.tensor([0, 2, 2])
     delta = (z.softmax(1) - torch.nn.functional.one_hot(y, 3).float()) / 3
-    assert infer_targets(delta).tolist() == [0, 2, 2], 'expected infer_targets(delta).tolist() == [0, 2, 2]'
+    assert infer_targets(delta).tolist() == [0, 2, 2], f"the label is the class whose gradient is negative: expected [0, 2, 2], inferred {infer_targets(delta).tolist()}"
     assert correct_mask(delta, z, None).tolist() == [True, False, True], (
-        'expected correct_mask(delta, z, None).tolist() == [True, False, True]')
+        f"rows 0 and 2 predict their inferred label, row 1 does not; mask {correct_mask(delta, z, None).tolist()}")
     assert infer_targets(torch.zeros(1, 3)).tolist() == [-1], (
-        'expected infer_targets(torch.zeros(1, 3)).tolist() == [-1]')
+        f"a zero-gradient row has no inferable label (-1), inferred {infer_targets(torch.zeros(1, 3)).tolist()}")
     sel = CAPSkip(budget=1.0).select(HeadView(delta=delta, h=torch.randn(3, 4), z=z))
-    assert sel.weight[1] == 1, f"expected sel.weight[1] == 1, got {sel.weight[1]!r}"  # misclassified: never skipped
+    assert sel.weight[1] == 1, f"the misclassified row must never be skipped, even at budget 1; weight {sel.weight[1]!r}"  # misclassified: never skipped
 
 
 def test_float32_inputs_use_float32():
@@ -165,9 +168,9 @@ def test_float32_inputs_use_float32():
     delta = z.softmax(1) / 8
     delta[torch.arange(8), z.argmax(1)] -= 1 / 8
     w, bound, _ = capskip_weights(delta, torch.randn(8, 3), correct_mask(delta, z, None), 0.3)
-    assert w.dtype == torch.float32, f"expected w.dtype == torch.float32, got {w.dtype!r} vs {torch.float32!r}"
+    assert w.dtype == torch.float32, f"float32 inputs should give float32 weights (no silent float64), got {w.dtype!r}"
     assert bound.dtype == torch.float32, (
-        f"expected bound.dtype == torch.float32, got {bound.dtype!r} vs {torch.float32!r}")
+        f"float32 inputs should give a float32 bound, got {bound.dtype!r}")
 
 
 @pytest.mark.parametrize("b", [-0.1, 1.5, float("nan")])
@@ -187,5 +190,5 @@ def test_compiled_selection_equals_eager():
         delta = (z.softmax(1) - torch.nn.functional.one_hot(y, 5).float()) / n
         view = HeadView(delta=delta, h=torch.randn(n, 6, generator=g), z=z)
         a, b = eager.select(view), comp.select(view)
-        assert torch.equal(a.weight, b.weight), 'expected torch.equal(a.weight, b.weight)'
-        assert torch.allclose(a.bound, b.bound, rtol=1e-5), 'expected torch.allclose(a.bound, b.bound, rtol=1e-5)'
+        assert torch.equal(a.weight, b.weight), f"batch {n}: the compiled selection should skip the same rows as eager ({a.weight.tolist()} vs {b.weight.tolist()})"
+        assert torch.allclose(a.bound, b.bound, rtol=1e-5), f"batch {n}: the compiled bound {b.bound!r} should match eager's {a.bound!r}"

@@ -35,8 +35,8 @@ def test_rule_gradients_match_weighted_dense(name):
             y = model(x).argmax(1)
         y[::3] = (y[::3] + 1) % 5
         grads, w = _step(cm, x, y, torch.arange(N) + N * step)
-        assert torch.isfinite(w).all(), 'expected torch.isfinite(w).all()'
-        assert (w >= 0).all(), 'expected (w >= 0).all()'
+        assert torch.isfinite(w).all(), f"{name}, step {step}: a weight is not finite: {w.tolist()}"
+        assert (w >= 0).all(), f"{name}, step {step}: a weight is negative: {w.tolist()}"
         assert max_rel_err(grads, reference_grads(model, x, y, w)) < 1e-10, name
 
 
@@ -71,10 +71,10 @@ def test_checkpoint_keys_are_the_models_and_nest():
     cm = capskip_fx.compile(model, rule="sb", backend="aot_eager")
     sd = cm.state_dict()
     assert set(sd) == set(model.state_dict()) | {"_capskip"}, (
-        f'expected set(sd) == set(model.state_dict()) | {{"_capskip"}}, got {set(sd)!r}')
+        f"the compiled model's checkpoint should hold the model's own keys plus _capskip (the rule's state), got {sorted(sd)!r}")
     parent = nn.ModuleDict({"net": cm})
     psd = parent.state_dict()
-    assert set(psd) == {f"net.{k}" for k in sd}, f'expected set(psd) == {{f"net.{{k}}" for k in sd}}, got {set(psd)!r}'
+    assert set(psd) == {f"net.{k}" for k in sd}, f"inside a parent module the keys should nest under net., got {sorted(psd)!r}"
     cm.set_epoch(1)  # past SB's primed epoch 0 (its loss history is not touched while priming)
     F.cross_entropy(cm(torch.randn(N, 12)), torch.randint(0, 5, (N,))).backward()  # the rule gains state
     psd = parent.state_dict()
@@ -84,9 +84,10 @@ def test_checkpoint_keys_are_the_models_and_nest():
     fresh.load_state_dict(psd)
     for k, v in model.state_dict().items():
         assert torch.equal(fresh["net"].model.state_dict()[k], v), (
-            'expected torch.equal(fresh["net"].model.state_dict()[k], v)')
+            f"{k} did not reload into a fresh compiled model as saved")
     a, b = fresh["net"].state_dict()["_capskip"], cm.state_dict()["_capskip"]
-    assert a["step"] == b["step"] == 1, 'expected a["step"] == b["step"] == 1'
+    assert a["step"] == b["step"] == 1, f"the step clock should reload with the checkpoint (1 step): fresh {a['step']!r}, saved {b['step']!r}"
     torch.testing.assert_close(a["rule"]["history"], b["rule"]["history"], rtol=0, atol=0, equal_nan=True)
     assert a["rule"]["hist_pos"] == b["rule"]["hist_pos"] == N, (
-        'expected a["rule"]["hist_pos"] == b["rule"]["hist_pos"] == N')
+        f"SB's history position should reload (one batch of {N}): fresh {a['rule']['hist_pos']!r}, saved "
+        f"{b['rule']['hist_pos']!r}")

@@ -70,13 +70,13 @@ def assert_unbiased(weights: torch.Tensor, grads: torch.Tensor) -> None:
 def test_registry_names_and_repr():
     for name, cls in [("random", RandomSkip), ("sb", SelectiveBackprop), ("stale_sb", StaleSB),
                       ("kabena", KABENA), ("ub", UpperBoundIS)]:
-        assert RULES[name] is cls, f"expected RULES[name] is cls, got {RULES[name]!r}"
+        assert RULES[name] is cls, f"the registry should map {name!r} to {cls.__name__}, maps it to {RULES[name]!r}"
         r = make_rule(name)
-        assert isinstance(r, cls), 'expected isinstance(r, cls)'
-        assert r.name == name, f"expected r.name == name, got {r.name!r} vs {name!r}"
-        assert repr(r).startswith(cls.__name__ + "("), 'expected repr(r).startswith(cls.__name__ + "(")'
+        assert isinstance(r, cls), f"make_rule({name!r}) should build a {cls.__name__}, built {type(r).__name__}"
+        assert r.name == name, f"a {cls.__name__} should report the name it is registered under, {name!r}, not {r.name!r}"
+        assert repr(r).startswith(cls.__name__ + "("), f"the repr should show the class and its options, got {r!r}"
     assert isinstance(make_rule("random", match="capskip").match, CAPSkip), (
-        'expected isinstance(make_rule("random", match="capskip").match, CAPSkip)')
+        "match='capskip' by name should build the CAPSkip rule whose count the random rule matches")
 
 
 @pytest.mark.parametrize("bad", [
@@ -108,9 +108,10 @@ def test_kabena_unbiased_and_variance_matches_bound():
     sq = ((w @ grads - grads.sum(0)) ** 2).sum(1)
     v = float(sel.info["var_ratio"]) * float(grads.sum(0).square().sum())
     assert abs(sq.mean() - v) <= Z * sq.std() / math.sqrt(draws), (
-        f"expected abs(sq.mean() - v) <= Z * sq.std() / math.sqrt(draws), got {abs(sq.mean() - v)!r}")
+        f"KABENA's reported var_ratio should predict E||G_hat - G||^2 = {v!r} within the Monte Carlo error; "
+        f"measured {sq.mean()!r}")
     assert float(sel.info["var_ratio"]) <= 0.5, (
-        f'expected float(sel.info["var_ratio"]) <= 0.5, got {float(sel.info["var_ratio"])!r}')
+        f"the added variance should stay within tau=0.5 of ||G||^2, var_ratio {float(sel.info['var_ratio'])!r}")
 
 
 def test_ub_unbiased_with_multiplicities():
@@ -118,16 +119,16 @@ def test_ub_unbiased_with_multiplicities():
     rule = UpperBoundIS(b=5, tau_th=0.0, seed=2)  # tau_th <= 0: sampling from the first step
     draws = mc_draws(3000)
     sels = [rule.select(view) for _ in range(draws)]
-    assert all(bool(s.info["on"]) for s in sels), 'expected all(bool(s.info["on"]) for s in sels)'
+    assert all(bool(s.info["on"]) for s in sels), "with tau_th <= 0 UB should sample from the first step, yet some steps ran dense"
     w = torch.stack([s.weight.double() for s in sels])
     assert_unbiased(w, per_example_grads(view))
     # weight = multiplicity / (b p_i); counts sum to b; some row was drawn twice somewhere
     counts = torch.stack([s.info["counts"].double() for s in sels])
     p = sels[0].info["prob"].double()
     assert torch.equal(counts.sum(1), torch.full((draws,), 5.0, dtype=torch.float64)), (
-        'expected torch.equal(counts.sum(1), torch.full((draws,), 5.0, dtype=torch.fl...')
+        f"each UB draw should sample exactly b=5 rows with replacement; totals seen {counts.sum(1).unique().tolist()}")
     torch.testing.assert_close(w, counts / (5 * p), rtol=1e-12, atol=0)
-    assert (counts > 1).any(), 'expected (counts > 1).any()'
+    assert (counts > 1).any(), "no row was ever drawn twice: UB samples with replacement, so multiplicities must occur"
     # score is ||softmax(z) - y||, normalised
     s = (view.z.softmax(1) - torch.nn.functional.one_hot(view.targets, 5)).norm(dim=1)
     torch.testing.assert_close(p, s / s.sum())
@@ -145,18 +146,19 @@ def test_ub_switch_on_follows_ema_of_tau():
     rule = UpperBoundIS(b=b, off="dense")  # default threshold 2; off: all rows, weight 1 (not the reference's)
     p = delta.norm(dim=1) / delta.norm(dim=1).sum()
     tau = float((n * (p ** 2).sum()).sqrt())
-    assert tau > 2.5, f"expected tau > 2.5, got {tau!r}"
+    assert tau > 2.5, f"one hard row among easy ones should give a large tau (> 2.5) for the EMA to cross 2, got {tau!r}"
     ema = 0.0
     for t in range(30):
         sel = rule.select(view)
-        assert bool(sel.info["on"]) == (ema > 2.0), t  # decided on the EMA before this step
+        assert bool(sel.info["on"]) == (ema > 2.0), (  # decided on the EMA before this step
+            f"step {t}: UB should switch on exactly when the EMA of tau before the step ({ema:.3f}) exceeds 2")
         if not bool(sel.info["on"]):
             assert torch.equal(sel.weight, torch.ones(n, dtype=torch.float64)), (
-                'expected torch.equal(sel.weight, torch.ones(n, dtype=torch.float64))')
+                f"step {t}: UB switched off (off='dense') should keep every row at weight 1, got {sel.weight.tolist()}")
         ema = 0.9 * ema + 0.1 * tau
         assert abs(float(sel.info["tau_ema"]) - ema) < 1e-12, (
-            f'expected abs(float(sel.info["tau_ema"]) - ema) < 1e-12, got {abs(float(sel.info["tau_ema"]) - ema)!r}')
-    assert bool(sel.info["on"]), 'expected bool(sel.info["on"])'
+            f"step {t}: the reported tau EMA should be 0.9 * previous + 0.1 * tau = {ema!r}, got {float(sel.info['tau_ema'])!r}")
+    assert bool(sel.info["on"]), "after 30 steps of a large tau the EMA should have switched UB on"
     # equal scores: tau = 1, never switches on
     flat = UpperBoundIS(b=b, off="dense")
     y2 = torch.ones(n, dtype=torch.long)
@@ -165,9 +167,9 @@ def test_ub_switch_on_follows_ema_of_tau():
     v2 = HeadView(delta=d2, h=torch.randn(n, 2, dtype=torch.float64), z=z2, targets=y2)
     for _ in range(20):
         s2 = flat.select(v2)
-        assert not bool(s2.info["on"]), 'expected not bool(s2.info["on"])'
+        assert not bool(s2.info["on"]), "equal scores give tau = 1: UB must never switch on"
         assert torch.equal(s2.weight, torch.ones(n, dtype=torch.float64)), (
-            'expected torch.equal(s2.weight, torch.ones(n, dtype=torch.float64))')
+            f"UB switched off (off='dense') should keep every row at weight 1, got {s2.weight.tolist()}")
 
 
 @settings(max_examples=examples(25), deadline=None)
@@ -185,7 +187,7 @@ def test_kabena_constraint_and_maximal_K(seed, n, tau, pi_min):
     k = int(sel.info["K"])
     added = ((1 - pi) / pi * gn2).sum()
     assert added <= tau * total * (1 + 1e-9) + 1e-30, (
-        f"expected added <= tau * total * (1 + 1e-9) + 1e-30, got {added!r} vs {tau * total * (1 + 1e-9) + 1e-30!r}")
+        f"KABENA's added variance V(K) = {added!r} should stay within tau ||G||^2 = {tau * total!r}")
     order = torch.argsort(loss, stable=True)
     if k < n:
         ref = loss[order[min(k + 1, n - 1)]]
@@ -193,18 +195,19 @@ def test_kabena_constraint_and_maximal_K(seed, n, tau, pi_min):
         pi2 = torch.ones(n, dtype=torch.float64)
         pi2[cand] = (loss[cand] / ref).clamp(pi_min, 1.0)
         assert ((1 - pi2) / pi2 * gn2).sum() > tau * total * (1 - 1e-9), (
-            f"expected ((1 - pi2) / pi2 * gn2).sum() > tau * total * (1 - 1e-9), got {((1 - pi2) / pi2 * gn2).sum()!r} vs {tau * total * (1 - 1e-9)!r}")
+            f"K={k} is not maximal: excluding one more row adds V = {((1 - pi2) / pi2 * gn2).sum()!r}, still within "
+            f"tau ||G||^2 = {tau * total!r}")
     # the excluded candidates are the K lowest losses
-    assert (pi[order[k:]] == 1).all(), 'expected (pi[order[k:]] == 1).all()'
+    assert (pi[order[k:]] == 1).all(), f"only the K={k} lowest-loss rows may be sampled; rows above them have pi {pi[order[k:]].tolist()}"
 
 
 def test_kabena_limits():
     view = make_view(11)
     dense = torch.ones(view.n, dtype=torch.float64)
     assert torch.equal(KABENA(pi_min=1.0, tau=10.0).select(view).weight, dense), (
-        'expected torch.equal(KABENA(pi_min=1.0, tau=10.0).select(view).weight, dense)')
+        "pi_min=1 leaves no row to sample: KABENA should keep every row at weight 1, whatever tau")
     assert torch.equal(KABENA(tau=0.0).select(view).weight, dense), (
-        'expected torch.equal(KABENA(tau=0.0).select(view).weight, dense)')  # generic rows: no free variance
+        "tau=0 allows no added variance: KABENA should keep every row at weight 1")  # generic rows: no free variance
 
 
 # ---------------------------------------------------------------------------------------------
@@ -223,10 +226,10 @@ def test_sb_keep_fraction(beta):
             kept += int((w > 0).sum())
     expect = sum((j / R) ** beta for j in range(R)) / R
     assert abs(expect - 1 / (beta + 1)) < 1 / R, (
-        f"expected abs(expect - 1 / (beta + 1)) < 1 / R, got {abs(expect - 1 / (beta + 1))!r} vs {1 / R!r}")
+        f"the discrete keep fraction over a history of {R} should be 1/(beta+1) = {1 / (beta + 1)!r} up to 1/R, got {expect!r}")
     total = n * steps
     assert abs(kept / total - expect) <= Z * math.sqrt(expect * (1 - expect) / total), (
-        f"expected abs(kept / total - expect) <= Z * math.sqrt(expect * (1 - expect) /..., got {abs(kept / total - expect)!r}")
+        f"beta={beta}: SB should keep {expect:.4f} of iid rows (binomial CI), kept {kept / total:.4f}")
 
 
 def test_sb_percentile_counts_strictly_below_and_includes_batch():
@@ -250,14 +253,15 @@ def test_sb_fixed_count_top_losses(seed, n, keep):
     old = dict(start=0.0, end=1.0, interrupt=0, normalize="batch", min_keep=1)
     w = SelectiveBackprop(keep=keep, sample=False, **old).select(view).weight
     k = max(1, math.floor(keep * n))
-    assert int(w.sum()) == k, f"expected int(w.sum()) == k, got {int(w.sum())!r} vs {k!r}"
+    assert int(w.sum()) == k, f"fixed-count SB (keep={keep}, n={n}) should keep floor(keep*n) >= 1 = {k} rows, kept {int(w.sum())!r}"
     loss = per_example_ce(view.z, view.targets)
     if k < n:
         assert loss[w > 0].min() >= loss[w == 0].max(), (
-            f"expected loss[w > 0].min() >= loss[w == 0].max(), got {loss[w > 0].min()!r} vs {loss[w == 0].max()!r}")
+            f"deterministic SB should keep the highest losses: lowest kept {loss[w > 0].min()!r} < highest skipped "
+            f"{loss[w == 0].max()!r}")
     ws = SelectiveBackprop(keep=keep, sample=True, seed=seed, **old).select(view).weight
-    assert int(ws.sum()) == k, f"expected int(ws.sum()) == k, got {int(ws.sum())!r} vs {k!r}"
-    assert set(ws.unique().tolist()) <= {0.0, 1.0}, 'expected set(ws.unique().tolist()) <= {0.0, 1.0}'
+    assert int(ws.sum()) == k, f"sampled fixed-count SB should keep exactly {k} rows too, kept {int(ws.sum())!r}"
+    assert set(ws.unique().tolist()) <= {0.0, 1.0}, f"sampled SB (normalize='batch') should weight rows 0 or 1 only, got {ws.unique().tolist()}"
 
 
 def test_sb_composer_sampling_prefers_high_loss():
@@ -266,7 +270,8 @@ def test_sb_composer_sampling_prefers_high_loss():
     freq = torch.stack([rule.select(view).weight for _ in range(400)]).mean(0)
     order = torch.argsort(per_example_ce(view.z, view.targets))
     assert freq[order[-1]] > freq[order[0]], (
-        f"expected freq[order[-1]] > freq[order[0]], got {freq[order[-1]]!r} vs {freq[order[0]]!r}")
+        f"Composer's sampling should keep the highest-loss row more often ({freq[order[-1]]!r}) than the lowest "
+        f"({freq[order[0]]!r})")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -278,8 +283,9 @@ def test_sb_composer_sampling_prefers_high_loss():
 def test_random_exact_count(seed, n, keep):
     sel = RandomSkip(keep=keep, seed=seed).select(make_view(seed, n=n))
     assert int((sel.weight > 0).sum()) == max(1, round(keep * n)), (
-        f"expected int((sel.weight > 0).sum()) == max(1, round(keep * n)), got {int((sel.weight > 0).sum())!r} vs {max(1, round(keep * n))!r}")
-    assert set(sel.weight.unique().tolist()) <= {0.0, 1.0}, 'expected set(sel.weight.unique().tolist()) <= {0.0, 1.0}'
+        f"random keep={keep} of {n} should keep round(keep*n) >= 1 = {max(1, round(keep * n))!r} rows, kept "
+        f"{int((sel.weight > 0).sum())!r}")
+    assert set(sel.weight.unique().tolist()) <= {0.0, 1.0}, f"random skip (biased) should weight rows 0 or 1 only, got {sel.weight.unique().tolist()}"
 
 
 def test_random_uniform_marginals():
@@ -289,7 +295,7 @@ def test_random_uniform_marginals():
     freq = torch.stack([rule.select(view).weight for _ in range(draws)]).mean(0)
     p = k / n
     assert ((freq - p).abs() <= Z * math.sqrt(p * (1 - p) / draws)).all(), (
-        'expected ((freq - p).abs() <= Z * math.sqrt(p * (1 - p) / draws)).all()')
+        f"every row should be kept with probability {p:.3f} (binomial CI); frequencies {freq.tolist()}")
 
 
 @pytest.mark.parametrize("matched", [lambda: CAPSkip(budget=0.3), lambda: SelectiveBackprop(beta=2.0),
@@ -301,12 +307,14 @@ def test_random_match_count(matched):
         sel = rule.select(view)
         other = sel.info["matched"]
         assert int((sel.weight > 0).sum()) == int((other.weight > 0).sum()), (
-            f"expected int((sel.weight > 0).sum()) == int((other.weight > 0).sum()), got {int((sel.weight > 0).sum())!r} vs {int((other.weight > 0).sum())!r}")
+            f"step {t}: random match should keep as many rows as the matched rule ({int((other.weight > 0).sum())!r}), "
+            f"kept {int((sel.weight > 0).sum())!r}")
     hts = RandomSkip(match=matched(), unbiased=True, seed=4).select(make_view(50, n=20, scale=4.0))
     k = int((hts.weight > 0).sum())
     if k:
         assert torch.allclose(hts.weight[hts.weight > 0], torch.full((k,), 20 / k, dtype=torch.float64)), (
-            'expected torch.allclose(hts.weight[hts.weight > 0], torch.full((k,), 20 / k,...')
+            f"unbiased random match should weight each of its {k} kept rows N/k = {20 / k:.3f}, got "
+            f"{hts.weight[hts.weight > 0].tolist()}")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -328,12 +336,12 @@ def test_deterministic_given_generator(factory):
         ga, gb = torch.Generator().manual_seed(t), torch.Generator().manual_seed(t)
         wa = a.select(make_view(t, n=12, generator=ga)).weight
         wb = b.select(make_view(t, n=12, generator=gb)).weight
-        assert torch.equal(wa, wb), 'expected torch.equal(wa, wb)'
+        assert torch.equal(wa, wb), f"step {t}: two rules given equally seeded generators should select the same rows"
     # the rule's own seeded generator, when the runtime passes none
     a, b = factory(), factory()
     for t in range(4):
         assert torch.equal(a.select(make_view(t, n=12)).weight, b.select(make_view(t, n=12)).weight), (
-            'expected torch.equal(a.select(make_view(t, n=12)).weight, b.select(make_view...')
+            f"step {t}: two rules with their own default seeds should select the same rows")
 
 
 @settings(max_examples=examples(20), deadline=None)
@@ -346,17 +354,17 @@ def test_permutation_equivariance(seed, n):
     top = dict(keep=0.5, sample=False, start=0.0, end=1.0, interrupt=0)
     assert (torch.equal(SelectiveBackprop(**top).select(pv).weight,
                        SelectiveBackprop(**top).select(view).weight[perm])), (
-        'expected torch.equal(SelectiveBackprop(**top).select(pv).weight, SelectiveBa...')
+        "deterministic SB on permuted rows should keep the permuted rows (its choice follows the losses, not positions)")
     # randomised: the inclusion probabilities / kept count
     for factory in [lambda: SelectiveBackprop(beta=2.0, prime_epochs=0), lambda: KABENA(tau=0.5), lambda: UpperBoundIS()]:
         a, b = factory().select(view), factory().select(pv)
         torch.testing.assert_close(b.info["prob"], a.info["prob"][perm], rtol=1e-10, atol=1e-15)
     a, b = KABENA(tau=0.5).select(view), KABENA(tau=0.5).select(pv)
     assert int(a.info["K"]) == int(b.info["K"]), (
-        f'expected int(a.info["K"]) == int(b.info["K"]), got {int(a.info["K"])!r} vs {int(b.info["K"])!r}')
+        f"KABENA's K should not depend on the row order: {int(a.info['K'])!r} vs {int(b.info['K'])!r} permuted")
     ra, rb = RandomSkip(match=CAPSkip(budget=0.3)), RandomSkip(match=CAPSkip(budget=0.3))
     assert int(ra.select(view).weight.sum()) == int(rb.select(pv).weight.sum()), (
-        'expected int(ra.select(view).weight.sum()) == int(rb.select(pv).weight.sum())')
+        "random matching CAPSkip should keep as many rows whatever the row order")
 
 
 @settings(max_examples=examples(25), deadline=None)
@@ -366,12 +374,12 @@ def test_weights_finite_nonnegative(seed, n, scale, dtype, explicit):
     view = make_view(seed, n=n, scale=scale, dtype=dtype, explicit_targets=explicit)
     for factory in _random_rules():
         w = factory().select(view).weight
-        assert w.shape == (n,), f"expected w.shape == (n,), got {w.shape!r} vs {(n,)!r}"
-        assert w.dtype == dtype, f"expected w.dtype == dtype, got {w.dtype!r} vs {dtype!r}"
-        assert torch.isfinite(w).all(), 'expected torch.isfinite(w).all()'
-        assert (w >= 0).all(), 'expected (w >= 0).all()'
+        assert w.shape == (n,), f"{factory().name}: the weights should be one per row ({n}), got shape {tuple(w.shape)!r}"
+        assert w.dtype == dtype, f"{factory().name}: the weights should have the logits' dtype {dtype}, got {w.dtype!r}"
+        assert torch.isfinite(w).all(), f"{factory().name}: a weight is not finite (scale {scale}): {w.tolist()}"
+        assert (w >= 0).all(), f"{factory().name}: a weight is negative: {w.tolist()}"
         kept = w[w != 0]
-        assert (kept > 0).all(), 'expected (kept > 0).all()'
+        assert (kept > 0).all(), f"{factory().name}: a kept row must have a positive weight: {w.tolist()}"
 
 
 def _roundtrip(state):
@@ -392,16 +400,16 @@ def test_state_dict_roundtrip_mid_run(factory):
     fresh.load_state_dict(state)
     again = [fresh.select(make_view(100 + t, n=10, epoch=3)).weight for t in range(5)]
     for x, y in zip(after, again):
-        assert torch.equal(x, y), 'expected torch.equal(x, y)'
+        assert torch.equal(x, y), "a rule restored from its state_dict mid-run should select exactly as the original does from there"
 
 
 def test_sb_history_is_a_ring():
     rule = SelectiveBackprop(history=10, prime_epochs=0)
     for t in range(3):
         rule.select(make_view(t, n=4))
-    assert rule.hist_pos == 2, f"expected rule.hist_pos == 2, got {rule.hist_pos!r}"
+    assert rule.hist_pos == 2, f"3 batches of 4 into a history of 10 should wrap the ring's position to 12 mod 10 = 2, got {rule.hist_pos!r}"
     assert int((~torch.isnan(rule.history)).sum()) == 10, (
-        f"expected int((~torch.isnan(rule.history)).sum()) == 10, got {int((~torch.isnan(rule.history)).sum())!r}")
+        f"12 losses into a ring of 10 should fill it, filled {int((~torch.isnan(rule.history)).sum())!r}")
     big = SelectiveBackprop(history=3, prime_epochs=0)
     v = make_view(9, n=7)
     big.select(v)

@@ -96,7 +96,7 @@ def test_sb_default_keep_probabilities_and_priming_match_reference():
             want = torch.tensor(ref.probs(losses), dtype=torch.float64)
             torch.testing.assert_close(sel.info["prob"], want, rtol=1e-12, atol=1e-12)
         ref.next_partition(n * per_epoch)
-    assert rule.beta == 3.0, f"expected rule.beta == 3.0, got {rule.beta!r}"
+    assert rule.beta == 3.0, f"SB's default beta should be the reference's 3, got {rule.beta!r}"
 
 
 def test_sb_step_is_the_mean_over_selected_rows():
@@ -149,18 +149,20 @@ def test_composer_schedule_matches_should_selective_backprop():
         if want:  # Composer keeps int(keep * N) rows and trains on their mean
             k = int(0.5 * n)
             assert int((sel.weight > 0).sum()) == k, (
-                f"expected int((sel.weight > 0).sum()) == k, got {int((sel.weight > 0).sum())!r} vs {k!r}")
+                f"step {step}: Composer keeps int(keep * N) = {k} rows, we kept {int((sel.weight > 0).sum())!r}")
             assert torch.equal(sel.weight[sel.weight > 0], torch.full((k,), n / k, dtype=torch.float64)), (
-                'expected torch.equal(sel.weight[sel.weight > 0], torch.full((k,), n / k, dty...')
+                f"step {step}: Composer trains on the kept rows' mean, so each should weigh N/k = {n / k}; got "
+                f"{sel.weight[sel.weight > 0].tolist()}")
         else:
             assert torch.equal(sel.weight, torch.ones(n, dtype=torch.float64)), (
-                'expected torch.equal(sel.weight, torch.ones(n, dtype=torch.float64))')
+                f"step {step}: outside Composer's SB window every row trains at weight 1, got {sel.weight.tolist()}")
     # max_duration in epochs: elapsed = epoch / total_epochs (constant within an epoch)
     rule = SelectiveBackprop(keep=0.5, total_epochs=4, interrupt=0)
     for epoch in range(4):
         sel = rule.select(rand_view(epoch, n=n, epoch=epoch, step=epoch))
         assert bool(sel.info["active"]) == ref_should_sb(epoch / 4, 0, interrupt=0), (
-            f'expected bool(sel.info["active"]) == ref_should_sb(epoch / 4, 0, interrupt=0), got {bool(sel.info["active"])!r}')
+            f"epoch {epoch} of 4: SB should be active exactly when Composer's should_selective_backprop says so; "
+            f"active={bool(sel.info['active'])!r}")
 
 
 def test_composer_draw_inclusion_probabilities():
@@ -185,7 +187,7 @@ def test_composer_zero_rows_when_int_keep_n_is_zero():
     rule = SelectiveBackprop(keep=0.05, start=0.0, end=1.0, interrupt=0)
     sel = rule.select(rand_view(0, n=16))  # int(0.8) = 0
     assert torch.equal(sel.weight, torch.zeros(16, dtype=torch.float64)), (
-        'expected torch.equal(sel.weight, torch.zeros(16, dtype=torch.float64))')
+        f"int(0.05 * 16) = 0: like Composer, the step should train on no row (zero gradient), got {sel.weight.tolist()}")
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -352,7 +354,7 @@ def test_stale_sb_cached_epoch_fraction_matches_reference(staleness):
     diffs, ours, refs = [], [], []
     for seed in range(seeds):
         want, got = stale_fractions(seed, n, batch, staleness, epochs=staleness)
-        assert want[0] == got[0] == 1.0, 'expected want[0] == got[0] == 1.0'  # the primed epoch back-propagates everything
+        assert want[0] == got[0] == 1.0, f"seed {seed}: the primed epoch should back-propagate every row in both; reference {want[0]}, ours {got[0]}"  # the primed epoch back-propagates everything
         w, o = sum(want[1:]) / (staleness - 1), sum(got[1:]) / (staleness - 1)  # the cached epochs
         diffs.append(o - w)
         ours.append(o)
@@ -379,7 +381,9 @@ def ref_vr(scores):
 def test_ub_default_threshold_is_two():
     for n in (12, 96, 128, 250):
         rule = UpperBoundIS()
-        assert rule.threshold(n, rule.draws(n)) == 2.0, 'expected rule.threshold(n, rule.draws(n)) == 2.0'  # (B + 3b)/(3b) at the reference's B = 3b
+        assert rule.threshold(n, rule.draws(n)) == 2.0, (  # (B + 3b)/(3b) at the reference's B = 3b
+            f"batch {n}: UB's default switch-on threshold should be the reference's 2, got "
+            f"{rule.threshold(n, rule.draws(n))!r}")
 
 
 def test_ub_off_and_on_weights_and_switch_trajectory():
@@ -407,8 +411,8 @@ def test_ub_off_and_on_weights_and_switch_trajectory():
         w = sel.weight
         counts = (w * b / n) if not on else sel.info["counts"]
         counts_r = torch.round(counts)
-        assert torch.allclose(counts, counts_r, atol=1e-9), 'expected torch.allclose(counts, counts_r, atol=1e-9)'
-        assert int(counts_r.sum()) == b, f"expected int(counts_r.sum()) == b, got {int(counts_r.sum())!r} vs {b!r}"
+        assert torch.allclose(counts, counts_r, atol=1e-9), f"step {t}: every row's draw count should be a whole number, got {counts.tolist()}"
+        assert int(counts_r.sum()) == b, f"step {t}: UB should make exactly b={b} draws, made {int(counts_r.sum())!r}"
         coef = w / n  # our applied coefficient of grad(l_i)
         if not on:  # (1/b) sum over draws of l_j, weight 1
             ref = counts_r / b
@@ -419,8 +423,8 @@ def test_ub_off_and_on_weights_and_switch_trajectory():
             vr = 0.9 * vr + 0.1 * ref_vr(s)
         torch.testing.assert_close(coef, ref, rtol=1e-12, atol=1e-15)
         assert float(sel.info["tau_ema"]) == pytest.approx(vr, rel=1e-12), t
-    assert not was_on[0], 'expected not was_on[0]'
-    assert any(was_on), 'expected any(was_on)'
+    assert not was_on[0], "UB should start switched off (its EMA starts at 0)"
+    assert any(was_on), f"UB never switched on over 40 steps; the test needs the on mode (threshold {th})"
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -479,11 +483,11 @@ def test_vcas_controller_trajectory_matches_reference():
         ref.update(1.0, act, w_var, w_sgd, norms_bottom)
         c.update(ProbeResult(sgd_var=1.0, act_var=act, w_var=w_var, w_sgd_var=w_sgd,
                              norms=[torch.tensor(x, dtype=torch.float64) for x in reversed(norms_bottom)]))
-        assert c.s == pytest.approx(ref.s, abs=1e-12), f"expected c.s == pytest.approx(ref.s, abs=1e-12), got {c.s!r}"
+        assert c.s == pytest.approx(ref.s, abs=1e-12), f"probe {t}: the controller's s should follow the reference scheme's {ref.s!r}, got {c.s!r}"
         assert c.rho == [pytest.approx(x, abs=1e-12) for x in reversed(ref.sched)], t
         assert c.nu == [pytest.approx(x, rel=1e-12) for x in ref.w], t
         went_above_one |= max(c.nu) > 1.0
-    assert went_above_one, f"expected went_above_one to be true, got {went_above_one!r}"  # the hysteresis was exercised
+    assert went_above_one, "no nu went above 1: the test never exercised the weight ratios' hysteresis"  # the hysteresis was exercised
 
 
 def test_vcas_integer_budgets():
@@ -496,10 +500,10 @@ def test_vcas_integer_budgets():
         k = int(10 * rho)
         if k == 0:
             assert torch.equal(p, torch.ones(10, dtype=torch.float64)), (
-                'expected torch.equal(p, torch.ones(10, dtype=torch.float64))')
+                f"rho={rho}: int(10 * rho) = 0 samples nothing away, every probability should be 1, got {p.tolist()}")
         else:
             assert float(p.sum()) == pytest.approx(k, abs=1e-9), rho
-            assert float(p.max()) <= 1.0, f"expected float(p.max()) <= 1.0, got {float(p.max())!r}"
+            assert float(p.max()) <= 1.0, f"rho={rho}: a keep probability above 1 is no probability, got max {float(p.max())!r}"
 
 
 def ref_flops_tmp(rho_bottom, nu_bottom, freq, m):
@@ -523,10 +527,11 @@ def test_vcas_flops_ratio_includes_probes_as_reference():
     slot_boundary = [nb - 1 - (s // nl) for s in range(nb * nl)]  # matmul s -> its block, top-first index
     want = ref_flops_tmp(rho_bottom, nu_bottom, 50, 2)
     assert c.flops_fraction("reference", slot_boundary=slot_boundary) == pytest.approx(want, rel=1e-12), (
-        'expected c.flops_fraction("reference", slot_boundary=slot_boundary) == pytes...')
+        f"the reference FLOPs accounting should match vcas_trainer.py's flops_ratio_tmp {want!r}, got "
+        f"{c.flops_fraction('reference', slot_boundary=slot_boundary)!r}")
     # our own accounting counts what our probe runs, and is above the per-step units
     assert c.flops_fraction(slot_boundary=slot_boundary) > c.step_units(slot_boundary) / 3, (
-        'expected c.flops_fraction(slot_boundary=slot_boundary) > c.step_units(slot_b...')
+        "our FLOPs accounting should count the probes, so exceed the per-step units alone")
     # the logged ratio is the running mean over probes of the ratio before each update
     c2 = VcasController(VCAS(freq=50, probes=2))
     c2.ensure(1, 1)
@@ -536,7 +541,7 @@ def test_vcas_flops_ratio_includes_probes_as_reference():
         c2.update(ProbeResult(sgd_var=1.0, act_var=0.0, w_var=[0.0], w_sgd_var=[1.0],
                               norms=[torch.arange(1.0, 9.0, dtype=torch.float64)]))
     assert c2.flops_mean == pytest.approx(sum(seen) / len(seen), rel=1e-12), (
-        f"expected c2.flops_mean == pytest.approx(sum(seen) / len(seen), ..., got {c2.flops_mean!r}")
+        f"the logged FLOPs ratio should be the running mean over probes {sum(seen) / len(seen)!r}, got {c2.flops_mean!r}")
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -551,13 +556,13 @@ def test_vcas_flops_ratio_includes_probes_as_reference():
     (lambda **k: StaleSB(prime_epochs=0, beta=1.0, **k), "kept"),
 ])
 def test_normalize_option(factory, default):
-    assert factory().normalize == default, 'expected factory().normalize == default'
+    assert factory().normalize == default, f"{type(factory()).__name__}'s default normalize should be {default!r}, got {factory().normalize!r}"
     for t in range(3):
         view = rand_view(10 + t, n=16)
         wb = factory(normalize="batch").select(view).weight
         wk = factory(normalize="kept").select(view).weight
-        assert torch.equal(wb > 0, wk > 0), 'expected torch.equal(wb > 0, wk > 0)'  # same decision (same seed), only the scale differs
+        assert torch.equal(wb > 0, wk > 0), f"step {t}: normalize changes only the scale, not which rows are kept"  # same decision (same seed), only the scale differs
         if float(wb.sum()) > 0:
             torch.testing.assert_close(wk, wb * 16 / wb.sum(), rtol=1e-12, atol=0)
             assert float(wk.sum()) == pytest.approx(16.0), (
-                f"expected float(wk.sum()) == pytest.approx(16.0), got {float(wk.sum())!r}")
+                f"normalize='kept' should scale the kept rows' weights to sum to N=16, got {float(wk.sum())!r}")

@@ -29,7 +29,7 @@ def _run(clock: StepClock, task: list, kind: str, arg) -> int:
         assert clock.claim(), "the backward did not claim the step its forward recorded"
         return arg
     if kind == "body_then_head":
-        assert not clock.claim(), 'expected not clock.claim()'
+        assert not clock.claim(), "a body graph's backward before the head's has no forward record to claim"
         clock.record_dense(sum(arg), "body first", 0, provisional=True)
     for n in arg:
         clock.begin(0)
@@ -62,6 +62,6 @@ def test_outside_a_backward_every_begin_is_a_new_step(monkeypatch):
     """Without a graph task id (-1) nothing ties two calls to one backward: each starts a step."""
     monkeypatch.setattr(clock_mod, "graph_task", lambda: -1)
     clock = StepClock()
-    assert [clock.begin(0) for _ in range(3)] == [0, 1, 2], 'expected [clock.begin(0) for _ in range(3)] == [0, 1, 2]'
-    assert not clock.in_step(), 'expected not clock.in_step()'
-    assert clock.peek() == 3, 'expected clock.peek() == 3'
+    assert [clock.begin(0) for _ in range(3)] == [0, 1, 2], "outside a backward each begin() should start a new step (0, 1, 2)"
+    assert not clock.in_step(), "outside a backward no step should stay open"
+    assert clock.peek() == 3, f"after 3 steps the next step should be 3, peek() says {clock.peek()}"

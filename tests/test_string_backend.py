@@ -54,24 +54,24 @@ def test_entry_point_in_a_fresh_process_static_batch_env_settings():
     res = json.loads(out.stdout.strip().splitlines()[-1])
     if res["per_dim"]:
         assert res == {**res, "n": 8, "kept": 4, "rows": 4, "backward": "selected rows"}, (
-            f'expected res == {{**res, "n": 8, "kept": 4, "rows": 4,..., got {res!r}')
-        assert res["err"] < 1e-10, f'expected res["err"] < 1e-10, got {res["err"]!r}'
+            f"with per-dim dynamic sources the entry point should select 4 of 8 rows from the env settings; got {res!r}")
+        assert res["err"] < 1e-10, f"the fresh process's gradients differ from the kept-row reference: rel. error {res['err']!r}"
     else:  # torch 2.11: no per-dim dynamic sources, so a static batch runs the documented dense fallback
-        assert res["backward"] == "dense", f'expected res["backward"] == "dense", got {res["backward"]!r}'
-        assert res["err"] < 1e-10, f'expected res["err"] < 1e-10, got {res["err"]!r}'
+        assert res["backward"] == "dense", f"a static batch without per-dim dynamic sources should run the documented dense fallback, got {res['backward']!r}"
+        assert res["err"] < 1e-10, f"the dense fallback's gradients should be exact: rel. error {res['err']!r}"
         assert "the batch dim of the logits is static (8)" in out.stderr, (
-            f'expected "the batch dim of the logits is stati... in out.stderr, got out.stderr = {out.stderr!r}')
+            f"the fallback warning should say the logits' batch dim is static (8); stderr: {out.stderr!r}")
         assert "mark_dynamic(x, 0)" in out.stderr, (
-            f'expected "mark_dynamic(x, 0)" in out.stderr, got out.stderr = {out.stderr!r}')
+            f"the fallback warning should name the fix, mark_dynamic(x, 0); stderr: {out.stderr!r}")
 
 
 @pytest.mark.subprocess
 def test_bad_environment_setting_raises_naming_the_variable():
     out = _fresh({"CAPSKIP_OPTIONS": "gather_below=2,backend=aot_eager"})
-    assert out.returncode != 0, f"expected out.returncode != 0, got {out.returncode!r}"
-    assert "CAPSKIP_OPTIONS" in out.stderr, f'expected "CAPSKIP_OPTIONS" in out.stderr, got out.stderr = {out.stderr!r}'
+    assert out.returncode != 0, f"a bad CAPSKIP_OPTIONS value should stop the process, it exited {out.returncode!r}"
+    assert "CAPSKIP_OPTIONS" in out.stderr, f"the error should name the variable to fix, CAPSKIP_OPTIONS; stderr: {out.stderr!r}"
     assert "gather_below must be in [0, 1]" in out.stderr, (
-        f'expected "gather_below must be in [0, 1]" in out.stderr, got out.stderr = {out.stderr!r}')
+        f"the error should say gather_below's valid range; stderr: {out.stderr!r}")
 
 
 @pytest.mark.parametrize("env, match", [
@@ -89,7 +89,7 @@ def test_environment_parsing_types():
     got = options_from_env({"CAPSKIP_RULE": "random", "CAPSKIP_BUDGET": "0.3",
                             "CAPSKIP_OPTIONS": "keep=0.25, backend=aot_eager, verify=False, verify_every=None"})
     assert (got == {"rule": "random", "budget": 0.3, "keep": 0.25, "backend": "aot_eager", "verify": False,
-                   "verify_every": None}), f'expected got == {{"rule": "random", "budget": 0.3, "ke..., got {got!r}'
+                   "verify_every": None}), f"CAPSKIP_* strings should parse to typed options (float, bool, None; spaces ignored), got {got!r}"
 
 
 def test_graph_breaks_share_one_backend_and_skip_rows(monkeypatch):
@@ -107,14 +107,15 @@ def test_graph_breaks_share_one_backend_and_skip_rows(monkeypatch):
         F.cross_entropy(opt(x), y).backward()
     rep = capskip_fx.report(opt)
     assert [r["role"] for r in rep] == ["body", "head"], (
-        f'expected [r["role"] for r in rep] == ["body", "head"], got {[r["role"] for r in rep]!r}')
-    assert all(r["row_counts"] == [2] for r in rep), 'expected all(r["row_counts"] == [2] for r in rep)'
+        f"both graphs of the module should join one backend, body then head; roles {[r['role'] for r in rep]!r}")
+    assert all(r["row_counts"] == [2] for r in rep), f"keep=0.25 of 8: both graphs should run the backward on 2 rows; row counts {[r['row_counts'] for r in rep]}"
     grads = {k: p.grad.clone() for k, p in model.named_parameters()}
     ref = copy.deepcopy(model)
     ref.zero_grad()
     (F.cross_entropy(ref(x), y, reduction="none") * capskip_fx.stats(opt).weight).mean().backward()
     assert max_rel_err(grads, {k: p.grad for k, p in ref.named_parameters()}) < 1e-10, (
-        'expected max_rel_err(grads, {k: p.grad for k, p in ref.named_parameters()}) ...')
+        f"gradients across the graph break differ from the kept-row reference: rel. error "
+        f"{max_rel_err(grads, {k: p.grad for k, p in ref.named_parameters()})!r}")
 
 
 def test_torch_compile_mode_reaches_the_backend(monkeypatch):
@@ -131,7 +132,8 @@ def test_torch_compile_mode_reaches_the_backend(monkeypatch):
     from capskip_fx.backend import backend_of
 
     cfg = backend_of(opt).config
-    assert cfg.mode == "reduce-overhead", f'expected cfg.mode == "reduce-overhead", got {cfg.mode!r}'
-    assert cfg.buckets == 8, f"expected cfg.buckets == 8, got {cfg.buckets!r}"
+    assert cfg.mode == "reduce-overhead", f"torch.compile's mode should reach the backend's config, got {cfg.mode!r}"
+    assert cfg.buckets == 8, f"reduce-overhead should pad row counts to 8 buckets (fewer CUDA graphs), got {cfg.buckets!r}"
     assert all(r["row_counts"] == [4] for r in capskip_fx.report(opt)), (
-        'expected all(r["row_counts"] == [4] for r in capskip_fx.report(opt))')  # 3 kept rows, padded to a multiple of 16 / 8
+        f"3 kept rows of 16 should be padded to the bucket size 4; row counts "
+        f"{[r['row_counts'] for r in capskip_fx.report(opt)]}")  # 3 kept rows, padded to a multiple of 16 / 8

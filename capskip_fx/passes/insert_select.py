@@ -19,7 +19,6 @@ the graph; ``passes/pipeline.py`` calls them in order and returns what they foun
 """
 from __future__ import annotations
 
-import re
 from typing import Optional
 
 import torch
@@ -53,35 +52,25 @@ def prove_layout(graph: fx.Graph, sym, exclude=()) -> dict:
     or outputs whose rows can't be gathered."""
     result = analyze(graph, sym, exclude)
     if result.refusal is not None:
-        raise Refused(result.refusal, result.kind or RefusalKind.BATCH_LAYOUT, node=_named_node(graph, result.refusal))
+        raise Refused(result.refusal, result.kind or RefusalKind.BATCH_LAYOUT, node=result.node)
     return result.layouts
 
 
-def _named_node(graph: fx.Graph, message: str) -> Optional[fx.Node]:
-    """The node a layout refusal names first (its messages name nodes as ``name (target)``), for the
-    refusal's op and source line.  Until layout.py's analysis returns the refusing node itself, this
-    finds it by that name: a refusal whose text names no node just carries no location."""
-    found = [(m.start(), n) for n in graph.nodes
-             for m in [re.search(rf"(?<![\w.]){re.escape(f'{n.name} ({n.target})')}", message)] if m]
-    return min(found, key=lambda f: f[0])[1] if found else None
-
-
 def select_head(graph: fx.Graph, head: Head, loss: Optional[InGraphLoss], key: int, layouts: dict) -> int:
-    """Insert ``w = select(h, z', g, key)`` (``z'`` a saved copy of the logits, given their layout in
-    ``layouts``; ``g``: the gradient into the logits computed in the backward, for an in-graph loss) and
-    mask the batch-shaped tangents with it; returns how many."""
+    """Insert ``w = select(h, z, g, key)`` (``g``: the gradient into the logits computed in the backward,
+    for an in-graph loss), mask the batch-shaped tangents with it and return a copy of the logits (its
+    layout added to ``layouts``); returns how many tangents it masked."""
     sym = batch_symbol_of(head.z.meta["val"])
     masked = _batch_tangents(graph, sym)
-    z = head.z
     if loss is None:
-        w = _insert(graph, z, SELECT, (head.h, z, head.g, key))
+        w = _insert(graph, head.z, SELECT, (head.h, head.z, head.g, key))
     else:  # select on the gradient into the logits, in the backward (runtime: prefix on all rows)
         outs = _output_nodes(graph)
         masked = [t for t, o in zip(*outs) if t in masked and o not in loss.nodes and o is not head.z]
         grad = loss.grad
         if head.tokens is not None:  # (s*T, C): select and mask its (s, T, C) view, the flat users read it back
             grad = _view(graph, loss.grad, [-1] + _sizes(graph, head.z, (1, 2), loss.grad), after=loss.grad)
-        w = _insert(graph, grad, SELECT, (head.h, z, grad, key))
+        w = _insert(graph, grad, SELECT, (head.h, head.z, grad, key))
         masked = [grad] + masked
     _mask_tangents(graph, w, masked)
     if loss is None or head.tokens is None:  # a causal LM's (N, T, vocab) logits: a copy costs a logits' memory
