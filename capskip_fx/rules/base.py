@@ -85,13 +85,16 @@ def cosine_gram(delta: Tensor, h: Tensor) -> tuple[Tensor, Tensor]:
     (N, 1, d + 2C) (passes/find_head.py): ``a_c = 1 / |W_c|^2``, ``Q_ic = z_ic / |W_c|`` (0 where
     ``normalize``'s clamp holds).  Row i's gradient of ``W_c`` is ``delta_ic (s x_i - z_ic W^_c) / |W_c|``
     (``W^_c`` unit, ``z_ic = s x_i . W^_c``), so
-    ``K = (D diag(s^2 a) D^T) * (X X^T) - (D * Q)(D * Q)^T``; the diagonal from row-wise sums (ties)."""
+    ``K = (D diag(s^2 a) D^T) * (X X^T) - (D * Q)(D * Q)^T``; the diagonal from row-wise sums (ties).
+    A difference of two terms: its rounding error is relative to the first, so a row whose x lies almost
+    along W_c (a confident row, ``|z_ic| ~ |s| |x_i|``) has that class's part of its Gram only to about
+    ``eps / (1 - cos^2)`` (float32 selection math: eps ~ 1e-7)."""
     c = delta.shape[1]
     f = h.reshape(h.shape[0], -1)
     x, q, a = f[:, :-2 * c], f[:, -2 * c:-c], f[:1, -c:]
     da, dq = delta * a.sqrt(), delta * q
     K = (da @ da.T) * (x @ x.T) - dq @ dq.T
-    return K, (da * da).sum(1) * (x * x).sum(1) - (dq * dq).sum(1)
+    return K, ((da * da).sum(1) * (x * x).sum(1) - (dq * dq).sum(1)).clamp_min(0)
 
 
 def view_losses(view: HeadView, dtype: torch.dtype) -> Tensor:
