@@ -228,11 +228,11 @@ COSINE = ["cosine", "cosine_after", "cosine_raw"]
 
 @pytest.mark.parametrize("rule,opts", [("random", dict(keep=0.5)), ("capskip", dict(budget=0.3)), ("kabena", dict(tau=1.0)),
                                        ("sb", dict(keep=0.5, prime_epochs=0))])
-@pytest.mark.parametrize("kind", COSINE)
-def test_cosine_head_selects_rows_exactly(kind, rule, opts):
+@pytest.mark.parametrize("kind,backend", [(k, "aot_eager") for k in COSINE] + [("cosine_after", "inductor")])
+def test_cosine_head_selects_rows_exactly(kind, backend, rule, opts):
     """s * normalize(h) @ normalize(W).T (the scale before or after the mm, h normalised or not) is a head: the
     backward runs on the kept rows only, and every gradient equals the float64 reference of the step's weights."""
-    _, _, st_, _, _ = _step(kind, rule, **opts)
+    _, _, st_, _, _ = _step(kind, rule, backend_=backend, **opts)
     assert st_.mode == "selected", f"a {kind} head with rule {rule} should run selected rows: {st_}"
     assert 0 < st_.rows < N, f"{rule} on the {kind} head should keep some rows and skip some: {st_}"
     assert st_.rows == st_.kept, f"the backward should run on the kept rows only: {st_}"
@@ -292,6 +292,23 @@ def _cosine_features(x, w, s):
     return torch.cat([x, z / n, (s * s / n ** 2).expand(x.shape[0], -1)], 1).unsqueeze(1), z
 
 
+@pytest.mark.inductor
+def test_cosine_capskip_compiled_selection_equals_eager():
+    """CAPSkip's Inductor-compiled selection (the default on CUDA) reads the cosine features as the eager one."""
+    from capskip_fx.rules import HeadView
+    from capskip_fx.rules.capskip import CAPSkip
+
+    g = torch.Generator().manual_seed(0)
+    x, w = F.normalize(torch.randn(12, 4, generator=g)), torch.randn(5, 4, generator=g)
+    feats, z = _cosine_features(x, w, 3.0)
+    y = z.argmax(1)
+    view = HeadView(delta=torch.softmax(z, 1) - F.one_hot(y, 5), h=feats, z=z, targets=y, head_bias=False)
+    eager, compiled = CAPSkip(0.3, compile=False).select(view), CAPSkip(0.3, compile=True).select(view)
+    assert 0 < int((eager.weight == 0).sum()) < 12, f"the case should skip some rows and keep some: {eager.weight}"
+    assert torch.equal(eager.weight, compiled.weight), f"compiled {compiled.weight} != eager {eager.weight}"
+    assert torch.allclose(eager.bound, compiled.bound, atol=1e-6), f"bounds {compiled.bound} != {eager.bound}"
+
+
 @settings(max_examples=40, deadline=None, derandomize=True)
 @given(st.integers(1, 9), st.integers(2, 7), st.integers(1, 6), st.sampled_from([1.0, -0.5, 3.0, 16.0]),
        st.booleans(), st.integers(0, 2 ** 16))
@@ -323,3 +340,29 @@ def test_cosine_gram_is_the_per_example_autograd_gram(n, c, d, s, unit_rows, see
         f"{(K - want).abs().max().item():.3e} of {scale.item():.3e}")
     assert ((diag - want.diagonal()).abs().max() / scale).item() < 1e-10, (
         "the cosine Gram's diagonal (row-wise sums) should equal the per-example gradients' squared norms")
+
+
+def test_cosine_head_under_autocast_selects_rows_and_keeps_the_gradients():
+    """bf16 autocast: the head's mm reads its input back from the (float32) features cast to bf16, bit for bit,
+    so the selected step's gradients equal the autocast eager reference of the same weights."""
+    torch.manual_seed(0)
+    model = Net("cosine_after")
+    ref = copy.deepcopy(model)
+    x, y = _data()
+    cm = capskip_fx.compile(model, rule="capskip", budget=0.3, backend="aot_eager")
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = cm(x)
+        loss = F.cross_entropy(out, y)
+    assert out.dtype == torch.bfloat16, f"the cosine head should run in bf16 under autocast, got {out.dtype}"
+    loss.backward()
+    st_ = capskip_fx.stats(cm)
+    assert st_.mode == "selected", f"the cosine head under autocast should run selected rows: {st_}"
+    assert 0 < st_.rows < N, f"CAPSkip should keep some rows and skip some: {st_}"
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        losses = F.cross_entropy(ref(x), y, reduction="none")
+    (losses * st_.weight.float()).mean().backward()
+    for (k, p), (_, r) in zip(model.named_parameters(), ref.named_parameters()):
+        if r.grad is None:
+            continue
+        err = ((p.grad.double() - r.grad.double()).norm() / max(r.grad.double().norm(), 1e-6)).item()
+        assert err <= 1e-2, f"autocast cosine head: {k}'s gradient differs from the autocast reference by {err:.2e}"

@@ -385,13 +385,17 @@ def _cosine_features(graph: fx.Graph, lin: fx.Node, scale: float, cos: CosineWei
     q = node(aten.mul.Tensor, node(aten.mm.default, x, w), r)
     a = node(aten.view.default, node(aten.mul.Tensor, node(aten.mul.Tensor, inv, inv), scale * scale), [1, c])
     a = node(aten.expand.default, a, [node(aten.sym_size.int, x, 0), c])
-    dt = x.meta["val"].dtype  # the mm reads x back from the features: they keep its dtype
+    # at least float32 (autocast: a bf16 Q and a would lose the Gram to cancellation); the mm reads x back
+    # cast to its own dtype, exact (a 16-bit float round-trips through float32)
+    xdt = x.meta["val"].dtype
+    dt = torch.promote_types(xdt, torch.float32)
     parts = [node(aten.unsqueeze.default, t if t.meta["val"].dtype == dt else node(aten._to_copy.default, t, dtype=dt), 1)
              for t in (x, q, a)]
     h = node(aten.cat.default, parts, 2)
     # saved for the selection, never recomputed in the backward (a selected-row backward reads saved values only)
     h.meta["recompute"] = CheckpointPolicy.MUST_SAVE
-    lin.replace_input_with(x, node(aten.squeeze.dim, node(aten.slice.Tensor, h, 2, 0, d), 1))
+    x_back = node(aten.squeeze.dim, node(aten.slice.Tensor, h, 2, 0, d), 1)
+    lin.replace_input_with(x, x_back if dt == xdt else node(aten._to_copy.default, x_back, dtype=xdt))
     return h
 
 
