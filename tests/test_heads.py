@@ -366,3 +366,47 @@ def test_cosine_head_under_autocast_selects_rows_and_keeps_the_gradients():
             continue
         err = ((p.grad.double() - r.grad.double()).norm() / max(r.grad.double().norm(), 1e-6)).item()
         assert err <= 1e-2, f"autocast cosine head: {k}'s gradient differs from the autocast reference by {err:.2e}"
+
+
+class CosineWithLoss(nn.Module):
+    """A cosine head with the loss inside the model (Hugging Face's ``labels=``): returns (loss, logits)."""
+
+    def __init__(self):
+        super().__init__()
+        self.body = nn.Linear(6, 8)
+        self.head = nn.Linear(8, 3, bias=False)
+
+    def forward(self, x, y):
+        z = F.linear(F.normalize(self.body(x).tanh()), F.normalize(self.head.weight)) / 0.07
+        return F.cross_entropy(z, y), z
+
+
+def test_cosine_head_with_an_in_graph_loss_selects_rows_and_bounds_w():
+    """The loss inside the model: the rule reads the gradient into the head's mm (the logits' times the
+    scale, a uniform factor), CAPSkip's bound is still ||S_k|| / ||G|| of W's per-example gradients, and the
+    gradients equal the float64 reference."""
+    torch.manual_seed(0)
+    model = CosineWithLoss()
+    ref = copy.deepcopy(model).double()
+    x, _ = _data(1)
+    with torch.no_grad():
+        y = ref(x.double(), torch.zeros(N, dtype=torch.long))[1].argmax(1)  # every row correct
+    cm = capskip_fx.compile(model, rule="capskip", budget=0.3, backend="aot_eager", logits_index=1)
+    cm(x, y)[0].backward()
+    st_ = capskip_fx.stats(cm)
+    assert st_.mode == "selected", f"a cosine head with an in-graph loss should run selected rows: {st_}"
+    skipped = st_.weight.double() == 0
+    assert 0 < int(skipped.sum()) < N, f"CAPSkip should skip some rows and keep some: {st_}"
+    (F.cross_entropy(ref(x.double(), y)[1], y, reduction="none") * st_.weight.double()).mean().backward()
+    for (k, p), (_, r) in zip(model.named_parameters(), ref.named_parameters()):
+        err = ((p.grad.double() - r.grad).norm() / max(r.grad.norm(), 1e-6)).item()
+        assert err <= 1e-5, f"in-graph loss, cosine head: {k}'s gradient differs from the reference by {err:.2e}"
+    per = []
+    for i in range(N):
+        ref.zero_grad()
+        (ref(x[i:i + 1].double(), y[i:i + 1])[0] / N).backward()
+        per.append(ref.head.weight.grad.flatten().clone())
+    per = torch.stack(per)
+    bound = (per[skipped].sum(0).norm() / per.sum(0).norm()).item()
+    assert abs(float(st_.bound) - bound) < 1e-4, (
+        f"the reported bound {float(st_.bound):.6f} should be ||S_k||/||G|| of W's gradients, {bound:.6f}")

@@ -21,8 +21,8 @@ every head parameter:
   is not the rank-one form, so ``h`` is a new (s, 1, d + 2C) node of its features ``[x, Q, s^2 a]``
   (``Head.cosine``; rules/base.py ``cosine_gram``), and the head's mm reads ``x`` back from it (saved).
 
-A weight that is not a parameter (nor ``normalize(W)`` of one, in a single cosine head of (N, C) logits
-without an in-graph loss) or a scale that is a tensor (learnable) is refused with the reason.  The logits output is found from AOT output descriptors when available
+A weight that is not a parameter (nor ``normalize(W)`` of one, in a single cosine head of (N, C) logits)
+or a scale that is a tensor (learnable) is refused with the reason.  The logits output is found from AOT output descriptors when available
 (the first plain user output that qualifies), else from the joint graph's output/tangent order.
 """
 from __future__ import annotations
@@ -593,9 +593,6 @@ def find_in_graph_loss(graph: fx.Graph, head: Head, backward: set) -> Optional[I
                 raise Refused(f"the in-graph loss reads {a.name}, which depends on the model's float inputs or "
                               f"parameters other than through the logits: its gradient could not be selected "
                               f"(compute the loss outside the model)", RefusalKind.IN_GRAPH_LOSS, node=a)
-    if head.cosine is not None:
-        raise Refused("an in-graph loss after a cosine head: the rules' features read the logits' own gradient "
-                      "(compute the loss outside the model)", RefusalKind.IN_GRAPH_LOSS)
     if head.linear_in is not None:
         raise Refused("an in-graph loss after a sum of Linear heads: the gradient into the logits has no node of "
                       "its own (compute the loss outside the model)", RefusalKind.IN_GRAPH_LOSS)
@@ -605,7 +602,8 @@ def find_in_graph_loss(graph: fx.Graph, head: Head, backward: set) -> Optional[I
                      and list(u.args[1]) == [r, j]), None)
     else:
         grad = None
-    lin = head.linear_in if head.linear_in is not None else head.tokens if head.tokens is not None else head.h
+    lin = head.linear_in if head.linear_in is not None else head.tokens if head.tokens is not None else \
+        head.cosine if head.cosine is not None else head.h
     grad = grad or next((u.args[0].args[0] for u in lin.users
                  if u in backward and u.target == aten.mm.default and u.args[1] is lin
                  and isinstance(u.args[0], fx.Node) and u.args[0].target in (aten.permute.default, aten.t.default)),
