@@ -232,8 +232,8 @@ def _terms(z: fx.Node) -> Optional[list]:
         if not _is_parameter(w):
             if _cosine_weight(w) is None:
                 raise _Unsupported(f"the head's weight {w.name} is computed, not a parameter nor normalize(W) of one "
-                                   "(a cosine head; e.g. weight-normed): CAPSkip's Gram would bound the computed "
-                                   "weight's gradient, not the parameters'")
+                                   "over its rows (a cosine head); e.g. weight norm or W * 2: CAPSkip's Gram would "
+                                   "bound the computed weight's gradient, not the parameters'")
             if p.target is aten.addmm.default:
                 raise _Unsupported(f"a cosine head with a bias ({p.name}): its Gram is not followed")
         m = _match_linear(p)

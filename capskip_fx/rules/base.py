@@ -49,7 +49,7 @@ class HeadView:
     # targets (N, T); a row is a sequence (``tokens``), and the rules read per-sequence quantities
     # (view_losses, head_gram)
     # a cosine head (``s * normalize(x) @ normalize(W).T``): h is (N, 1, d + 2C), its Gram features
-    # (passes/find_head.py; ``cosine``, cosine_gram)
+    # (passes/find_head.py; is_cosine, cosine_gram)
     delta: Tensor  # (N, C) dL/dz: the logits' incoming gradient (includes 1/N and any loss scale)
     h: Tensor  # (N, d) head input (penultimate features)
     z: Tensor  # (N, C) logits
@@ -68,11 +68,6 @@ class HeadView:
     def tokens(self) -> bool:
         """Token-shaped logits (N, T, C): a row is a sequence."""
         return self.delta.dim() == 3
-
-    @property
-    def cosine(self) -> bool:
-        """A cosine head: h holds its Gram features (cosine_gram)."""
-        return is_cosine(self.delta, self.h)
 
 
 def is_cosine(delta: Tensor, h: Tensor) -> bool:
