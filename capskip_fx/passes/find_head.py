@@ -14,10 +14,15 @@ every head parameter:
   classifier's last token): ``h`` is a new node ``H[arange(N), j]`` of the Linear's (s, T, d) input;
 * token-shaped logits ``(s, T, C)`` (a causal LM, token classification) from one Linear applied per
   token: a row is a sequence; ``h`` is the (s, T, d) value the Linear's (s*T, d) input is a view of
-  (``Head.tokens``), and the rules read per-sequence quantities (rules/base.py ``head_gram``).
+  (``Head.tokens``), and the rules read per-sequence quantities (rules/base.py ``head_gram``);
+* a cosine head ``s * mm(x, normalize(W).T)`` (``W`` a (C, d) parameter normalised over its rows:
+  ``div(W, [expand]([clamp_min](row norms)))`` with the norms ``linalg_vector_norm`` or its decomposition,
+  as ``F.normalize`` traces; ``x`` any (s, d) input, normalised or not; ``s`` a number; no bias): the Gram
+  is not the rank-one form, so ``h`` is a new (s, 1, d + 2C) node of its features ``[x, Q, s^2 a]``
+  (``Head.cosine``; rules/base.py ``cosine_gram``), and the head's mm reads ``x`` back from it (saved).
 
-A weight that is not a parameter (normalised: a cosine head) or a scale that is a tensor (learnable)
-is refused with the reason.  The logits output is found from AOT output descriptors when available
+A weight that is not a parameter (nor ``normalize(W)`` of one, in a single cosine head of (N, C) logits)
+or a scale that is a tensor (learnable) is refused with the reason.  The logits output is found from AOT output descriptors when available
 (the first plain user output that qualifies), else from the joint graph's output/tangent order.
 """
 from __future__ import annotations
@@ -27,6 +32,7 @@ from typing import Optional
 
 import torch
 from torch import fx
+from torch.utils.checkpoint import CheckpointPolicy
 
 from ..records import RefusalKind, Refused
 from ..symbolic import expr_of, shape_exprs, tangent_nodes
@@ -47,6 +53,7 @@ class Head:
     rows: Optional[tuple] = None  # (arange(N), j): the logits are L[arange(N), j] of per-token logits L
     linear_in: Optional[fx.Node] = None  # a sum of heads: the first head's input (h holds the Gram features)
     tokens: Optional[fx.Node] = None  # token-shaped logits (s, T, C): the Linear's (s*T, d) input (h is (s, T, d))
+    cosine: Optional[fx.Node] = None  # a cosine head: its mm's input x (h holds the Gram features)
 
 
 def outputs_and_tangents(graph: fx.Graph) -> list[tuple[int, fx.Node, Optional[fx.Node]]]:
@@ -99,6 +106,102 @@ def _is_parameter(w: fx.Node) -> bool:
     return w.op in ("placeholder", "get_attr")
 
 
+_CASTS = {aten._to_copy.default, aten.alias.default, aten.clone.default, aten.detach.default,
+          torch.ops.prims.convert_element_type.default}
+_TRANSPOSES = {aten.t.default, aten.permute.default, aten.transpose.int}
+
+
+def _swaps_2d(n: fx.Node) -> bool:
+    """``n`` transposes a 2-D value (t, permute [1, 0], transpose 0 1)."""
+    v = n.args[0].meta.get("val") if isinstance(n.args[0], fx.Node) else None
+    if not isinstance(v, torch.Tensor) or v.dim() != 2:
+        return False
+    if n.target is aten.permute.default:
+        return [d % 2 for d in n.args[1]] == [1, 0]
+    if n.target is aten.transpose.int:
+        return {n.args[1] % 2, n.args[2] % 2} == {0, 1}
+    return True
+
+
+def _strip_casts(n):
+    while isinstance(n, fx.Node) and n.op == "call_function" and n.target in _CASTS:
+        n = n.args[0]
+    return n
+
+
+def _call(n, target) -> bool:
+    return isinstance(n, fx.Node) and n.op == "call_function" and n.target is target
+
+
+def _row_norm_of(n: fx.Node) -> Optional[fx.Node]:
+    """The 2-D value (casts stripped) whose row norms, kept as a (C, 1) column, ``n`` is:
+    ``linalg_vector_norm(W, 2, [1], keepdim=True)`` or its decompositions ``pow(sum(pow(W, 2), [1], True), 0.5)``
+    and ``sqrt(sum(W * W, [1], True))``; else None."""
+    if _call(n, aten.linalg_vector_norm.default):
+        args = list(n.args) + [None] * (4 - len(n.args))
+        order = args[1] if args[1] is not None else n.kwargs.get("ord", 2)
+        dim = args[2] if args[2] is not None else n.kwargs.get("dim")
+        keep = args[3] if args[3] is not None else n.kwargs.get("keepdim", False)
+        return _strip_casts(n.args[0]) if (order == 2 and keep and _row_dim(dim) and "dtype" not in n.kwargs) else None
+    if _call(n, aten.pow.Tensor_Scalar) and n.args[1] == 0.5:
+        s = n.args[0]
+    elif _call(n, aten.sqrt.default):
+        s = n.args[0]
+    else:
+        return None
+    if not (_call(s, aten.sum.dim_IntList) and _row_dim(s.args[1]) and (s.args[2] if len(s.args) > 2 else
+                                                                       s.kwargs.get("keepdim", False))):
+        return None
+    sq = s.args[0]
+    if _call(sq, aten.pow.Tensor_Scalar) and sq.args[1] == 2:
+        return _strip_casts(sq.args[0])
+    if _call(sq, aten.mul.Tensor) and sq.args[0] is sq.args[1]:
+        return _strip_casts(sq.args[0])
+    return None
+
+
+def _row_dim(dim) -> bool:
+    """``dim`` names only dim 1 (-1) of a 2-D value."""
+    return isinstance(dim, (list, tuple)) and len(dim) == 1 and isinstance(dim[0], int) and dim[0] % 2 == 1
+
+
+@dataclass
+class CosineWeight:
+    """``normalize(W)`` of a (C, d) parameter over its rows: ``W / clamp_min(|W_c|, eps)``."""
+
+    norm: fx.Node  # (C, 1) row norms |W_c| (before the clamp)
+    eps: Optional[float]  # the clamp's minimum (None: no clamp)
+
+
+def _cosine_weight(w: fx.Node) -> Optional[CosineWeight]:
+    """The mm's weight operand is ``normalize(W).T`` of a parameter ``W`` (C, d), normalised over dim 1: one
+    transpose (and casts) above ``div(W, [expand]([clamp_min](row_norms(W))))`` (``_row_norm_of``)."""
+    flips = 0
+    while w.op == "call_function" and (w.target in _CASTS or w.target in _TRANSPOSES):
+        if w.target in _TRANSPOSES:
+            if not _swaps_2d(w):
+                return None
+            flips += 1
+        w = w.args[0]
+    if flips != 1 or w.op != "call_function" or w.target is not aten.div.Tensor or not isinstance(w.args[1], fx.Node):
+        return None
+    num, den = w.args
+    if den.op == "call_function" and den.target is aten.expand.default:
+        den = den.args[0]
+    eps = None
+    if den.op == "call_function" and den.target is aten.clamp_min.default:
+        eps = _constant(den.args[1])
+        if eps is None:
+            return None
+        den = den.args[0]
+    base = _strip_casts(num)
+    wv = num.meta.get("val") if isinstance(num, fx.Node) else None
+    if not (isinstance(base, fx.Node) and base.op in ("placeholder", "get_attr") and isinstance(wv, torch.Tensor)
+            and wv.dim() == 2 and isinstance(den, fx.Node) and _row_norm_of(den) is base):
+        return None
+    return CosineWeight(den, eps)
+
+
 def _weight_of(p: fx.Node) -> Optional[fx.Node]:
     return p.args[2] if p.target == aten.addmm.default else p.args[1] if p.target == aten.mm.default else None
 
@@ -127,9 +230,12 @@ def _terms(z: fx.Node) -> Optional[list]:
     if p.target in (aten.addmm.default, aten.mm.default):
         w = _weight_of(p)
         if not _is_parameter(w):
-            raise _Unsupported(f"the head's weight {w.name} is computed, not a parameter (a normalised / cosine or "
-                               "weight-normed head): CAPSkip's Gram would bound the computed weight's gradient, "
-                               "not the parameters'")
+            if _cosine_weight(w) is None:
+                raise _Unsupported(f"the head's weight {w.name} is computed, not a parameter nor normalize(W) of one "
+                                   "over its rows (a cosine head); e.g. weight norm or W * 2: CAPSkip's Gram would "
+                                   "bound the computed weight's gradient, not the parameters'")
+            if p.target is aten.addmm.default:
+                raise _Unsupported(f"a cosine head with a bias ({p.name}): its Gram is not followed")
         m = _match_linear(p)
         return [(1.0, m[0], m[1], p)]
     if p.target in (aten.mul.Tensor, aten.div.Tensor):
@@ -158,7 +264,9 @@ def _terms(z: fx.Node) -> Optional[list]:
         if m is not None:
             mm = next(_producer(a) for a in p.args if _producer(a).target == aten.mm.default)
             if not _is_parameter(mm.args[1]):
-                raise _Unsupported(f"the head's weight {mm.args[1].name} is computed, not a parameter")
+                raise _Unsupported(f"the head's weight {mm.args[1].name} is computed, not a parameter"
+                                   + (" (a cosine head with a bias: its Gram is not followed)"
+                                      if _cosine_weight(mm.args[1]) else ""))
             return [(1.0, m[0], m[1], mm)]
     return None
 
@@ -237,6 +345,60 @@ def _gram_features(graph: fx.Graph, terms: list, before: fx.Node) -> fx.Node:
     return node(aten.cat.default, parts, 1)
 
 
+def _cosine_of(terms: list) -> list[Optional[CosineWeight]]:
+    """Each term's cosine weight (None: a Linear's parameter)."""
+    return [None if _is_parameter(_weight_of(lin)) else _cosine_weight(_weight_of(lin)) for *_, lin in terms]
+
+
+def _fake_node(graph: fx.Graph, target, args: tuple, before: fx.Node, kwargs: Optional[dict] = None) -> fx.Node:
+    """A new node before ``before``, its ``val`` computed under the graph's fake mode."""
+    with graph.inserting_before(before):
+        n = graph.call_function(target, args, kwargs or {})
+    vals = [[x.meta["val"] if isinstance(x, fx.Node) else x for x in a] if isinstance(a, list)
+            else a.meta["val"] if isinstance(a, fx.Node) else a for a in args]
+    fake = next(v for v in (a.meta["val"] for a in n.all_input_nodes) if isinstance(v, torch.Tensor)).fake_mode
+    with fake:
+        n.meta["val"] = target(*vals, **(kwargs or {}))
+    return n
+
+
+def _cosine_features(graph: fx.Graph, lin: fx.Node, scale: float, cos: CosineWeight) -> fx.Node:
+    """The (N, 1, d + 2C) Gram features of the cosine head ``z = scale * mm(x, normalize(W).T)`` (``lin`` the
+    mm): ``[x, Q, scale^2 a]`` with ``a_c = 1 / n_c^2`` (``n_c = clamp_min(|W_c|, eps)``) on every row and
+    ``Q_ic = z_ic m_c / n_c`` (``m_c = |W_c| > eps``: where the clamp holds, ``normalize`` has no projection
+    term).  Row i's gradient of ``W_c`` is ``delta_ic (scale x_i - m_c z_ic W^_c) / n_c``, so
+    ``<G_i, G_j> = sum_c delta_ic delta_jc (scale^2 a_c x_i . x_j - Q_ic Q_jc)`` (rules/base.py cosine_gram).
+
+    The head's mm then reads ``x`` back as a slice of the features (the same values, bit for bit), so the
+    forward needs them and the partitioner saves them for the selection; ``Q`` takes its own
+    ``mm(x, normalize(W).T)`` (the head's would depend on the features).  Inserted before the head's mm."""
+    x, w, c = lin.args[0], lin.args[1], cos.norm.meta["val"].shape[0]
+    d = x.meta["val"].shape[1]
+
+    def node(target, *args, **kwargs):
+        return _fake_node(graph, target, args, lin, kwargs)
+
+    n = node(aten.clamp_min.default, cos.norm, cos.eps) if cos.eps is not None else cos.norm
+    inv = node(aten.reciprocal.default, n)
+    r = node(aten.mul.Tensor, inv, node(aten.gt.Scalar, cos.norm, cos.eps)) if cos.eps is not None else inv
+    r = node(aten.view.default, node(aten.mul.Tensor, r, scale) if scale != 1.0 else r, [1, c])
+    q = node(aten.mul.Tensor, node(aten.mm.default, x, w), r)
+    a = node(aten.view.default, node(aten.mul.Tensor, node(aten.mul.Tensor, inv, inv), scale * scale), [1, c])
+    a = node(aten.expand.default, a, [node(aten.sym_size.int, x, 0), c])
+    # at least float32 (autocast: a bf16 Q and a would lose the Gram to cancellation); the mm reads x back
+    # cast to its own dtype, exact (a 16-bit float round-trips through float32)
+    xdt = x.meta["val"].dtype
+    dt = torch.promote_types(xdt, torch.float32)
+    parts = [node(aten.unsqueeze.default, t if t.meta["val"].dtype == dt else node(aten._to_copy.default, t, dtype=dt), 1)
+             for t in (x, q, a)]
+    h = node(aten.cat.default, parts, 2)
+    # saved for the selection, never recomputed in the backward (a selected-row backward reads saved values only)
+    h.meta["recompute"] = CheckpointPolicy.MUST_SAVE
+    x_back = node(aten.squeeze.dim, node(aten.slice.Tensor, h, 2, 0, d), 1)
+    lin.replace_input_with(x, x_back if dt == xdt else node(aten._to_copy.default, x_back, dtype=xdt))
+    return h
+
+
 def _same_size(a, b) -> bool:
     """Sizes equal structurally (no guard: a SymInt is compared by its expression)."""
     ea = a.node.expr if isinstance(a, torch.SymInt) else a
@@ -297,6 +459,8 @@ def _token_head(idx: int, z: fx.Node, g: fx.Node) -> tuple[Optional[Head], Optio
         terms = _terms(z)
     except _Unsupported as e:
         return None, f"output {idx}: {e}"
+    if terms is not None and any(_cosine_of(terms)):
+        return None, f"output {idx}: token-shaped logits (N, T, C) of a cosine head (its Gram is followed for (N, C) only)"
     if terms is None or len(terms) != 1:
         return None, (f"output {idx}: token-shaped logits (N, T, C) not produced by one Linear per token"
                       + (" (a sum of Linear heads)" if terms else ""))
@@ -336,6 +500,21 @@ def find_head(graph: fx.Graph, logits_index: Optional[int] = None) -> Head:
             reasons.append(f"output {idx}: not produced by a Linear (addmm/mm), a sum of Linears or a Linear "
                            "scaled by a number")
             continue
+        cosines = _cosine_of(terms)
+        if any(cosines):
+            if len(terms) > 1 or per_row is not None:
+                reasons.append(f"output {idx}: a cosine head " + ("in a sum of heads" if len(terms) > 1 else
+                                                                   "read at L[arange(N), j]")
+                               + " (its Gram is followed for one cosine head of (N, C) logits only)")
+                continue
+            sc, x, _, lin = terms[0]
+            xv, nv = x.meta.get("val"), cosines[0].norm.meta["val"]
+            if not (isinstance(xv, torch.Tensor) and xv.dim() == 2 and _same_size(xv.shape[0], val.shape[0])
+                    and _same_size(nv.shape[0], val.shape[1]) and isinstance(nv.shape[0], int)):
+                reasons.append(f"output {idx}: a cosine head whose input is not (N, d) of the logits' rows")
+                continue
+            h = _cosine_features(graph, lin, sc, cosines[0])
+            return Head(z=z, g=g, h=h, bias=False, output_index=idx, cosine=x)
         if len(terms) > 1 and per_row is None:
             if any(not _same_size(t[1].meta["val"].shape[0], val.shape[0]) or t[1].meta["val"].dim() != 2
                    for t in terms):
@@ -423,7 +602,8 @@ def find_in_graph_loss(graph: fx.Graph, head: Head, backward: set) -> Optional[I
                      and list(u.args[1]) == [r, j]), None)
     else:
         grad = None
-    lin = head.linear_in if head.linear_in is not None else head.tokens if head.tokens is not None else head.h
+    lin = head.linear_in if head.linear_in is not None else head.tokens if head.tokens is not None else \
+        head.cosine if head.cosine is not None else head.h
     grad = grad or next((u.args[0].args[0] for u in lin.users
                  if u in backward and u.target == aten.mm.default and u.args[1] is lin
                  and isinstance(u.args[0], fx.Node) and u.args[0].target in (aten.permute.default, aten.t.default)),

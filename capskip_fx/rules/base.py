@@ -48,6 +48,8 @@ class HeadView:
     # token-shaped heads (a causal LM, token classification): delta and z are (N, T, C), h (N, T, d) and
     # targets (N, T); a row is a sequence (``tokens``), and the rules read per-sequence quantities
     # (view_losses, head_gram)
+    # a cosine head (``s * normalize(x) @ normalize(W).T``): h is (N, 1, d + 2C), its Gram features
+    # (passes/find_head.py; is_cosine, cosine_gram)
     delta: Tensor  # (N, C) dL/dz: the logits' incoming gradient (includes 1/N and any loss scale)
     h: Tensor  # (N, d) head input (penultimate features)
     z: Tensor  # (N, C) logits
@@ -66,6 +68,28 @@ class HeadView:
     def tokens(self) -> bool:
         """Token-shaped logits (N, T, C): a row is a sequence."""
         return self.delta.dim() == 3
+
+
+def is_cosine(delta: Tensor, h: Tensor) -> bool:
+    """(N, C) delta with (N, 1, d + 2C) h: a cosine head's Gram features."""
+    return delta.dim() == 2 and h.dim() == 3
+
+
+def cosine_gram(delta: Tensor, h: Tensor) -> tuple[Tensor, Tensor]:
+    """``(K, diag)`` of a cosine head ``z = s * x @ normalize(W).T`` from its features ``h = [x, Q, s^2 a]``
+    (N, 1, d + 2C) (passes/find_head.py): ``a_c = 1 / |W_c|^2``, ``Q_ic = z_ic / |W_c|`` (0 where
+    ``normalize``'s clamp holds).  Row i's gradient of ``W_c`` is ``delta_ic (s x_i - z_ic W^_c) / |W_c|``
+    (``W^_c`` unit, ``z_ic = s x_i . W^_c``), so
+    ``K = (D diag(s^2 a) D^T) * (X X^T) - (D * Q)(D * Q)^T``; the diagonal from row-wise sums (ties).
+    A difference of two terms: its rounding error is relative to the first, so a row whose x lies almost
+    along W_c (a confident row, ``|z_ic| ~ |s| |x_i|``) has that class's part of its Gram only to about
+    ``eps / (1 - cos^2)`` (float32 selection math: eps ~ 1e-7)."""
+    c = delta.shape[1]
+    f = h.reshape(h.shape[0], -1)
+    x, q, a = f[:, :-2 * c], f[:, -2 * c:-c], f[:1, -c:]
+    da, dq = delta * a.sqrt(), delta * q
+    K = (da @ da.T) * (x @ x.T) - dq @ dq.T
+    return K, ((da * da).sum(1) * (x * x).sum(1) - (dq * dq).sum(1)).clamp_min(0)
 
 
 def view_losses(view: HeadView, dtype: torch.dtype) -> Tensor:
@@ -90,7 +114,8 @@ def head_gram(delta: Tensor, h: Tensor, bias: bool = True, sketch: Optional[int]
     ``g_i = delta_i (x) [h_i; 1]`` (no ``1`` without a bias), its diagonal (for (N, C) rows from row-wise
     sums, so equal rows tie exactly), and whether K is exact, in the selection dtype.
 
-    (N, C) delta: ``K = (D D^T) * (H H^T + 1)``, exact.  Token-shaped (N, T, C) delta, h (N, T, d): a row is
+    (N, C) delta: ``K = (D D^T) * (H H^T + 1)``, exact; with a cosine head's (N, 1, d + 2C) features h,
+    its Gram (cosine_gram), exact.  Token-shaped (N, T, C) delta, h (N, T, d): a row is
     a sequence, ``G_i = sum_t delta_it (x) [h_it; 1] = D_i^T H~_i`` (C x (d+1)):
       * exact (``sketch=0``, or ``None`` while one of its forms fits in EXACT_GRAM_ELEMENTS and costs at most
         twice the sketch): the G_i materialised (N*T*C*(d+1) multiply-adds), or the token Gram summed per
@@ -105,6 +130,8 @@ def head_gram(delta: Tensor, h: Tensor, bias: bool = True, sketch: Optional[int]
     """
     dt = selection_dtype(delta)
     d, x = delta.to(dt), h.to(dt)
+    if is_cosine(d, x):  # a cosine head (no bias): its own Gram, exact
+        return (*cosine_gram(d, x), True)
     if d.dim() == 2:
         one = 1 if bias else 0
         K = (d @ d.T) * (x @ x.T + one)

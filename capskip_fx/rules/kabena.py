@@ -23,7 +23,8 @@ K thus adapts every step: many rows are excluded when the easy rows' gradients a
 the batch gradient, few when they are not.  ``tau`` is scale invariant (1/N and loss scale cancel).  Without a head bias (``bias=False``, or
 ``view.head_bias`` False) the ``+1`` terms are dropped.  Token-shaped logits (N, T, C): rows are
 sequences, ``l`` their per-sequence losses and ``g_i`` their head gradients (base.head_gram: exact, or
-sketched for a vocabulary-sized C, whose V(K) is then an unbiased estimate).
+sketched for a vocabulary-sized C, whose V(K) is then an unbiased estimate).  A cosine head: ``g_i`` its
+weight's per-example gradients (base.cosine_gram).
 """
 from __future__ import annotations
 
@@ -33,7 +34,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from .base import HeadView, SeededRule, Selection, check_normalize, head_gram, selection_dtype, view_losses
+from .base import HeadView, SeededRule, Selection, check_normalize, head_gram, is_cosine, selection_dtype, view_losses
 
 
 def kabena_probs(loss: Tensor, delta: Tensor, h: Tensor, tau: float, pi_min: float, bias: bool = True,
@@ -44,7 +45,7 @@ def kabena_probs(loss: Tensor, delta: Tensor, h: Tensor, tau: float, pi_min: flo
     d = delta.to(dt)
     loss = loss.to(dt)
     n = d.shape[0]
-    if d.dim() == 3:  # token-shaped: rows are sequences, their Gram exact or sketched (base.head_gram)
+    if d.dim() == 3 or is_cosine(d, h):  # sequences (exact or sketched) or a cosine head: base.head_gram
         K, gn2, _ = head_gram(d, h, bias, sketch, generator)
         total = K.sum()
     else:
