@@ -227,20 +227,10 @@ def main():
             variants[vcas_label(setting)] = run_vcas
     vcas_rows: dict = {}
 
-    times = {v: [] for v in variants}
-    kept = {v: [] for v in variants}
-    sel_ms = {v: [] for v in variants}
-    t_compile = time.perf_counter()
-    for v, fn in variants.items():  # warm-up: compiles (excluded)
-        for _ in range(a.warmup):
-            fn()
-    t_compile = time.perf_counter() - t_compile
-    for _ in range(a.reps):
-        for v, fn in variants.items():
-            times[v].append(fn())
-            st = capskip_fx.stats(owner.get(v, cm))
-            kept[v].append(st.kept / st.n if v.startswith(("capskip", "rule")) else None)
-            sel_ms[v].append(st.selection_ms if v.startswith(("capskip", "rule")) else None)
+    def observe(v):
+        st, ours = capskip_fx.stats(owner.get(v, cm)), v.startswith(("capskip", "rule"))
+        return (st.kept / st.n, st.selection_ms) if ours else (None, None)
+    times, kept, sel_ms, t_compile = interleave(variants, a.warmup, a.reps, observe)
 
     med = lambda xs: statistics.median(xs)
     F0 = med([t[0] for t in times["dense compiled"]])
@@ -304,6 +294,25 @@ class _Recording(Rule):
     def select(self, view):
         self.view = view
         return self.rule.select(view)
+
+
+def interleave(variants: dict, warmup: int, reps: int, observe) -> tuple[dict, dict, dict, float]:
+    """Warm every variant up (compiles; its seconds returned apart), then ``reps`` rounds calling each in turn.
+    ``observe(v)`` after each timed call gives (kept fraction, selection ms).  Returns per-variant lists of
+    the calls' results, kept fractions and selection ms, and the warm-up seconds."""
+    times, kept, sel_ms = ({v: [] for v in variants} for _ in range(3))
+    t0 = time.perf_counter()
+    for fn in variants.values():
+        for _ in range(warmup):
+            fn()
+    t_compile = time.perf_counter() - t0
+    for _ in range(reps):
+        for v, fn in variants.items():
+            times[v].append(fn())
+            k, ms = observe(v)
+            kept[v].append(k)
+            sel_ms[v].append(ms)
+    return times, kept, sel_ms, t_compile
 
 
 def main_lm(a, malloc_tuned: bool) -> None:
@@ -370,18 +379,10 @@ def main_lm(a, malloc_tuned: bool) -> None:
             return step(cm)
         variants[label] = run_rule
 
-    times, kept, sel_ms = ({v: [] for v in variants} for _ in range(3))
-    t_compile = time.perf_counter()
-    for fn in variants.values():
-        for _ in range(a.warmup):
-            fn()
-    t_compile = time.perf_counter() - t_compile
-    for _ in range(a.reps):
-        for v, fn in variants.items():
-            times[v].append(fn())
-            st = capskip_fx.stats(cm)
-            kept[v].append(st.kept / st.n if v != "dense compiled" else 1.0)
-            sel_ms[v].append(st.selection_ms if v.startswith("rule") else None)
+    def observe(v):
+        st = capskip_fx.stats(cm)
+        return st.kept / st.n if v != "dense compiled" else 1.0, st.selection_ms if v.startswith("rule") else None
+    times, kept, sel_ms, t_compile = interleave(variants, a.warmup, a.reps, observe)
     med = statistics.median
     F0, B0 = med([x[0] for x in times["dense compiled"]]), med([x[1] for x in times["dense compiled"]])
     rows = []

@@ -157,6 +157,17 @@ def _rel_err(grads: dict, refs: dict) -> float:
     return max((grads[k].double() - r).norm().item() / max(r.norm().item(), 1e-6 * total) for k, r in refs.items())
 
 
+def _assert_reference_grads(model, ref, what: str) -> None:
+    """``model``'s gradients equal the float64 reference's (``ref`` back-propagated with the step's weights)."""
+    grads = _grads(model)
+    refs = {k: p.grad for k, p in ref.named_parameters() if k in grads}
+    assert refs.keys() == grads.keys(), (
+        f"{what}: the compiled model should give gradients to the reference's parameters, differs in "
+        f"{refs.keys() ^ grads.keys()}")
+    err = _rel_err(grads, refs)
+    assert err < 1e-4, f"{what} gradients differ from the weighted reference: rel. error {err:.2e}"
+
+
 @pytest.mark.parametrize("kind,side,gather", [(k, s, "eager") for k in ("gpt2", "llama", "qwen2") for s in ("right", "left")]
                          + [("gpt2", "left", "graph")])
 def test_decoder_classifier_selects_rows_exactly(kind, side, gather):
@@ -175,12 +186,7 @@ def test_decoder_classifier_selects_rows_exactly(kind, side, gather):
     assert any(r["role"] == "head" and r["backward"] == "selected rows" for r in rep), (
         f"the last-token gather should leave a head graph with a selected backward; report: {rep}")
     (F.cross_entropy(ref(input_ids=ids, attention_mask=mask).logits, y, reduction="none") * st.weight.double()).mean().backward()
-    grads = _grads(model)
-    refs = {k: p.grad for k, p in ref.named_parameters() if k in grads}
-    assert refs.keys() == grads.keys(), (
-        f"the compiled model should give gradients to the reference's parameters, differs in {refs.keys() ^ grads.keys()}")
-    err = _rel_err(grads, refs)
-    assert err < 1e-4, f"{kind} ({side}, gather={gather}) gradients differ from the kept-row reference: {err:.2e}"
+    _assert_reference_grads(model, ref, f"{kind} ({side}, gather={gather})")
 
 
 @pytest.mark.parametrize("side", ["right", "left"])
@@ -242,10 +248,7 @@ def test_distilbert_with_labels_selects_rows(backend):
     assert st.n == 8, f"the batch should reach the graph whole (8 rows): {st}"
     assert st.kept == 4, f"keep=0.5 of 8 rows should keep 4: {st}"
     (F.cross_entropy(ref(input_ids=ids, attention_mask=mask).logits, y, reduction="none") * st.weight.double()).mean().backward()
-    grads = _grads(model)
-    refs = {k: p.grad for k, p in ref.named_parameters() if k in grads}
-    err = _rel_err(grads, refs)
-    assert err < 1e-4, f"DistilBERT ({backend}) gradients differ from the kept-row reference: rel. error {err:.2e}"
+    _assert_reference_grads(model, ref, f"DistilBERT ({backend})")
 
 
 # ------------------------------------------------------------------------------------------
@@ -300,11 +303,7 @@ def test_causal_lm_with_labels_selects_sequences_exactly(kind, rule, backend):
     assert head.in_graph_loss == (kind != "gpt2"), f"{kind}: in-graph loss {head.in_graph_loss}"
     assert head.verified, "the gathered backward was not checked against the dense-masked one"
     _weighted_token_loss(ref(input_ids=ids, attention_mask=mask).logits, labels, st.weight.double(), True).backward()
-    grads = _grads(model)
-    refs = {k: p.grad for k, p in ref.named_parameters() if k in grads}
-    assert refs.keys() == grads.keys(), "parameters with a gradient differ"
-    err = _rel_err(grads, refs)
-    assert err < 1e-4, f"{kind} ({rule}, {backend}) gradients differ from the kept-sequence reference: {err:.2e}"
+    _assert_reference_grads(model, ref, f"{kind} ({rule}, {backend})")
 
 
 def test_token_classification_with_labels_selects_sequences_exactly():
@@ -322,8 +321,4 @@ def test_token_classification_with_labels_selects_sequences_exactly():
     assert st.mode == "selected", f"token classification should select sequences: {st}"
     assert (st.kept, st.rows) == (4, 4), f"keep=0.5 of 8 sequences should keep and run 4: {st}"
     _weighted_token_loss(ref(input_ids=ids, attention_mask=mask).logits, labels, st.weight.double(), False).backward()
-    grads = _grads(model)
-    refs = {k: p.grad for k, p in ref.named_parameters() if k in grads}
-    assert refs.keys() == grads.keys(), "parameters with a gradient differ"
-    err = _rel_err(grads, refs)
-    assert err < 1e-4, f"token classification gradients differ from the kept-sequence reference: {err:.2e}"
+    _assert_reference_grads(model, ref, "token classification")
