@@ -24,7 +24,7 @@ def _inductor_param(item) -> bool:
 
 
 def pytest_collection_modifyitems(config, items):
-    for item in items:  # the fast tier (-m "not slow and not inductor and not subprocess") leaves these out
+    for item in items:  # the fast tier (-m "not slow and not inductor and not subprocess and not heavy") leaves these out
         if _inductor_param(item) and item.get_closest_marker("inductor") is None:
             item.add_marker(pytest.mark.inductor)
     if config.getoption("--runslow"):

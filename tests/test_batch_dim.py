@@ -116,6 +116,7 @@ def test_mha_classifier_selects_rows_exactly(batch_first):
     assert (0, T, 1) in _token_major_specs(rec), rec.plan.specs
 
 
+@pytest.mark.heavy
 def test_torchvision_tiny_vit_selects_rows_exactly():
     torch.manual_seed(0)
     model = tiny_vit().double()
@@ -149,6 +150,7 @@ def test_mha_in_graph_gather_follows_the_token_major_dim():
     assert _token_major_specs(rec), rec.plan.specs
 
 
+@pytest.mark.heavy
 def test_mha_batch_first_inductor_in_graph_gather():
     """Inductor compiles the token-major gathers as graph ops (the eager gather is backend-independent)."""
     torch.manual_seed(0)

@@ -43,6 +43,7 @@ def _jsonl(path: Path) -> list[dict]:
     # the loader's data-side filter (its draws and counts) and the rule's loss cache; epoch 2 drops rows
     ("aot_eager", ["--rule", "stale_sb", "--rule-opt", "beta=1"]),
 ])
+@pytest.mark.heavy
 def test_resume_is_bit_exact(tmp_path, monkeypatch, backend, rule):
     argv = [*TINY, "--backend", backend, *rule, "--epochs", "3", "--check-every", "2"]
     full = train.run([*argv, "--out", str(tmp_path / "full")])

@@ -20,6 +20,8 @@ import torch.nn.functional as F
 import capskip_fx
 from capskip_fx.backend import backend_of
 
+pytestmark = pytest.mark.heavy  # out of the fast tier (pyproject.toml markers)
+
 
 # -- helpers -----------------------------------------------------------------------------------------------
 def _env(monkeypatch, **env):

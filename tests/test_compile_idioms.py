@@ -336,6 +336,7 @@ def _vit():
 
 @needs_dynamic_sources
 @pytest.mark.parametrize("backend", ["aot_eager", pytest.param("inductor", marks=pytest.mark.inductor)])
+@pytest.mark.heavy
 def test_compile_regions_on_timm_vit_selects_in_every_graph(backend):
     """Regression: timm ViT with blocks and head compiled in place ran every graph dense-masked (the pooled
     ``x[:, 0]`` reaches the head with a stride symbol of its own)."""
@@ -410,6 +411,7 @@ def _stateful_idiom(idiom, seed):
 
 @pytest.mark.parametrize("idiom", ["capskip_module"] + [pytest.param(i, marks=needs_dynamic_sources)
                                                      for i in ("whole", "in_place", "regional")])
+@pytest.mark.heavy
 def test_rule_state_resumes_through_every_idiom(idiom):
     """The rule's state (here the generator the random rule draws from) saved with capskip_fx.state_dict
     and loaded before the first step of a fresh model continues the same draws."""

@@ -35,6 +35,7 @@ def _labels(model, x, seed):
 
 
 @pytest.mark.parametrize("name,dtype,backend", CASES, ids=lambda v: str(v).replace("torch.", ""))
+@pytest.mark.heavy
 def test_forced_and_capskip_sets(name, dtype, backend):
     model, cm = compiled(name, dtype, backend)
     tol = TOL[dtype]

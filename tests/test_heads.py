@@ -189,6 +189,7 @@ class Heads(nn.Module):
 @settings(max_examples=8, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck))
 @given(st.lists(st.tuples(st.sampled_from([0.5, 1.0, -0.3, 2.0]), st.integers(0, 1), st.booleans()),
                 min_size=1, max_size=3))
+@pytest.mark.heavy
 def test_capskip_gram_of_any_sum_of_heads_is_the_parameters(heads):
     """Any sum of scaled Linear heads: exact gradients, and CAPSkip's bound equals ||S_k|| / ||G|| of the
     per-example gradients of every head's weight and bias."""

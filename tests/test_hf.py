@@ -17,7 +17,7 @@ import capskip_fx
 
 transformers = pytest.importorskip("transformers")
 # conftest: every test compiles its own model, and HF models share their forward wrapper's code
-pytestmark = pytest.mark.usefixtures("many_compiles")
+pytestmark = [pytest.mark.usefixtures("many_compiles"), pytest.mark.heavy]
 
 
 def _bert():

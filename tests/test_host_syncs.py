@@ -257,6 +257,7 @@ VCAS_CASES = [  # (rule options, sampler, reads per sampled step)
 
 
 @pytest.mark.parametrize("opts,sampler,reads", VCAS_CASES, ids=[f"{o['rule']}-{s}" for o, s, _ in VCAS_CASES])
+@pytest.mark.heavy
 def test_vcas_sampled_step_reads(opts, sampler, reads):
     """VCAS adds no host read to a sampled step with the fixed-size sampler (its sizes are the budgets,
     of the rule's kept count); the reference's Bernoulli draws read once per resampling cut and sampled

@@ -694,6 +694,7 @@ def _draw_op(data, shape, s):
 
 @settings(max_examples=60, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck))
 @given(st.data())
+@pytest.mark.heavy
 def test_random_programs_layouts_are_true(data):
     """Perturbing input row b changes only the elements each claimed layout gives to row b."""
     from torch._subclasses.fake_tensor import FakeTensorMode

@@ -50,6 +50,7 @@ def test_lm_config_errors_name_the_fix(flags, fix):
 
 
 @pytest.mark.parametrize("model", ["gpt2", "llama"])
+@pytest.mark.heavy
 def test_tiny_lm_trains_through_the_cli(tmp_path, model):
     out = tmp_path / model
     r = train.run([*TINY_LM, "--model", model, "--rule", "dense", "--out", str(out)])

@@ -378,6 +378,7 @@ def test_in_graph_loss_that_reaches_other_activations_is_refused(extra):
         f"{max_rel_err(_grads(model), _grads(ref))!r}")
 
 
+@pytest.mark.heavy
 def test_many_models_sharing_one_forward_each_get_their_graph():
     """Ten nn.Sequential models (one forward code object) under recompile_limit=2: each compiled model has
     its own Dynamo entries, so none silently runs eager."""

@@ -75,6 +75,8 @@ from capskip_fx.rules import Forced, Rule, Selection
 from helpers.examples import derandomize, examples
 from helpers.models import MLP, grads
 
+pytestmark = pytest.mark.heavy  # out of the fast tier (pyproject.toml markers)
+
 TOL = {torch.float64: 1e-8, torch.float32: 1e-4}
 
 # ----------------------------------------------------------------------------------------------

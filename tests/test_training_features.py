@@ -85,6 +85,7 @@ def _autocast_reference(model, x, y, w):
 BF16_VS_AUTOCAST, BF16_VS_F64 = 1e-2, 5e-2
 
 
+@pytest.mark.heavy
 def test_autocast_bf16_selection_in_float32_and_gradients():
     torch.manual_seed(0)
     model = make_deit()
@@ -322,6 +323,7 @@ def test_checkpoint_resume_is_bit_identical_for_sb():
 
 # ---------------------------------------------------------------- varying batch sizes
 
+@pytest.mark.heavy
 def test_varying_batch_sizes_no_recompile_storm():
     """Observed bound: 1 graph and 1 compiled backward variant for sizes 8, 8, 5, 8, 3, 1, 6
     (the batch of 1 runs the eager model instead of a static-batch recompile)."""

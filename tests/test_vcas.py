@@ -20,6 +20,8 @@ from capskip_fx import VCAS
 from conftest import make_deit, make_mlp
 from helpers.examples import derandomize, draws as mc_draws, examples
 
+pytestmark = pytest.mark.heavy  # out of the fast tier (pyproject.toml markers)
+
 NO_PROBE = 10 ** 9  # freq: only step 0 probes
 
 
@@ -550,6 +552,7 @@ class _ResMLP(nn.Module):
 
 from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
+
 
 
 @settings(max_examples=examples(6), deadline=None, derandomize=derandomize(), suppress_health_check=list(HealthCheck))

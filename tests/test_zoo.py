@@ -14,7 +14,7 @@ import torch.nn.functional as F
 
 import capskip_fx
 
-pytestmark = pytest.mark.usefixtures("many_compiles")  # conftest: every test compiles its own model
+pytestmark = [pytest.mark.usefixtures("many_compiles"), pytest.mark.heavy]  # every test compiles its own model
 
 N = 6
 KEEP = (1, 4)  # forced keep set: 2 of 6 rows, gathered
