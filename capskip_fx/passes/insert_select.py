@@ -13,8 +13,9 @@ the graphs; it tells the backward pass which rows it may drop.
 
 Invariants: at most one selection node per graph (``has_selection``: the pipeline skips a graph that
 has one, since some torch versions ran joint pre-passes twice); ``select`` reads ``h``, ``z`` and ``g``
-so the partitioner saves ``h`` and ``z``, and the graph returns a copy of ``z`` (``_return_a_copy``); graphs with cross-example coupling, or with no batch-shaped
-output, get no node (``Refused``: dense backward, reason recorded).  The functions here only rewrite
+so the partitioner saves ``h`` and ``z``, and the graph returns a copy of ``z`` (``_return_a_copy``:
+what the user's code receives is never the saved tensor); graphs with cross-example coupling, or with
+no batch-shaped output, get no node (``Refused``: dense backward, reason recorded).  The functions here only rewrite
 the graph; ``passes/pipeline.py`` calls them in order and returns what they found.
 """
 from __future__ import annotations
