@@ -108,23 +108,26 @@ def test_nan_logits_skip_selection_run_dense_warn_once_and_spare_the_rule_state(
 
     msgs = _recorded_warnings(two_bad_steps)
     assert sum("non-finite" in m for m in msgs) == 1, (
-        f'expected sum("non-finite" in m for m in msgs) == 1, got {sum("non-finite" in m for m in msgs)!r}')  # warned once over two steps
+        "a non-finite step should warn once per model, not on every bad step; "
+        f'got {sum("non-finite" in m for m in msgs)!r} non-finite warnings over two bad steps')
     st = capskip_fx.stats(cm)
-    assert "non-finite" in st.fallback, f'expected "non-finite" in st.fallback, got st.fallback = {st.fallback!r}'
-    assert st.kept == N, f"expected st.kept == N, got {st.kept!r} vs {N!r}"
-    assert bool((st.weight == 1).all()), 'expected bool((st.weight == 1).all())'
+    assert "non-finite" in st.fallback, (
+        f"a NaN step should run dense and say why in stats().fallback, got {st.fallback!r}")
+    assert st.kept == N, f"a dense fallback step keeps every row, got kept={st.kept!r} of {N!r}"
+    assert bool((st.weight == 1).all()), f"a dense fallback step weights every row 1, got {st.weight!r}"
     assert torch.allclose(cm.rule.history, hist, equal_nan=True), (
-        'expected torch.allclose(cm.rule.history, hist, equal_nan=True)')  # the rule never saw the NaN step
+        "the NaN step must not reach SB's loss history (it would poison later selections)")
     dense = _dense_grads(model, lambda m: F.cross_entropy(m(x_bad), y))
     for k, g in _grads(model).items():  # exactly the dense step's (NaN) gradient, as eager gives
         assert torch.equal(torch.isnan(g), torch.isnan(dense[k])), (
-            'expected torch.equal(torch.isnan(g), torch.isnan(dense[k]))')
+            f"the fallback gradient of {k} should be NaN exactly where eager's dense gradient is")
     model.zero_grad(set_to_none=True)
     F.cross_entropy(cm(x), y).backward()  # the next finite step selects again
     st = capskip_fx.stats(cm)
-    assert st.fallback is None, f"expected st.fallback is None, got {st.fallback!r}"
+    assert st.fallback is None, (
+        f"the next finite step should select again, not stay dense, got fallback={st.fallback!r}")
     assert max_rel_err(_grads(model), reference_grads(model, x, y, st.weight)) < 1e-10, (
-        'expected max_rel_err(_grads(model), reference_grads(model, x, y, st.weight))...')
+        "after the NaN step the selected gradient should again match the float64 weighted reference")
 
 
 def test_inf_loss_scale_skips_selection():
@@ -135,8 +138,10 @@ def test_inf_loss_scale_skips_selection():
     model.zero_grad(set_to_none=True)
     (F.cross_entropy(cm(x), y) * math.inf).backward()
     st = capskip_fx.stats(cm)
-    assert "non-finite" in st.fallback, f'expected "non-finite" in st.fallback, got st.fallback = {st.fallback!r}'
-    assert st.kept == N, f"expected st.kept == N, got {st.kept!r} vs {N!r}"
+    assert "non-finite" in st.fallback, (
+        f"an inf loss scale should make the step dense with a non-finite reason, got {st.fallback!r}")
+    assert st.kept == N, (
+        f"an inf-scaled step must not skip rows (every row is correct at b=1), got kept={st.kept!r} of {N!r}")
 
 
 # ---------------------------------------------------------------- labels
@@ -153,7 +158,7 @@ def test_explicit_label_out_of_range_is_a_value_error_naming_the_option(bad):
     model.zero_grad(set_to_none=True)
     F.cross_entropy(cm(_x(), capskip_targets=t), y).backward()
     assert capskip_fx.stats(cm).weight[3] == 1, (
-        f"expected capskip_fx.stats(cm).weight[3] == 1, got {capskip_fx.stats(cm).weight[3]!r}")
+        f"a row with unknown label -1 must be kept, got weight {capskip_fx.stats(cm).weight[3]!r}")
 
 
 @pytest.mark.parametrize("t", [torch.zeros(N), torch.zeros(N, 1, dtype=torch.long), [0] * N],
@@ -177,14 +182,15 @@ def test_mse_on_logits_without_targets_runs_dense_and_names_the_option():
 
     msgs = _recorded_warnings(lambda: (mse_step(), mse_step()))
     assert sum("capskip_targets=" in m for m in msgs) == 1, (
-        f'expected sum("capskip_targets=" in m for m in ... == 1, got {sum("capskip_targets=" in m for m in msgs)!r}')
+        "MSE on logits without labels should warn once, naming capskip_targets=; "
+        f'got {sum("capskip_targets=" in m for m in msgs)!r} such warnings over two steps')
     st = capskip_fx.stats(cm)
     assert "capskip_targets=" in st.fallback, (
-        f'expected "capskip_targets=" in st.fallback, got st.fallback = {st.fallback!r}')
-    assert st.kept == N, f"expected st.kept == N, got {st.kept!r} vs {N!r}"
+        f"the dense step's reason should name the capskip_targets= option, got {st.fallback!r}")
+    assert st.kept == N, f"without labels the MSE step must run dense (keep every row), got kept={st.kept!r} of {N!r}"
     dense = _dense_grads(model, lambda m: F.mse_loss(m(x), onehot))
     assert max_rel_err(_grads(model), dense) < 1e-10, (
-        f"expected max_rel_err(_grads(model), dense) < 1e-10, got {max_rel_err(_grads(model), dense)!r}")
+        f"the unlabelled MSE step should give eager's dense gradient, rel err {max_rel_err(_grads(model), dense)!r}")
     # with the labels given, the selection runs and is exact for sum_i w_i mse_i / N
     with torch.no_grad():
         y = model(x).argmax(1)
@@ -192,14 +198,16 @@ def test_mse_on_logits_without_targets_runs_dense_and_names_the_option():
     model.zero_grad(set_to_none=True)
     F.mse_loss(cm(x, capskip_targets=y), onehot).backward()
     st = capskip_fx.stats(cm)
-    assert st.fallback is None, f"expected st.fallback is None, got {st.fallback!r}"
-    assert st.kept < N, f"expected st.kept < N, got {st.kept!r} vs {N!r}"
+    assert st.fallback is None, (
+        f"with capskip_targets= given, MSE should select rows, not fall back, got {st.fallback!r}")
+    assert st.kept < N, f"with correct labels and budget 0.5 some rows should be skipped, got kept={st.kept!r} of {N!r}"
     ref = copy.deepcopy(model)
     ref.zero_grad(set_to_none=True)
     per_row = F.mse_loss(ref(x), onehot, reduction="none").mean(1)
     (per_row * st.weight).sum().div(N).backward()
     assert max_rel_err(_grads(model), _grads(ref)) < 1e-10, (
-        f"expected max_rel_err(_grads(model), _grads(ref)) < 1e-10, got {max_rel_err(_grads(model), _grads(ref))!r}")
+        "the selected MSE gradient should equal sum_i w_i mse_i / N in float64, "
+        f"rel err {max_rel_err(_grads(model), _grads(ref))!r}")
 
 
 @pytest.mark.parametrize("loss", ["label_smoothing", "soft_targets", "class_weights"])
@@ -215,10 +223,10 @@ def test_softmax_losses_are_not_mistaken_for_mse(loss):
         out = F.cross_entropy(z, 0.8 * F.one_hot(y, C).double() + 0.04)
     else:
         out = F.cross_entropy(z, y, weight=torch.linspace(0.5, 2, C, dtype=torch.float64))
-    assert not _recorded_warnings(out.backward), 'expected not _recorded_warnings(out.backward)'
+    assert not _recorded_warnings(out.backward), f"a softmax loss ({loss}) must not be taken for MSE and warned about"
     st = capskip_fx.stats(cm)
-    assert st.fallback is None, f"expected st.fallback is None, got {st.fallback!r}"
-    assert st.kept < N, f"expected st.kept < N, got {st.kept!r} vs {N!r}"
+    assert st.fallback is None, f"a softmax loss ({loss}) should select rows, not fall back, got {st.fallback!r}"
+    assert st.kept < N, f"with correct labels some rows should be skipped under {loss}, got kept={st.kept!r} of {N!r}"
 
 
 # ---------------------------------------------------------------- batches
@@ -230,23 +238,24 @@ def test_batch_of_one_is_dense_with_reason_and_no_recompile():
         y8 = model(x8).argmax(1)
     F.cross_entropy(cm(x8), y8).backward()
     assert capskip_fx.stats(cm).kept < N, (
-        f"expected capskip_fx.stats(cm).kept < N, got {capskip_fx.stats(cm).kept!r} vs {N!r}")
+        f"the full all-correct batch at b=1 should skip rows, got kept={capskip_fx.stats(cm).kept!r} of {N!r}")
     x1, y1 = _x(1, seed=3), torch.tensor([2])
     model.zero_grad(set_to_none=True)
     F.cross_entropy(cm(x1), y1).backward()
     st = capskip_fx.stats(cm)
-    assert st.n == 1, f"expected st.n == 1, got {st.n!r}"
-    assert st.kept == 1, f"expected st.kept == 1, got {st.kept!r}"
-    assert "size 1" in st.fallback, f'expected "size 1" in st.fallback, got st.fallback = {st.fallback!r}'
+    assert st.n == 1, f"stats should describe the one-row batch, got n={st.n!r}"
+    assert st.kept == 1, f"a batch of one runs dense, keeping its row, got kept={st.kept!r}"
+    assert "size 1" in st.fallback, f"the dense reason should say the batch has size 1, got {st.fallback!r}"
     assert max_rel_err(_grads(model), _dense_grads(model, lambda m: F.cross_entropy(m(x1), y1))) < 1e-12, (
-        'expected max_rel_err(_grads(model), _dense_grads(model, lambda m: F.cross_en...')
-    assert len(cm.backend.records) == 1, f"expected len(cm.backend.records) == 1, got {len(cm.backend.records)!r}"  # no static-batch graph was compiled for it
+        "the batch-of-one step should give eager's dense gradient")
+    assert len(cm.backend.records) == 1, (
+        f"a batch of one must not compile a static-batch graph, got {len(cm.backend.records)!r} records")
     model.zero_grad(set_to_none=True)
     F.cross_entropy(cm(x8), y8).backward()  # and the next full batch selects as before
     assert capskip_fx.stats(cm).fallback is None, (
-        f"expected capskip_fx.stats(cm).fallback is None, got {capskip_fx.stats(cm).fallback!r}")
+        f"the next full batch should select again, got fallback={capskip_fx.stats(cm).fallback!r}")
     assert capskip_fx.stats(cm).kept < N, (
-        f"expected capskip_fx.stats(cm).kept < N, got {capskip_fx.stats(cm).kept!r} vs {N!r}")
+        f"the next full batch should skip rows as before, got kept={capskip_fx.stats(cm).kept!r} of {N!r}")
 
 
 @pytest.mark.parametrize("case", ["all_wrong", "all_right_b1", "all_right_b03"])
@@ -260,18 +269,20 @@ def test_all_wrong_and_all_right(case):
     F.cross_entropy(cm(x), y).backward()
     st = capskip_fx.stats(cm)
     grads = _grads(model)
-    assert st.fallback is None, f"expected st.fallback is None, got {st.fallback!r}"
+    assert st.fallback is None, (
+        f"an all-wrong or all-right batch is no reason to fall back ({case}), got {st.fallback!r}")
     if case == "all_wrong":
-        assert st.kept == N, f"expected st.kept == N, got {st.kept!r} vs {N!r}"  # misclassified rows are never skipped
+        assert st.kept == N, f"misclassified rows are never skipped, got kept={st.kept!r} of {N!r}"
     elif case == "all_right_b1":
-        assert st.kept == 0, f"expected st.kept == 0, got {st.kept!r}"
+        assert st.kept == 0, f"at b=1 with every row correct the bound allows skipping all, got kept={st.kept!r}"
         assert all(g.abs().max() == 0 for g in grads.values()), (
-            'expected all(g.abs().max() == 0 for g in grads.values())')  # S_N = G: skip all
+            "skipping every row should leave all gradients zero")  # S_N = G: skip all
     else:
-        assert 0 < st.kept < N, 'expected 0 < st.kept < N'
-        assert st.bound <= 0.3, f"expected st.bound <= 0.3, got {st.bound!r}"
+        assert 0 < st.kept < N, (
+            f"at b=0.3 an all-right batch keeps some rows but not all, got kept={st.kept!r} of {N!r}")
+        assert st.bound <= 0.3, f"the certified bound must respect the budget 0.3, got {st.bound!r}"
     assert max_rel_err(grads, reference_grads(model, x, y, st.weight)) < 1e-10, (
-        'expected max_rel_err(grads, reference_grads(model, x, y, st.weight)) < 1e-10')
+        f"the selected gradient ({case}) should match the float64 weighted reference")
 
 
 # ---------------------------------------------------------------- model shapes
@@ -294,16 +305,18 @@ def test_no_linear_head_runs_dense_with_reason_and_exact_gradients():
     cm = capskip_fx.compile(model, rule="forced", keep=0.25, backend="aot_eager")
     x, y = torch.randn(N, 3, 6, 6, dtype=torch.float64), torch.randint(0, C, (N,))
     msgs = _recorded_warnings(lambda: F.cross_entropy(cm(x), y).backward())
-    assert any("no classifier head" in m for m in msgs), 'expected any("no classifier head" in m for m in msgs)'
+    assert any("no classifier head" in m for m in msgs), (
+        f"a head-less model should warn that it has no classifier head, got warnings {msgs!r}")
     st = capskip_fx.stats(cm)
     assert "no classifier head" in st.fallback, (
-        f'expected "no classifier head" in st.fallback, got st.fallback = {st.fallback!r}')
-    assert st.kept == N, f"expected st.kept == N, got {st.kept!r} vs {N!r}"
+        f"the dense step's reason should say there is no classifier head, got {st.fallback!r}")
+    assert st.kept == N, f"a head-less model runs dense (keeps every row), got kept={st.kept!r} of {N!r}"
     rec = cm.backend.records[0]  # the reason: refused graph's, or a head-less "body" graph's no_head
     assert "no classifier head" in (rec.reason or getattr(rec, "no_head", None) or ""), (
-        f'expected "no classifier head" in rec.reason or getattr(rec, "no_head",..., got rec.reason or getattr(rec, "no_head",... = {rec.reason or getattr(rec, "no_head", None) or ""!r}')
+        "the graph record should carry the no-classifier-head reason, "
+        f'got {rec.reason or getattr(rec, "no_head", None) or ""!r}')
     assert max_rel_err(_grads(model), _dense_grads(model, lambda m: F.cross_entropy(m(x), y))) < 1e-10, (
-        'expected max_rel_err(_grads(model), _dense_grads(model, lambda m: F.cross_en...')
+        "the head-less model's dense step should give eager's gradient")
 
 
 class Outputs(nn.Module):
@@ -340,17 +353,19 @@ def test_tuple_and_dict_outputs_pick_logits_and_keep_skipped_rows_aux_out(kind):
     z, a = _logits_aux(cm(x))
     (F.cross_entropy(z, y) + a.mean()).backward()
     st = capskip_fx.stats(cm)
-    assert st.kept == 3, f"expected st.kept == 3, got {st.kept!r}"
-    assert st.fallback is None, f"expected st.fallback is None, got {st.fallback!r}"
+    assert st.kept == 3, f"the forced rule keeps rows 0, 5, 6, got kept={st.kept!r}"
+    assert st.fallback is None, f"a {kind} output with logits should not fall back, got {st.fallback!r}"
     rec = cm.backend.records[0]
-    assert rec.backward == "selected rows", f'expected rec.backward == "selected rows", got {rec.backward!r}'
-    assert rec.masked_tangents == 2, f"expected rec.masked_tangents == 2, got {rec.masked_tangents!r}"
+    assert rec.backward == "selected rows", f"the backward should run on the selected rows only, got {rec.backward!r}"
+    assert rec.masked_tangents == 2, (
+        f"both per-example outputs (logits and aux) should have skipped rows masked, got {rec.masked_tangents!r}")
     ref = copy.deepcopy(model)
     ref.zero_grad(set_to_none=True)
     zr, ar = _logits_aux(ref(x))
     ((F.cross_entropy(zr, y, reduction="none") + ar) * st.weight).sum().div(N).backward()
     assert max_rel_err(_grads(model), _grads(ref)) < 1e-10, (
-        f"expected max_rel_err(_grads(model), _grads(ref)) < 1e-10, got {max_rel_err(_grads(model), _grads(ref))!r}")  # aux of skipped rows did not leak in
+        "skipped rows' aux output must not leak into the gradient, "
+        f"rel err {max_rel_err(_grads(model), _grads(ref))!r}")
 
 
 def test_unused_2d_output_picked_as_logits_is_caught_and_logits_index_fixes_it():
@@ -362,19 +377,23 @@ def test_unused_2d_output_picked_as_logits_is_caught_and_logits_index_fixes_it()
         y = model(x)["logits"].argmax(1)
     out = cm(x)
     msgs = _recorded_warnings(lambda: F.cross_entropy(out["logits"], y).backward())
-    assert any("logits_index=" in m for m in msgs), 'expected any("logits_index=" in m for m in msgs)'  # not: "every row is free, skip them all"
+    assert any("logits_index=" in m for m in msgs), (
+        "an unused 2-D output picked as logits should be caught (not: every row is free, skip them all) "
+        f"with a warning naming logits_index=, got {msgs!r}")
     st = capskip_fx.stats(cm)
-    assert "logits_index=" in st.fallback, f'expected "logits_index=" in st.fallback, got st.fallback = {st.fallback!r}'
-    assert st.kept == N, f"expected st.kept == N, got {st.kept!r} vs {N!r}"
+    assert "logits_index=" in st.fallback, f"the dense step's reason should name logits_index=, got {st.fallback!r}"
+    assert st.kept == N, (
+        f"a wrongly picked logits output must run dense, not skip every row, got kept={st.kept!r} of {N!r}")
     assert max_rel_err(_grads(model), _dense_grads(model, lambda m: F.cross_entropy(m(x)["logits"], y))) < 1e-10, (
-        'expected max_rel_err(_grads(model), _dense_grads(model, lambda m: F.cross_en...')
+        "the wrongly-picked-logits step should give eager's dense gradient")
     torch.manual_seed(0)
     model = Outputs("emb").double()
     cm = capskip_fx.compile(model, rule="capskip", budget=1.0, backend="aot_eager", logits_index=1)
     F.cross_entropy(cm(x)["logits"], y).backward()
     assert capskip_fx.stats(cm).fallback is None, (
-        f"expected capskip_fx.stats(cm).fallback is None, got {capskip_fx.stats(cm).fallback!r}")
-    assert capskip_fx.stats(cm).kept == 0, f"expected capskip_fx.stats(cm).kept == 0, got {capskip_fx.stats(cm).kept!r}"
+        f"with logits_index=1 the step should select, got fallback={capskip_fx.stats(cm).fallback!r}")
+    assert capskip_fx.stats(cm).kept == 0, (
+        f"with the right logits, all-correct rows at b=1 are all skipped, got kept={capskip_fx.stats(cm).kept!r}")
 
 
 class ScalarAux(nn.Module):
@@ -400,11 +419,12 @@ def test_batch_level_aux_output_is_refused_as_coupling():
 
     loss(cm(x)).backward()
     assert cm.backend.records[0].coupled, (
-        f"expected cm.backend.records[0].coupled to be true, got {cm.backend.records[0].coupled!r}")
+        "a batch-level aux loss couples the examples and should be recorded as coupled, "
+        f"got {cm.backend.records[0].coupled!r}")
     assert "cross-example" in capskip_fx.stats(cm).fallback, (
-        f'expected "cross-example" in capskip_fx.stats(cm).fallback, got capskip_fx.stats(cm).fallback = {capskip_fx.stats(cm).fallback!r}')
+        f"the dense reason should name the cross-example coupling, got {capskip_fx.stats(cm).fallback!r}")
     assert max_rel_err(_grads(model), _dense_grads(model, lambda m: loss(m(x)))) < 1e-10, (
-        'expected max_rel_err(_grads(model), _dense_grads(model, lambda m: loss(m(x))...')
+        "the coupled model's dense step should give eager's gradient")
 
 
 class NormNet(nn.Module):
@@ -425,15 +445,16 @@ def test_group_and_layer_norm_are_per_example_not_refused(norm):
     cm = capskip_fx.compile(model, rule="forced", keep=lambda n: torch.tensor([1, 2, 7]), backend="aot_eager")
     x, y = torch.randn(N, 3, 6, 6, dtype=torch.float64), torch.randint(0, C, (N,))
     assert not _recorded_warnings(lambda: F.cross_entropy(cm(x), y).backward()), (
-        'expected not _recorded_warnings(lambda: F.cross_entropy(cm(x), y).backward())')
+        f"{norm} norm is per-example and should run without any capskip warning")
     rec = cm.backend.records[0]
-    assert not rec.coupled, 'expected not rec.coupled'
-    assert rec.backward == "selected rows", f'expected rec.backward == "selected rows", got {rec.backward!r}'
-    assert rec.row_counts == {3}, f"expected rec.row_counts == {{3}}, got {rec.row_counts!r}"
+    assert not rec.coupled, f"{norm} norm must not be taken for a cross-example coupling"
+    assert rec.backward == "selected rows", f"the backward should run on the selected rows only, got {rec.backward!r}"
+    assert rec.row_counts == {3}, (
+        f"the selected backward should see exactly the 3 forced rows, got row counts {rec.row_counts!r}")
     st = capskip_fx.stats(cm)
-    assert st.fallback is None, f"expected st.fallback is None, got {st.fallback!r}"
+    assert st.fallback is None, f"{norm} norm is no reason to fall back, got {st.fallback!r}"
     assert max_rel_err(_grads(model), reference_grads(model, x, y, st.weight)) < 1e-10, (
-        'expected max_rel_err(_grads(model), reference_grads(model, x, y, st.weight))...')
+        f"the {norm}-norm selected gradient should match the float64 weighted reference")
 
 
 class Lonely(nn.Module):
@@ -461,11 +482,12 @@ def test_no_graph_from_dynamo_is_reported_not_silent(monkeypatch):
         model = Lonely().double()
         cm = capskip_fx.compile(model, rule="forced", keep=0.5, backend="aot_eager")
         msgs = _recorded_warnings(lambda: F.cross_entropy(cm(x), y).backward())
-    assert any("produced no graph" in m for m in msgs), 'expected any("produced no graph" in m for m in msgs)'
+    assert any("produced no graph" in m for m in msgs), (
+        f"a model Dynamo gave no graph for should warn, not run silently, got {msgs!r}")
     st = capskip_fx.stats(cm)
-    assert st.n == N, f"expected st.n == N, got {st.n!r} vs {N!r}"
-    assert st.kept == N, f"expected st.kept == N, got {st.kept!r} vs {N!r}"
+    assert st.n == N, f"stats should describe this step, not stale numbers, got n={st.n!r} of {N!r}"
+    assert st.kept == N, f"with no graph the step is dense (keeps every row), got kept={st.kept!r} of {N!r}"
     assert "recompile_limit" in st.fallback, (
-        f'expected "recompile_limit" in st.fallback, got st.fallback = {st.fallback!r}')
+        f"the dense reason should name Dynamo's recompile_limit, got {st.fallback!r}")
     assert max_rel_err(_grads(model), _dense_grads(model, lambda m: F.cross_entropy(m(x), y))) < 1e-12, (
-        'expected max_rel_err(_grads(model), _dense_grads(model, lambda m: F.cross_en...')
+        "the graph-less step should give eager's dense gradient")
