@@ -55,11 +55,14 @@ def test_cache_by_index_not_by_position():
     idx = torch.tensor([7, 3, 31, 12])
     rule.select(toy.view(idx, epoch=0))
     torch.testing.assert_close(rule.cache_loss[idx], toy.loss[idx])
-    assert (rule.cache_epoch[idx] == 0).all(), 'expected (rule.cache_epoch[idx] == 0).all()'
+    assert (rule.cache_epoch[idx] == 0).all(), (
+        "the rows selected in epoch 0 should be stamped epoch 0 at their own index")
     others = torch.ones(M, dtype=torch.bool)
     others[idx] = False
-    assert torch.isnan(rule.cache_loss[others]).all(), 'expected torch.isnan(rule.cache_loss[others]).all()'
-    assert (rule.cache_epoch[others] == NEVER).all(), 'expected (rule.cache_epoch[others] == NEVER).all()'
+    assert torch.isnan(rule.cache_loss[others]).all(), (
+        "rows never seen must have no cached loss (NaN), not a neighbour's")
+    assert (rule.cache_epoch[others] == NEVER).all(), (
+        "rows never seen must be stamped NEVER, so they are always forwarded")
 
 
 def test_cache_grows_on_demand():
@@ -67,7 +70,8 @@ def test_cache_grows_on_demand():
     rule = StaleSB()
     rule.select(toy.view(torch.tensor([0, 2])))
     rule.select(toy.view(torch.tensor([90, 5])))
-    assert rule.cache_loss.shape[0] >= 91, f"expected rule.cache_loss.shape[0] >= 91, got {rule.cache_loss.shape[0]!r}"
+    assert rule.cache_loss.shape[0] >= 91, (
+        f"the cache should grow to hold index 90, got {rule.cache_loss.shape[0]!r} slots")
     torch.testing.assert_close(rule.cache_loss[torch.tensor([0, 2, 90, 5])], toy.loss[torch.tensor([0, 2, 90, 5])])
 
 
@@ -80,7 +84,8 @@ def test_filtered_batches_record_the_right_losses():
         run_epoch(rule, filt, toy, epoch)
         seen = rule.cache_epoch != NEVER
         torch.testing.assert_close(rule.cache_loss[seen], toy.loss[seen])
-    assert filt.n_saved > 0, f"expected filt.n_saved > 0, got {filt.n_saved!r}"
+    assert filt.n_saved > 0, (
+        f"with beta 3 the filter should drop some fresh rows before the forward, got {filt.n_saved!r} saved")
 
 
 @pytest.mark.parametrize("staleness", [0, 1, 2, 3])
@@ -93,7 +98,7 @@ def test_staleness_expiry(staleness):
         before = rule.cache_epoch.clone() if rule.cache_epoch is not None else None
         for idx, fwd, sub, w in run_epoch(rule, filt, toy, epoch):
             if before is None:
-                assert fwd.all(), 'expected fwd.all()'  # nothing cached yet
+                assert fwd.all(), "in the first epoch nothing is cached, so every row must be forwarded"
                 continue
             age = epoch - before[idx]
             fresh = (age >= 0) & (age < staleness)
@@ -102,13 +107,16 @@ def test_staleness_expiry(staleness):
             # because they were stale restart it; fresh rows (dropped, or pre-selected and forwarded only
             # to be trained on) keep their old stamp
             assert (rule.cache_epoch[idx[~fresh]] == epoch).all(), (
-                'expected (rule.cache_epoch[idx[~fresh]] == epoch).all()')
+                "rows forwarded because they were stale or unseen should restart their clock at this epoch")
             assert torch.equal(rule.cache_epoch[idx[fresh]], before[idx[fresh]]), (
-                'expected torch.equal(rule.cache_epoch[idx[fresh]], before[idx[fresh]])')
+                "fresh rows (dropped or pre-selected) must keep their old epoch stamp")
         if staleness <= 1:
-            assert filt.n_saved == 0, f"expected filt.n_saved == 0, got {filt.n_saved!r}"
+            assert filt.n_saved == 0, (
+                f"with staleness {staleness} no row is ever fresh, so nothing may be dropped, "
+                f"got {filt.n_saved!r} saved")
     if staleness >= 2:
-        assert filt.n_saved > 0, f"expected filt.n_saved > 0, got {filt.n_saved!r}"
+        assert filt.n_saved > 0, (
+            f"with staleness {staleness} fresh rows exist and some should be dropped, got {filt.n_saved!r} saved")
 
 
 def test_fresh_rows_are_stale_after_staleness_epochs():
@@ -116,13 +124,13 @@ def test_fresh_rows_are_stale_after_staleness_epochs():
     rule = StaleSB(staleness=2, num_examples=M)
     idx = torch.arange(M)
     rule.select(toy.view(idx, epoch=0))
-    assert rule.fresh(idx, 0).all(), 'expected rule.fresh(idx, 0).all()'
-    assert rule.fresh(idx, 1).all(), 'expected rule.fresh(idx, 1).all()'
-    assert not rule.fresh(idx, 2).any(), 'expected not rule.fresh(idx, 2).any()'
+    assert rule.fresh(idx, 0).all(), "a loss recorded in epoch 0 is fresh in epoch 0"
+    assert rule.fresh(idx, 1).all(), "with staleness 2, a loss from epoch 0 is still fresh in epoch 1"
+    assert not rule.fresh(idx, 2).any(), "with staleness 2, a loss from epoch 0 is stale by epoch 2"
     # all stale at epoch 2: the filter forwards everything and saves nothing
     filt = StaleBatchFilter(rule)
-    assert filt(idx, 2).all(), 'expected filt(idx, 2).all()'
-    assert filt.n_saved == 0, f"expected filt.n_saved == 0, got {filt.n_saved!r}"
+    assert filt(idx, 2).all(), "when every row is stale the filter must forward all of them"
+    assert filt.n_saved == 0, f"when every row is stale the filter saves nothing, got {filt.n_saved!r} saved"
 
 
 def test_filter_counts_and_preselected_rows_are_kept():
@@ -131,20 +139,25 @@ def test_filter_counts_and_preselected_rows_are_kept():
     filt = StaleBatchFilter(rule, seed=3)
     run_epoch(rule, filt, toy, 0)
     assert (filt.n_seen, filt.n_forwarded, filt.n_saved) == (M, M, 0), (
-        f"expected (filt.n_seen, filt.n_forwarded, filt.... == (M, M, 0), got {(filt.n_seen, filt.n_forwarded, filt.n_saved)!r} vs {(M, M, 0)!r}")
+        "in the first epoch every row is seen and forwarded, none saved; "
+        f"got (seen, forwarded, saved) = {(filt.n_seen, filt.n_forwarded, filt.n_saved)!r} for M={M}")
     res = run_epoch(rule, filt, toy, 1)
     fwd_total = sum(int(f.sum()) for _, f, _, _ in res)
-    assert filt.n_seen == 2 * M, f"expected filt.n_seen == 2 * M, got {filt.n_seen!r} vs {2 * M!r}"
+    assert filt.n_seen == 2 * M, (
+        f"after two epochs the filter should have seen every row twice, got {filt.n_seen!r} of {2 * M!r}")
     assert filt.n_forwarded == M + fwd_total, (
-        f"expected filt.n_forwarded == M + fwd_total, got {filt.n_forwarded!r} vs {M + fwd_total!r}")
-    assert filt.n_saved == M - fwd_total > 0, 'expected filt.n_saved == M - fwd_total > 0'
+        "the forwarded count should be epoch 0's M plus the rows forwarded in epoch 1, "
+        f"got {filt.n_forwarded!r} vs {M + fwd_total!r}")
+    assert filt.n_saved == M - fwd_total > 0, (
+        "the saved count should be epoch 1's dropped rows, and some should be dropped; "
+        f"got saved={filt.n_saved!r}, dropped={M - fwd_total!r}")
     # every row fresh at epoch 1: each forwarded row was pre-selected, so it is kept with weight 1
     for _, _, sub, w in res:
         assert torch.equal(w, torch.ones(len(sub), dtype=torch.float64)), (
-            'expected torch.equal(w, torch.ones(len(sub), dtype=torch.float64))')
-    assert not rule.presel.any(), 'expected not rule.presel.any()'
+            f"every forwarded row was pre-selected in a fresh epoch and must be kept with weight 1, got {w!r}")
+    assert not rule.presel.any(), "no pre-selection should survive once the pre-selected rows were trained on"
     sd = filt.state_dict()
-    assert sd["n_seen"] == 2 * M, f'expected sd["n_seen"] == 2 * M, got {sd["n_seen"]!r} vs {2 * M!r}'
+    assert sd["n_seen"] == 2 * M, f'the filter state should carry its seen count, got {sd["n_seen"]!r} vs {2 * M!r}'
 
 
 def test_p_min_one_saves_nothing():
@@ -153,8 +166,9 @@ def test_p_min_one_saves_nothing():
     filt = StaleBatchFilter(rule)
     for epoch in range(3):
         run_epoch(rule, filt, toy, epoch)
-    assert filt.n_saved == 0, f"expected filt.n_saved == 0, got {filt.n_saved!r}"
-    assert filt.n_forwarded == 3 * M, f"expected filt.n_forwarded == 3 * M, got {filt.n_forwarded!r} vs {3 * M!r}"
+    assert filt.n_saved == 0, f"p_min=1 forwards every row, so nothing may be saved, got {filt.n_saved!r}"
+    assert filt.n_forwarded == 3 * M, (
+        f"p_min=1 should forward every row in all 3 epochs, got {filt.n_forwarded!r} of {3 * M!r}")
 
 
 def test_history_gets_each_example_once_per_pass():
@@ -164,8 +178,9 @@ def test_history_gets_each_example_once_per_pass():
     for epoch in range(3):
         run_epoch(rule, filt, toy, epoch)
         assert int((~torch.isnan(rule.history)).sum()) == (epoch + 1) * M, (
-            f"expected int((~torch.isnan(rule.history)).sum()) == (epoch + 1) * M, got {int((~torch.isnan(rule.history)).sum())!r} vs {(epoch + 1) * M!r}")
-    assert filt.n_saved > 0, f"expected filt.n_saved > 0, got {filt.n_saved!r}"
+            "the loss history should gain each example exactly once per pass, dropped or not; "
+            f"got {int((~torch.isnan(rule.history)).sum())!r} entries after epoch {epoch}, want {(epoch + 1) * M!r}")
+    assert filt.n_saved > 0, f"with beta 2 some fresh rows should be dropped, got {filt.n_saved!r} saved"
 
 
 @settings(max_examples=examples(10), deadline=None)
@@ -184,8 +199,9 @@ def test_drop_probability_matches_sb(seed, beta):
     p = ((allh[None, :] < cached[:, None]).sum(1).double() / len(allh)) ** beta
     u = torch.rand(M, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
     fwd, fresh = rule.plan_forward(idx, 1, u)
-    assert fresh.all(), 'expected fresh.all()'
-    assert torch.equal(fwd, u < p), 'expected torch.equal(fwd, u < p)'
+    assert fresh.all(), "every row scored in epoch 0 is fresh in epoch 1"
+    assert torch.equal(fwd, u < p), (
+        "a fresh row should be forwarded with SB's probability (percentile of its cached loss) ** beta")
 
 
 def test_without_index_acts_as_sb():
@@ -197,7 +213,7 @@ def test_without_index_acts_as_sb():
     with pytest.warns(UserWarning, match="plain sb"):
         a = rule.select(toy.view(idx, with_index=False))
     assert torch.equal(a.weight, ref.select(toy.view(idx, with_index=False)).weight), (
-        'expected torch.equal(a.weight, ref.select(toy.view(idx, with_index=False)).w...')
+        "without example indices StaleSB should select exactly as plain SB with the same seed")
 
 
 def _roundtrip(state):
@@ -222,9 +238,11 @@ def test_state_roundtrip_rule_and_filter():
     again = [run_epoch(rule2, filt2, toy, e) for e in (2, 3)]
     for ea, eb in zip(later, again):
         for (_, fa, _, wa), (_, fb, _, wb) in zip(ea, eb):
-            assert torch.equal(fa, fb), 'expected torch.equal(fa, fb)'
-            assert torch.equal(wa, wb), 'expected torch.equal(wa, wb)'
-    assert filt.n_saved == filt2.n_saved > 0, 'expected filt.n_saved == filt2.n_saved > 0'
+            assert torch.equal(fa, fb), "after a state round trip the filter should make the same forward decisions"
+            assert torch.equal(wa, wb), "after a state round trip the rule should give the same weights"
+    assert filt.n_saved == filt2.n_saved > 0, (
+        "the restored filter should count the same saved rows, and some were saved; "
+        f"got {filt.n_saved!r} vs {filt2.n_saved!r}")
 
 
 @pytest.mark.parametrize("drop_last", [False, True])
@@ -234,20 +252,26 @@ def test_batch_sampler_fixed_size_batches(drop_last):
     filt = StaleBatchFilter(rule, seed=8)
     sampler = StaleBatchSampler(range(M), filt, batch_size=8, drop_last=drop_last)
     for epoch in range(3):
-        assert sampler.epoch == epoch, f"expected sampler.epoch == epoch, got {sampler.epoch!r} vs {epoch!r}"
+        assert sampler.epoch == epoch, (
+            f"the sampler should advance one epoch per pass, got {sampler.epoch!r} at pass {epoch!r}")
         before = filt.n_forwarded
         batches = list(sampler)
         for b in batches:
             rule.select(toy.view(torch.tensor(b), epoch))
         flat = [i for b in batches for i in b]
         assert len(flat) == len(set(flat)), (
-            f"expected len(flat) == len(set(flat)), got {len(flat)!r} vs {len(set(flat))!r}")  # each index at most once per epoch
-        assert all(len(b) == 8 for b in batches[:-1]), 'expected all(len(b) == 8 for b in batches[:-1])'
-        assert not drop_last or len(batches[-1]) == 8, 'expected not drop_last or len(batches[-1]) == 8'
+            f"each index should appear at most once per epoch, got {len(flat)!r} rows, {len(set(flat))!r} distinct")
+        assert all(len(b) == 8 for b in batches[:-1]), (
+            "the sampler should refill dropped rows so every batch but the last has 8, "
+            f"got {[len(b) for b in batches]!r}")
+        assert not drop_last or len(batches[-1]) == 8, (
+            f"with drop_last the last batch is full too, got {len(batches[-1])!r}")
         n_fwd = filt.n_forwarded - before
-        assert len(flat) == n_fwd, f"expected len(flat) == n_fwd, got {len(flat)!r} vs {n_fwd!r}"  # a dropped tail is handed back: not counted as forwarded
-    assert filt.n_saved > 0, f"expected filt.n_saved > 0, got {filt.n_saved!r}"
-    assert sampler.epoch == 3, f"expected sampler.epoch == 3, got {sampler.epoch!r}"
+        assert len(flat) == n_fwd, (
+            "a dropped tail is handed back, not counted as forwarded; "
+            f"got {len(flat)!r} yielded vs {n_fwd!r} forwarded")
+    assert filt.n_saved > 0, f"with beta 3 the sampler's filter should drop some fresh rows, got {filt.n_saved!r} saved"
+    assert sampler.epoch == 3, f"after 3 passes the sampler should be at epoch 3, got {sampler.epoch!r}"
 
 
 def test_uses_data_side_epoch_when_filtered():
@@ -258,8 +282,9 @@ def test_uses_data_side_epoch_when_filtered():
     idx = torch.arange(8)
     filt(idx, 5)
     rule.select(toy.view(idx, epoch=0))
-    assert (rule.cache_epoch[idx] == 5).all(), 'expected (rule.cache_epoch[idx] == 5).all()'
-    assert math.isfinite(float(rule.cache_loss[idx].sum())), 'expected math.isfinite(float(rule.cache_loss[idx].sum()))'
+    assert (rule.cache_epoch[idx] == 5).all(), (
+        f"once a filter runs, its epoch (5) should stamp the cache, not view.epoch, got {rule.cache_epoch[idx]!r}")
+    assert math.isfinite(float(rule.cache_loss[idx].sum())), "the selected rows' losses should be cached (finite)"
 
 
 @pytest.mark.parametrize("drop_last", [False, True])
@@ -281,21 +306,23 @@ def test_no_preselection_outlives_its_epoch(drop_last):
         old_clock = rule.cache_epoch.clone() if rule.cache_epoch is not None else None
         batches = list(sampler)
         assert filt.n_forwarded - before == sum(len(b) for b in batches), (
-            f"expected filt.n_forwarded - before == sum(len(b) for b in batches), got {filt.n_forwarded - before!r}")  # forwarded rows == consumed rows
+            "every forwarded row should be consumed by a batch this epoch; "
+            f"got {filt.n_forwarded - before!r} forwarded vs {sum(len(b) for b in batches)!r} in batches")
         for b in batches:
             idx = torch.tensor(b)
             sel = rule.select(toy.view(idx, epoch))
             pre = sel.info["preselected"]
-            assert (sel.weight[pre] > 0).all(), 'expected (sel.weight[pre] > 0).all()'  # every pre-selected row is kept
-            assert (rule.cache_epoch[idx[~pre]] == epoch).all(), 'expected (rule.cache_epoch[idx[~pre]] == epoch).all()'  # scored rows restart their clock
+            assert (sel.weight[pre] > 0).all(), "every pre-selected row must be kept"
+            assert (rule.cache_epoch[idx[~pre]] == epoch).all(), "rows forwarded for scoring must restart their clock"
             if old_clock is not None:
                 assert torch.equal(rule.cache_epoch[idx[pre]], old_clock[idx[pre]]), (
-                    'expected torch.equal(rule.cache_epoch[idx[pre]], old_clock[idx[pre]])')
+                    "pre-selected rows must keep their old epoch stamp")
             if not drop_last and epoch > 0:
                 assert bool(pre.all()) if epoch % 2 == 1 else not pre.any(), (
-                    'expected bool(pre.all()) if epoch % 2 == 1 else not pre.any()')
-        assert not rule.presel.any(), 'expected not rule.presel.any()'  # nothing pre-selected survives the epoch
-    assert filt.n_saved > 0, f"expected filt.n_saved > 0, got {filt.n_saved!r}"
+                    f"with staleness 2, epoch {epoch} should hold {'only' if epoch % 2 else 'no'} "
+                    f"pre-selected rows, got {pre!r}")
+        assert not rule.presel.any(), "no pre-selection may outlive its epoch"
+    assert filt.n_saved > 0, f"staleness 2 should let the filter drop some rows, got {filt.n_saved!r} saved"
 
 
 def test_filter_clears_preselection_at_a_new_epoch():
@@ -307,11 +334,11 @@ def test_filter_clears_preselection_at_a_new_epoch():
     idx = torch.arange(M)
     filt(idx, 0)
     rule.select(toy.view(idx, 0))
-    assert filt(idx[:5], 1).all(), 'expected filt(idx[:5], 1).all()'
-    assert rule.presel[:5].all(), 'expected rule.presel[:5].all()'
+    assert filt(idx[:5], 1).all(), "with beta 0 every fresh row is pre-selected and forwarded"
+    assert rule.presel[:5].all(), "the five rows forwarded in epoch 1 should be marked pre-selected"
     filt(idx[5:10], 2)  # the five rows pre-selected in epoch 1 were never forwarded
-    assert not rule.presel[:5].any(), 'expected not rule.presel[:5].any()'
-    assert rule.presel[5:10].all(), 'expected rule.presel[5:10].all()'
+    assert not rule.presel[:5].any(), "a new epoch must clear pre-selections of rows that were never forwarded"
+    assert rule.presel[5:10].all(), "the rows planned in epoch 2 should be pre-selected"
 
 
 def test_cli_stale_loader_drops_nothing():
@@ -325,5 +352,5 @@ def test_cli_stale_loader_drops_nothing():
     rule = StaleSB(num_examples=43)
     loader = make_loaders(TrainConfig(batch_size=8), Bundle(), torch.device("cpu"), stale_rule=rule)[0]
     assert sum(len(b[0]) for b in loader) == 43, (
-        f"expected sum(len(b[0]) for b in loader) == 43, got {sum(len(b[0]) for b in loader)!r}")
-    assert not loader.batch_sampler.drop_last, 'expected not loader.batch_sampler.drop_last'
+        f"the CLI's stale loader must yield every one of the 43 rows, got {sum(len(b[0]) for b in loader)!r}")
+    assert not loader.batch_sampler.drop_last, "the CLI's stale loader must not drop the ragged last batch"
