@@ -106,7 +106,8 @@ def ref_shard(plan, num_replicas, rank, epoch, seed=0, drop_last=True):
         indices += indices[:total_size - len(indices)]
     else:
         indices = indices[:total_size]
-    assert len(indices) == total_size, f"expected len(indices) == total_size, got {len(indices)!r} vs {total_size!r}"
+    assert len(indices) == total_size, (
+        f"the reference's DDP wrapper pads or cuts to total_size, got {len(indices)!r} vs {total_size!r}")
     indices = indices[rank:total_size:num_replicas]
     return [plan[i] for i in indices]
 
@@ -144,11 +145,13 @@ def test_plans_weights_and_counts_match_the_reference(n, epochs, r, delta):
         assert plan == ref_plan, f"epoch {e}: planned indices differ from the reference's"
         assert torch.equal(ours.weights, ref.weights), f"epoch {e}: weights differ"
         assert ours.n_pruned == ref.num_pruned_samples, (
-            f"expected ours.n_pruned == ref.num_pruned_samples, got {ours.n_pruned!r} vs {ref.num_pruned_samples!r}")
+            f"epoch {e}: the pruned-sample count should match the reference's, "
+            f"got {ours.n_pruned!r} vs {ref.num_pruned_samples!r}")
         pruned_epochs += len(plan) < n
     # epoch 1 is full (equal initial scores), the last (1 - delta) of the epochs too
     assert pruned_epochs == math.floor(epochs * delta) - 1, (
-        f"expected pruned_epochs == math.floor(epochs * delta) - 1, got {pruned_epochs!r}")
+        "only epochs 2..floor(epochs * delta) should prune (epoch 1 has equal scores, the annealing tail is full), "
+        f"got {pruned_epochs!r} pruned epochs")
 
 
 @settings(max_examples=examples(40), deadline=None)
@@ -164,19 +167,21 @@ def test_pruned_fraction_and_weights_property(n, r, epoch, seed, ties):
     ref.iterations = epoch + 1  # the reference's counter at 0-based epoch ``epoch``'s reset
     ours.set_epoch(epoch)
     plan = list(ours)
-    assert plan == ref.epoch(), f"expected plan == ref.epoch(), got {plan!r}"
+    assert plan == ref.epoch(), f"for any scores the plan should be the reference's, got {plan!r}"
     low = scores < scores.mean()
     keep = min(1.0, max(0.1, 1 - r))
-    assert len(set(plan)) == len(plan), f"expected len(set(plan)) == len(plan), got {len(set(plan))!r} vs {len(plan)!r}"
+    assert len(set(plan)) == len(plan), (
+        f"a plan must not repeat a sample, got {len(set(plan))!r} distinct of {len(plan)!r}")
     planned = torch.zeros(n, dtype=torch.bool)
     planned[plan] = True
-    assert planned[~low].all(), 'expected planned[~low].all()'
+    assert planned[~low].all(), "every sample at or above the mean score must be planned"
     assert int(planned[low].sum()) == int(keep * int(low.sum())), (
-        f"expected int(planned[low].sum()) == int(keep * int(low.sum())), got {int(planned[low].sum())!r} vs {int(keep * int(low.sum()))!r}")
+        "int(keep * #below-mean) of the well-learned samples should be kept, "
+        f"got {int(planned[low].sum())!r} vs {int(keep * int(low.sum()))!r}")
     assert torch.equal(ours.weights, torch.where(planned & low, torch.tensor(1 / keep), torch.tensor(1.0))), (
-        'expected torch.equal(ours.weights, torch.where(planned & low, torch.tensor(1...')
+        f"kept well-learned samples should weigh 1/keep = {1 / keep!r}, all others 1, got {ours.weights!r}")
     assert ours.n_pruned == n - len(plan), (
-        f"expected ours.n_pruned == n - len(plan), got {ours.n_pruned!r} vs {n - len(plan)!r}")
+        f"the pruned count should be the samples left out of the plan, got {ours.n_pruned!r} vs {n - len(plan)!r}")
 
 
 def test_annealing_uses_all_data_at_weight_one():
@@ -184,14 +189,16 @@ def test_annealing_uses_all_data_at_weight_one():
     its weights only when ``iterations == stop_prune + 1`` (l. 183), never here, so its last two epochs
     keep the 1/(1-r) weights of epoch 8; ours are 1 (a deliberate deviation, infobatch.py's docstring)."""
     for e, ours, ref, plan, ref_plan in _run_both(100, 10, 0.5, 0.875):
-        assert plan == ref_plan, f"expected plan == ref_plan, got {plan!r} vs {ref_plan!r}"
+        assert plan == ref_plan, f"epoch {e}: the plan should be the reference's, got {plan!r} vs {ref_plan!r}"
         if e >= 8:
-            assert sorted(plan) == list(range(100)), f"expected sorted(plan) == list(range(100)), got {sorted(plan)!r}"
-            assert bool((ours.weights == 1).all()), 'expected bool((ours.weights == 1).all())'
-            assert bool((ref.weights == 2).any()), 'expected bool((ref.weights == 2).any())'  # the reference's stale weights
+            assert sorted(plan) == list(range(100)), f"annealing epoch {e} should use all data, got {sorted(plan)!r}"
+            assert bool((ours.weights == 1).all()), (
+                f"annealing epoch {e} should weigh every sample 1, got {ours.weights!r}")
+            assert bool((ref.weights == 2).any()), (
+                "the reference keeps epoch 8's stale 1/(1-r) weights here (the documented deviation)")
         else:
-            assert torch.equal(ours.weights, ref.weights), 'expected torch.equal(ours.weights, ref.weights)'
-            assert ours.prunes(e), 'expected ours.prunes(e)'
+            assert torch.equal(ours.weights, ref.weights), f"epoch {e}: pruning weights should match the reference's"
+            assert ours.prunes(e), f"epoch {e} is before the annealing tail and should prune"
 
 
 @pytest.mark.parametrize("replicas", [2, 3])
@@ -210,8 +217,9 @@ def test_ddp_shards_match_the_reference_wrapper(replicas):
             got += mine
         # the ranks split the plan, cut to a multiple of the replica count: disjoint, nothing repeated
         assert len(set(got)) == len(got) == len(plan) - len(plan) % replicas, (
-            'expected len(set(got)) == len(got) == len(plan) - len(plan) % replicas')
-        assert set(got) <= set(plan), f"expected set(got) <= set(plan), got {set(got)!r} vs {set(plan)!r}"
+            "the ranks should split the plan disjointly, cut to a multiple of the replica count; "
+            f"got {len(set(got))!r} distinct of {len(got)!r}, plan {len(plan)!r}")
+        assert set(got) <= set(plan), f"the ranks may only hand out planned samples, got extra {set(got) - set(plan)!r}"
         # every rank gathers every rank's losses (the reference's all-gather, l. 102-106)
         idx = torch.tensor(plan)
         loss = torch.rand(len(plan), generator=g)
@@ -231,14 +239,15 @@ def test_shards_partition_the_plan_property(n, replicas, epoch, seed):
         s = InfoBatchSampler(1000, 4, seed=seed, num_replicas=replicas, rank=k)
         shards.append(s._shard(plan, epoch))
         assert shards[-1] == (ref_shard(plan, replicas, k, epoch, seed=seed) if replicas > 1 else plan), (
-            f"expected shards[-1] == ref_shard(plan, replicas, k, epoch, s..., got {shards[-1]!r}")
+            f"rank {k}'s shard should be the reference wrapper's (seed + epoch permutation), got {shards[-1]!r}")
     flat = [i for sh in shards for i in sh]
     assert len({len(sh) for sh in shards}) == 1, (
-        f"expected len({{len(sh) for sh in shards}}) == 1, got {len({len(sh) for sh in shards})!r}")
-    assert len(set(flat)) == len(flat), f"expected len(set(flat)) == len(flat), got {len(set(flat))!r} vs {len(flat)!r}"
-    assert set(flat) <= set(plan), f"expected set(flat) <= set(plan), got {set(flat)!r} vs {set(plan)!r}"
+        f"every rank should get the same number of samples, got sizes {[len(sh) for sh in shards]!r}")
+    assert len(set(flat)) == len(flat), f"the shards must be disjoint, got {len(set(flat))!r} distinct of {len(flat)!r}"
+    assert set(flat) <= set(plan), f"the shards may only hold planned samples, got extra {set(flat) - set(plan)!r}"
     assert len(flat) == n - n % replicas, (
-        f"expected len(flat) == n - n % replicas, got {len(flat)!r} vs {n - n % replicas!r}")
+        "the shards' union should be the plan cut to a multiple of the replicas, "
+        f"got {len(flat)!r} vs {n - n % replicas!r}")
 
 
 def test_weighted_loss_and_scores_match_update():
@@ -250,9 +259,11 @@ def test_weighted_loss_and_scores_match_update():
             want = ref.update(idx, per.float())
             got = (per.float() * ours.weights_for(idx)).mean()
             ours.update(idx, per)
-            assert got == want, f"expected got == want, got {got!r} vs {want!r}"
-            assert torch.equal(ours.scores, ref.scores), 'expected torch.equal(ours.scores, ref.scores)'
-            assert bool((ours.weights_for(idx) > 1).any()), 'expected bool((ours.weights_for(idx) > 1).any())'  # the case where weights matter
+            assert got == want, (
+                f"the harness's weighted loss should equal the reference's update() loss, got {got!r} vs {want!r}")
+            assert torch.equal(ours.scores, ref.scores), "the score update should match the reference's update()"
+            assert bool((ours.weights_for(idx) > 1).any()), (
+                "the batch should hold a reweighted sample, or the check would not test the weights")
 
 
 def test_state_dict_continues_the_same_plans():
@@ -267,19 +278,23 @@ def test_state_dict_continues_the_same_plans():
             s.set_epoch(e)
         plan = list(a)
         if b is not None:
-            assert list(b) == plan, f"expected list(b) == plan, got {list(b)!r} vs {plan!r}"
-            assert torch.equal(a.weights, b.weights), 'expected torch.equal(a.weights, b.weights)'
+            assert list(b) == plan, (
+                f"epoch {e}: the resumed sampler should plan as the original, got {list(b)!r} vs {plan!r}")
+            assert torch.equal(a.weights, b.weights), f"epoch {e}: the resumed sampler should weigh as the original"
         loss = torch.rand(len(plan), generator=g)
         for s in (a, b) if b is not None else (a,):
             s.update(torch.tensor(plan), loss)
-    assert a.n_seen == b.n_seen == 6 * 80, 'expected a.n_seen == b.n_seen == 6 * 80'
-    assert a.n_planned == b.n_planned < 6 * 80, 'expected a.n_planned == b.n_planned < 6 * 80'
+    assert a.n_seen == b.n_seen == 6 * 80, (
+        f"both samplers should count every row of 6 epochs as seen, got {a.n_seen!r} and {b.n_seen!r} of {6 * 80!r}")
+    assert a.n_planned == b.n_planned < 6 * 80, (
+        "both should count the same planned rows, fewer than all, "
+        f"got {a.n_planned!r} and {b.n_planned!r} of {6 * 80!r}")
     c = InfoBatchSampler(80, 6, seed=4)  # another seed draws another plan
     c.load_state_dict({**a.state_dict(), "plan_epoch": None})
     c.set_epoch(2)
     a.set_epoch(2)
     a._plan_epoch = None
-    assert list(c) != list(a), f"expected list(c) != list(a), got {list(c)!r} vs {list(a)!r}"
+    assert list(c) != list(a), f"another seed should draw another plan, got the same {list(c)!r}"
 
 
 def test_bad_input_fails_early():
@@ -325,38 +340,46 @@ def test_cli_prunes_forwards_and_resumes_exactly(tmp_path, monkeypatch, rule):
     assert per_epoch[1] < 192, per_epoch
     assert per_epoch[2] < 192, per_epoch
     assert [int(r["rows_seen"]) for r in rows] == [192, 384, 576, 768], (
-        f'expected [int(r["rows_seen"]) for r in rows] == [192, 384, 576, 768], got {[int(r["rows_seen"]) for r in rows]!r}')
-    assert full["forward_frac"] < 1, f'expected full["forward_frac"] < 1, got {full["forward_frac"]!r}'
-    assert full["steps"] < 4 * 6, f'expected full["steps"] < 4 * 6, got {full["steps"]!r} vs {4 * 6!r}'
+        "rows_seen should count all 192 rows every epoch, pruned or not, "
+        f'got {[int(r["rows_seen"]) for r in rows]!r}')
+    assert full["forward_frac"] < 1, (
+        f'pruning should forward less than all the data, got forward_frac {full["forward_frac"]!r}')
+    assert full["steps"] < 4 * 6, (
+        f'pruned epochs should take fewer steps than 4 full epochs of 6, got {full["steps"]!r}')
     assert float(rows[-1]["lr"]) == pytest.approx(1e-5), (
-        f'expected float(rows[-1]["lr"]) == pytest.approx(1e-5), got {float(rows[-1]["lr"])!r}')  # the schedule anneals fully over the shorter epochs
+        f'the schedule should anneal fully over the shorter epochs, got final lr {float(rows[-1]["lr"])!r}')
     checks = _jsonl(tmp_path / "full" / "checks.jsonl")
     assert len(checks) == full["steps"], (
-        f'expected len(checks) == full["steps"], got {len(checks)!r} vs {full["steps"]!r}')
-    assert full["violations"] == 0, f'expected full["violations"] == 0, got {full["violations"]!r}'
+        f'--check-every 1 should check every step, got {len(checks)!r} checks for {full["steps"]!r} steps')
+    assert full["violations"] == 0, f'no step may break its bound, got {full["violations"]!r} violations'
     steps = _jsonl(tmp_path / "full" / "steps.jsonl")
     if rule[1] == "infobatch":  # dense model: the weighted training gradient is the weighted dense one
         assert max(c["rel_l2_all"] for c in checks) < 1e-5, (
-            f'expected max(c["rel_l2_all"] for c in checks) < 1e-5, got {max(c["rel_l2_all"] for c in checks)!r}')
+            "plain InfoBatch's weighted gradient should equal the weighted dense one, "
+            f'rel err {max(c["rel_l2_all"] for c in checks)!r}')
     else:  # the bound is on the weighted loss's head gradient, as measured
-        assert any(s["kept"] < s["n"] for s in steps), 'expected any(s["kept"] < s["n"] for s in steps)'
+        assert any(s["kept"] < s["n"] for s in steps), "capskip+infobatch should skip some rows' backward in some step"
         for c in checks:
             assert c["rel_l2_head"] == pytest.approx(c["bound"], abs=1e-5), (
-                f'expected c["rel_l2_head"] == pytest.approx(c["bound"], abs=1e-5), got {c["rel_l2_head"]!r}')
+                "the measured head-gradient error should equal the certified bound, "
+                f'got {c["rel_l2_head"]!r} vs bound {c["bound"]!r}')
             assert c["rel_l2_head"] <= 0.5 + 1e-4, (
-                f'expected c["rel_l2_head"] <= 0.5 + 1e-4, got {c["rel_l2_head"]!r} vs {0.5 + 1e-4!r}')
+                f'the head-gradient error must stay within the budget 0.5, got {c["rel_l2_head"]!r}')
 
     # killed in epoch 3, after epoch 2's checkpoint
     run_killed_at_evaluation(monkeypatch, loop, 3, lambda: train.run([*argv, "--out", str(tmp_path / "cut")]))
     ck = torch.load(tmp_path / "cut" / "checkpoint.pt", weights_only=True)
-    assert ck["epoch"] == 2, f'expected ck["epoch"] == 2, got {ck["epoch"]!r}'
+    assert ck["epoch"] == 2, f'a run killed in epoch 3 should leave epoch 2\'s checkpoint, got epoch {ck["epoch"]!r}'
     assert ck["infobatch"]["scores"].shape == (192,), (
-        f'expected ck["infobatch"]["scores"].shape == (192,), got {ck["infobatch"]["scores"].shape!r}')
+        "the checkpoint should carry InfoBatch's score of every training row, "
+        f'got shape {ck["infobatch"]["scores"].shape!r}')
     res = train.run(["--resume", str(tmp_path / "cut" / "checkpoint.pt")])
     assert_resumed_exactly(rows, _summary(tmp_path / "cut"), full, res)
     sa, sb = steps, _jsonl(tmp_path / "cut" / "steps.jsonl")
     assert [(s["step"], s["loss"], s["kept"]) for s in sa] == [(s["step"], s["loss"], s["kept"]) for s in sb], (
-        f'expected [(s["step"], s["loss"], s["kept"]) fo... == [(s["step"], s["loss"], s["kept"]) fo..., got {[(s["step"], s["loss"], s["kept"]) for s in sa]!r} vs {[(s["step"], s["loss"], s["kept"]) for s in sb]!r}')
+        "the resumed run should replay the same steps, losses and kept counts as the uninterrupted one; "
+        f'got {[(s["step"], s["loss"], s["kept"]) for s in sa]!r} '
+        f'vs {[(s["step"], s["loss"], s["kept"]) for s in sb]!r}')
 
 
 def test_weighted_step_gradient_matches_float64_reference(tmp_path):
