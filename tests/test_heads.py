@@ -110,6 +110,18 @@ def _per_example(ref, kind, x, y):
     return torch.stack(rows)
 
 
+def _check_reported_bound(st, per, what: str):
+    """CAPSkip skipped some rows but not all, and its reported bound is ||S_k|| / ||G|| of the head's
+    per-example gradients ``per`` (N, P).  Returns (the skipped rows' mask, their count)."""
+    skipped = st.weight.double() == 0
+    k = int(skipped.sum())
+    assert 0 < k < N, f"{what}: CAPSkip should skip some rows and keep some: {st}"
+    bound = (per[skipped].sum(0).norm() / per.sum(0).norm()).item()
+    assert abs(float(st.bound) - bound) < 1e-4, (
+        f"{what}: the reported bound {float(st.bound):.6f} should be ||S_k||/||G|| of the head's gradients, {bound:.6f}")
+    return skipped, k
+
+
 @pytest.mark.parametrize("kind", ["scaled", "temperature", "distilled", "distilled_tokens", "weighted", "one_input"])
 def test_capskip_bound_follows_every_head_parameter(kind):
     """The bound CAPSkip reports is ||S_k|| / ||G|| of the per-example gradients of all head parameters
@@ -124,13 +136,8 @@ def test_capskip_bound_follows_every_head_parameter(kind):
     F.cross_entropy(cm(x), y).backward()
     st = capskip_fx.stats(cm)
     per = _per_example(ref, kind, x, y)
-    skipped = st.weight.double() == 0
-    k = int(skipped.sum())
-    assert 0 < k < N, f"with every row correct and budget 0.3, CAPSkip should skip some rows and keep some: {st}"
+    skipped, k = _check_reported_bound(st, per, f"{kind} (every row correct, b=0.3)")
     total = per.sum(0).norm()
-    bound = (per[skipped].sum(0).norm() / total).item()
-    assert abs(float(st.bound) - bound) < 1e-4, (
-        f"{kind}: the reported bound {float(st.bound):.6f} should be ||S_k||/||G|| over every head parameter, {bound:.6f}")
     order = per.norm(dim=1).argsort().tolist()
     assert set(order[:k]) == set(torch.nonzero(skipped).flatten().tolist()), (
         f"{kind}: CAPSkip should skip the {k} rows of smallest gradient norm {sorted(order[:k])}, "
@@ -271,13 +278,8 @@ def test_capskip_bound_follows_the_cosine_weight(kind, tiny):
     st_ = capskip_fx.stats(cm)
     assert st_.mode == "selected", f"the {kind} head should run selected rows: {st_}"
     per = _cosine_per_example(ref, x, y)
-    skipped = st_.weight.double() == 0
-    k = int(skipped.sum())
-    assert 0 < k < N, f"with budget 0.3, CAPSkip should skip some rows of the {kind} head and keep some: {st_}"
+    skipped, k = _check_reported_bound(st_, per, f"the {kind} head (b=0.3)")
     total = per.sum(0).norm()
-    bound = (per[skipped].sum(0).norm() / total).item()
-    assert abs(float(st_.bound) - bound) < 1e-4, (
-        f"{kind}: the reported bound {float(st_.bound):.6f} should be ||S_k||/||G|| of W's gradients, {bound:.6f}")
     correct = [i for i in per.norm(dim=1).argsort().tolist() if pred[i] == y[i]]
     assert set(correct[:k]) == set(torch.nonzero(skipped).flatten().tolist()), (
         f"{kind}: CAPSkip should skip the {k} correct rows of smallest gradient norm {sorted(correct[:k])}, "
