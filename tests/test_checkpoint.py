@@ -52,42 +52,47 @@ def test_resume_is_bit_exact(tmp_path, monkeypatch, backend, rule):
     run_killed_at_evaluation(monkeypatch, loop, 2, lambda: train.run([*argv, "--out", str(tmp_path / "cut")]))
     cut = tmp_path / "cut"
     ck = torch.load(cut / "checkpoint.pt", weights_only=True)  # plain containers and tensors only
-    assert ck["epoch"] == 1, f'expected ck["epoch"] == 1, got {ck["epoch"]!r}'
-    assert ck["counters"]["step"] == 3, f'expected ck["counters"]["step"] == 3, got {ck["counters"]["step"]!r}'
-    assert "_capskip" in ck["model"], f'expected "_capskip" in ck["model"], got ck["model"] = {ck["model"]!r}'
+    assert ck["epoch"] == 1, (
+        f"the run killed in epoch 2 must leave epoch 1's checkpoint as the last one written; got epoch {ck['epoch']!r}")
+    assert ck["counters"]["step"] == 3, (
+        f"the checkpoint must record the 3 optimizer steps of epoch 1; got step {ck['counters']['step']!r}")
+    assert "_capskip" in ck["model"], (
+        f"the checkpoint must hold the capskip rule state (_capskip) with the model, or a resume restarts the rule; got keys {sorted(ck['model'])!r}")
     assert {"torch", "numpy", "python", "loader"} <= set(ck["rng"]), (
-        f'expected {{"torch", "numpy", "python", "loader"}} <= set(ck["rng"]), got set(ck["rng"]) = {set(ck["rng"])!r}')
+        f"the checkpoint must hold every RNG stream (torch, numpy, python, loader) for a bit-exact resume; got {sorted(ck['rng'])!r}")
     assert ck["config"]["backend"] == backend, (
-        f'expected ck["config"]["backend"] == backend, got {ck["config"]["backend"]!r} vs {backend!r}')
+        f"the checkpoint must record the backend so --resume rebuilds the same run; got {ck['config']['backend']!r}, ran {backend!r}")
     stale = "stale_sb" in rule
-    assert len(_jsonl(cut / "steps.jsonl")) == 6 or stale, 'expected len(_jsonl(cut / "steps.jsonl")) == 6 or stale'  # epoch 2's steps, past the checkpoint
+    assert len(_jsonl(cut / "steps.jsonl")) == 6 or stale, (
+        "epoch 2's steps must reach steps.jsonl before the kill (6 rows), so the resume must cope with rows past the checkpoint")  # epoch 2's steps, past the checkpoint
     epoch1 = _summary(cut)
 
     res = train.run(["--resume", str(cut / "checkpoint.pt")])  # the config comes from the checkpoint
     a, b = _summary(tmp_path / "full"), _summary(cut)
-    assert len(b) == 3, f"expected len(b) == 3, got {len(b)!r}"
-    assert b[0] == epoch1[0], f"expected b[0] == epoch1[0], got {b[0]!r} vs {epoch1[0]!r}"  # rows continued, epoch 1's kept as written
+    assert len(b) == 3, f"after the resume summary.csv must have one row per epoch (3); got {len(b)!r}"
+    assert b[0] == epoch1[0], (
+        f"the resume must keep epoch 1's summary row as written; got {b[0]!r}, was {epoch1[0]!r}")  # rows continued, epoch 1's kept as written
     assert_resumed_exactly(a, b, full, res)
     assert full["steps"] == 9 if not stale else full["steps"] < 9 and full["forward_frac"] < 1, (
-        'expected full["steps"] == 9 if not stale else full["steps"] < 9 and full["fo...')
+        f"the full run must take 9 steps (3 per epoch), or fewer with stale_sb dropping rows; got {full['steps']!r} steps")
     assert res["backward_rows"] == full["backward_rows"], (
-        f'expected res["backward_rows"] == full["backward_rows"], got {res["backward_rows"]!r} vs {full["backward_rows"]!r}')
+        f"the resumed run must back-propagate exactly the rows the uninterrupted run did; got {res['backward_rows']!r} vs {full['backward_rows']!r}")
     assert res["resumed_from"] == str(cut / "checkpoint.pt"), (
-        f'expected res["resumed_from"] == str(cut / "checkpoint.pt"), got {res["resumed_from"]!r} vs {str(cut / "checkpoint.pt")!r}')
+        f"the result must name the checkpoint it resumed from; got {res['resumed_from']!r}")
     # wall-clock continues from the checkpoint's
     assert (float(b[1]["wall_clock_s"]) > float(b[0]["wall_clock_s"]) == pytest.approx(ck["clock"]["total"] -
                                                                                      float(b[0]["compile_s"]))), (
-        'expected float(b[1]["wall_clock_s"]) > float(b[0]["wall_clock_s"]) == pytest...')
+        f"wall-clock must continue from the checkpoint's total, not restart at 0; got {b[0]['wall_clock_s']!r} then {b[1]['wall_clock_s']!r}")
     sa, sb = _jsonl(tmp_path / "full" / "steps.jsonl"), _jsonl(cut / "steps.jsonl")
     assert [(s["step"], s["loss"], s["kept"]) for s in sa] == [(s["step"], s["loss"], s["kept"]) for s in sb], (
-        f'expected [(s["step"], s["loss"], s["kept"]) fo... == [(s["step"], s["loss"], s["kept"]) fo..., got {[(s["step"], s["loss"], s["kept"]) for s in sa]!r} vs {[(s["step"], s["loss"], s["kept"]) for s in sb]!r}')
+        "the resumed run's steps (step, loss, kept rows) must match the uninterrupted run bit for bit")
     ca, cb = _jsonl(tmp_path / "full" / "checks.jsonl"), _jsonl(cut / "checks.jsonl")
     assert [(c["step"], c["rel_l2_head"]) for c in ca] == [(c["step"], c["rel_l2_head"]) for c in cb], (
-        f'expected [(c["step"], c["rel_l2_head"]) for c ... == [(c["step"], c["rel_l2_head"]) for c ..., got {[(c["step"], c["rel_l2_head"]) for c in ca]!r} vs {[(c["step"], c["rel_l2_head"]) for c in cb]!r}')
+        "the resumed run's exactness checks (step, rel_l2_head) must match the uninterrupted run bit for bit")
     assert json.loads((cut / "result.json").read_text())["final_top1"] == full["final_top1"], (
-        'expected json.loads((cut / "result.json").read_text())["final_top1"] == full...')
+        f"the resumed run must end at the same top-1 accuracy as the uninterrupted run; got {json.loads((cut / 'result.json').read_text())['final_top1']!r} vs {full['final_top1']!r}")
     assert torch.load(cut / "checkpoint.pt", weights_only=True)["epoch"] == 3, (
-        'expected torch.load(cut / "checkpoint.pt", weights_only=True)["epoch"] == 3')
+        "the resumed run must write its final checkpoint at epoch 3")
 
 
 def test_resume_needs_something_left_to_train(tmp_path):
@@ -96,9 +101,10 @@ def test_resume_needs_something_left_to_train(tmp_path):
     with pytest.raises(SystemExit, match="already finished epoch 1 of 1; pass --epochs"):
         train.run(["--resume", str(out / "checkpoint.pt")])
     res = train.run(["--resume", str(out / "checkpoint.pt"), "--epochs", "2"])  # flags override its config
-    assert res["steps"] == 6, f'expected res["steps"] == 6, got {res["steps"]!r}'
+    assert res["steps"] == 6, (
+        f"resuming a finished 1-epoch run with --epochs 2 must train one more epoch (3 steps, 6 in all); got {res['steps']!r}")
     assert [r["epoch"] for r in _summary(out)] == ["1", "2"], (
-        'expected [r["epoch"] for r in _summary(out)] == ["1", "2"]')
+        f"summary.csv must continue with epoch 2 after epoch 1; got epochs {[r['epoch'] for r in _summary(out)]!r}")
 
 
 def test_atomic_save_never_leaves_a_truncated_file(tmp_path):
@@ -112,10 +118,11 @@ def test_atomic_save_never_leaves_a_truncated_file(tmp_path):
     with pytest.raises(RuntimeError, match="disk full"):
         checkpoint.save({"epoch": 2, "w": torch.arange(10**6), "x": Unpicklable()}, path)
     old = torch.load(path, weights_only=True)
-    assert old["epoch"] == 1, f'expected old["epoch"] == 1, got {old["epoch"]!r}'
-    assert torch.equal(old["w"], torch.arange(1000)), 'expected torch.equal(old["w"], torch.arange(1000))'
+    assert old["epoch"] == 1, f"a failed save must leave the previous checkpoint in place; got epoch {old['epoch']!r}"
+    assert torch.equal(old["w"], torch.arange(1000)), (
+        "a failed save must leave the previous checkpoint's tensors intact, not truncated")
     assert [p.name for p in tmp_path.iterdir()] == ["checkpoint.pt"], (
-        'expected [p.name for p in tmp_path.iterdir()] == ["checkpoint.pt"]')  # no temp file left behind
+        f"a failed save must not leave a temporary file behind; got {[p.name for p in tmp_path.iterdir()]!r}")  # no temp file left behind
 
 
 # ---------------------------------------------------------------- --initial-checkpoint
@@ -146,14 +153,14 @@ def test_initial_checkpoint_formats(tmp_path, capsys, source_run, fmt):
     train.run([*TINY, "--backend", "eager", "--epochs", "1", "--check-every", "0", "--lr", "0", "--min-lr", "0",
                "--initial-checkpoint", str(path), "--out", str(out)])
     assert _summary(out)[0]["eval_loss"] == _summary(src)[0]["eval_loss"], (
-        'expected _summary(out)[0]["eval_loss"] == _summary(src)[0]["eval_loss"]')
+        f"with lr 0 the loaded weights stay as they are, so the eval loss must equal the source run's; got {_summary(out)[0]['eval_loss']!r} vs {_summary(src)[0]['eval_loss']!r}")
     assert _summary(out)[0]["eval_top1"] == _summary(src)[0]["eval_top1"] != "", (
-        'expected _summary(out)[0]["eval_top1"] == _summary(src)[0]["eval_top1"] != ""')
+        f"with lr 0 the eval top-1 must equal the source run's (and be reported); got {_summary(out)[0]['eval_top1']!r} vs {_summary(src)[0]['eval_top1']!r}")
     text = capsys.readouterr().out
     assert "[init] missing keys (0): none" in text, (
-        f'expected "[init] missing keys (0): none" in text, got text = {text!r}')
+        f"loading a full-match {fmt} file must report no missing keys; got output {text!r}")
     assert "[init] unexpected keys (0): none" in text, (
-        f'expected "[init] unexpected keys (0): none" in text, got text = {text!r}')
+        f"loading a full-match {fmt} file must report no unexpected keys; got output {text!r}")
 
 
 def test_initial_checkpoint_changes_class_count_and_reports_keys(tmp_path, capsys, source_run):
@@ -161,9 +168,10 @@ def test_initial_checkpoint_changes_class_count_and_reports_keys(tmp_path, capsy
 
     src, _ = source_run
     sd = checkpoint.read_weights(src / "checkpoint.pt")  # 10 digit classes
-    assert "_capskip" not in sd, f'expected "_capskip" not in sd, got sd = {sd!r}'
+    assert "_capskip" not in sd, (
+        f"read_weights must strip the capskip rule state from the model weights; got keys {sorted(sd)!r}")
     assert sd["head.weight"].shape[0] == 10, (
-        f'expected sd["head.weight"].shape[0] == 10, got {sd["head.weight"].shape[0]!r}')
+        f"the source run's head must have 10 outputs (the digit classes); got {sd['head.weight'].shape[0]!r}")
     sd["extra.weight"] = torch.zeros(2)
     del sd["norm.bias"]
     torch.manual_seed(1)
@@ -172,17 +180,17 @@ def test_initial_checkpoint_changes_class_count_and_reports_keys(tmp_path, capsy
     fresh_head = {k: v.clone() for k, v in model.head.state_dict().items()}
     rep = checkpoint.load_weights(model, model.head, sd, "src")
     assert rep == {"missing": ["norm.bias"], "unexpected": ["extra.weight"], "reinitialised": ["head.bias", "head.weight"]}, (
-        f'expected rep == {{"missing": ["norm.bias"], "unexpecte..., got {rep!r}')
+        f"load_weights must report the missing and unexpected keys and the head re-initialised for the new class count; got {rep!r}")
     assert all(torch.equal(model.head.state_dict()[k], v) for k, v in fresh_head.items()), (
-        'expected all(torch.equal(model.head.state_dict()[k], v) for k, v in fresh_he...')  # keeps its init
+        "a head re-initialised for a new class count must keep its fresh init, not take the checkpoint's")  # keeps its init
     assert torch.equal(model.blocks[0].attn.qkv.weight, sd["blocks.0.attn.qkv.weight"]), (
-        'expected torch.equal(model.blocks[0].attn.qkv.weight, sd["blocks.0.attn.qkv....')
+        "the body weights must be loaded from the checkpoint")
     text = capsys.readouterr().out
-    assert "missing keys (1): norm.bias" in text, f'expected "missing keys (1): norm.bias" in text, got text = {text!r}'
+    assert "missing keys (1): norm.bias" in text, f"the missing key must be reported to the user; got output {text!r}"
     assert "unexpected keys (1): extra.weight" in text, (
-        f'expected "unexpected keys (1): extra.weight" in text, got text = {text!r}')
+        f"the unexpected key must be reported to the user; got output {text!r}")
     assert "re-initialised (class count differs): head.bias, head.weight" in text, (
-        f'expected "re-initialised (class count differs)... in text, got text = {text!r}')
+        f"the re-initialised head must be reported with its reason; got output {text!r}")
     # a body shape mismatch is an error, not a silent partial load
     sd["blocks.0.attn.qkv.weight"] = torch.zeros(3, 3)
     with pytest.raises(SystemExit, match=r"blocks.0.attn.qkv.weight: checkpoint \(3, 3\) vs model \(48, 16\)"):
@@ -215,8 +223,8 @@ def test_bad_checkpoint_paths_fail_before_any_data(tmp_path, capsys, source_run)
     for argv, msg in cases:
         with pytest.raises(SystemExit, match=msg):
             train.run([*TINY, "--backend", "eager", *argv, "--out", str(out)])
-        assert not out.exists(), 'expected not out.exists()'
-    assert "[data]" not in capsys.readouterr().out, 'expected "[data]" not in capsys.readouterr().out'
+        assert not out.exists(), f"a bad checkpoint path must fail before the output folder is created ({argv!r})"
+    assert "[data]" not in capsys.readouterr().out, "a bad checkpoint path must fail before any data is loaded"
 
 
 @pytest.mark.subprocess
@@ -227,10 +235,11 @@ def test_pretrained_offline_fails_at_start_naming_initial_checkpoint(tmp_path):
     p = subprocess.run([sys.executable, "-m", "capskip_fx.train", *TINY, "--backend", "eager", "--pretrained",
                         "--out", str(out)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert p.returncode == 1, p.stderr[-2000:]
-    assert "Traceback" not in p.stderr, f'expected "Traceback" not in p.stderr, got p.stderr = {p.stderr!r}'
+    assert "Traceback" not in p.stderr, (
+        f"an offline --pretrained must fail with a clear message, not a traceback; got stderr {p.stderr!r}")
     assert "--initial-checkpoint" in p.stderr, (
-        f'expected "--initial-checkpoint" in p.stderr, got p.stderr = {p.stderr!r}')
+        f"the offline --pretrained error must point to --initial-checkpoint as the way out; got stderr {p.stderr!r}")
     assert "could not fetch timm's pretrained weights for 'deit_tiny_patch16_224'" in p.stderr, (
-        'expected "could not fetch timm\'s pretrained weights for \'deit_tiny_patch16_2...')
-    assert "[data]" not in p.stdout, f'expected "[data]" not in p.stdout, got p.stdout = {p.stdout!r}'
-    assert not out.exists(), 'expected not out.exists()'
+        f"the offline --pretrained error must say which timm weights it could not fetch; got stderr {p.stderr!r}")
+    assert "[data]" not in p.stdout, "an offline --pretrained must fail before any data is loaded"
+    assert not out.exists(), "an offline --pretrained must fail before the output folder is created"
