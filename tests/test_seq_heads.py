@@ -168,6 +168,17 @@ def test_token_head_with_a_learnable_scale_is_refused_with_the_reason():
     assert "learnable temperature" in st.fallback, st.fallback
 
 
+def _each_sequence_alone(ref, x, y, read):
+    """``read(ref.head)`` after back-propagating each sequence alone, with the batch's token normaliser."""
+    count = (y != -100).sum()
+    out = []
+    for i in range(N):
+        ref.zero_grad()
+        (_loss(ref(x[i:i + 1]), y[i:i + 1], reduction="sum") / count).backward()
+        out.append(read(ref.head))
+    return out
+
+
 def test_skipped_sequences_carry_no_gradient_and_kept_ones_are_unchanged():
     """The head's weight gradient is the sum of the kept sequences' own gradients (each computed alone,
     with the batch's normaliser)."""
@@ -178,12 +189,7 @@ def test_skipped_sequences_carry_no_gradient_and_kept_ones_are_unchanged():
     cm = capskip_fx.compile(model, rule="random", keep=0.5, backend="aot_eager")
     _loss(cm(x), y).backward()
     w = capskip_fx.stats(cm).weight.double()
-    count = (y != -100).sum()
-    per_seq = []
-    for i in range(N):
-        ref.zero_grad()
-        (_loss(ref(x[i:i + 1]), y[i:i + 1], reduction="sum") / count).backward()
-        per_seq.append(ref.head.weight.grad.clone())
+    per_seq = _each_sequence_alone(ref, x, y, lambda head: head.weight.grad.clone())
     want = sum(wi * g for wi, g in zip(w, per_seq))
     got = model.head.weight.grad
     assert (got - want).norm() < 1e-10 * want.norm(), "head gradient != sum of the kept sequences' gradients"
@@ -345,13 +351,8 @@ def test_capskip_bound_of_a_compiled_step_matches_per_sequence_gradients():
     _loss(cm(x), y).backward()
     st = capskip_fx.stats(cm)
     assert st.mode == "selected" and 0 < st.kept < N, st
-    count = (y != -100).sum()
-    per = []
-    for i in range(N):
-        ref.zero_grad()
-        (_loss(ref(x[i:i + 1]), y[i:i + 1], reduction="sum") / count).backward()
-        per.append(torch.cat([ref.head.weight.grad.flatten(), ref.head.bias.grad]))
-    per = torch.stack(per)
+    per = torch.stack(_each_sequence_alone(
+        ref, x, y, lambda head: torch.cat([head.weight.grad.flatten(), head.bias.grad])))
     skipped = st.weight.double() == 0
     want = per[skipped].sum(0).norm() / per.sum(0).norm()
     assert abs(float(st.bound) - want.item()) < 1e-9, f"bound {float(st.bound)} vs per-sequence {want.item()}"
