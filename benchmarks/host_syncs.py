@@ -31,6 +31,11 @@ CASES = [  # (label, compile options, VCAS ratios to force after the probe or No
     ("vcas (rho=nu=0.5)", dict(rule="vcas", vcas=capskip_fx.VCAS(freq=10 ** 9)), 0.5),
     ("capskip b=0.3 + vcas (rho=nu=0.5)", dict(rule="capskip", budget=0.3, vcas=capskip_fx.VCAS(freq=10 ** 9)), 0.5),
     ("vcas bernoulli (rho=nu=0.5)", dict(rule="vcas", vcas=capskip_fx.VCAS(freq=10 ** 9, sampler="bernoulli")), 0.5),
+    # regional compile (capskip_fx.compile_regions): blocks chained directly take the next graph's rows;
+    # the last block reaches the head through timm's eager final norm and pooling, so it reads its own
+    ("random keep=0.5, regional", dict(rule="random", keep=0.5, regional=True), None),
+    # (gather_below=1: at random init capskip keeps ~90 % of the rows, which otherwise run ungathered)
+    ("capskip b=0.3, regional, gather_below=1", dict(rule="capskip", budget=0.3, gather_below=1.0, regional=True), None),
 ]
 
 
@@ -52,8 +57,13 @@ def main() -> None:
         torch.manual_seed(0)
         model = timm.create_model("deit_tiny_patch16_224", pretrained=False, img_size=32, patch_size=4,
                                   num_classes=10, depth=2).to(dev)
-        cm = torch.compile(model, backend=a.backend) if opts is None else \
-            capskip_fx.compile(model, backend=a.backend, **opts)
+        if opts is None:
+            cm = torch.compile(model, backend=a.backend)
+        elif opts.get("regional"):
+            cm = capskip_fx.compile_regions(model, **{k: v for k, v in opts.items() if k != "regional"},
+                                            backend=a.backend)
+        else:
+            cm = capskip_fx.compile(model, backend=a.backend, **opts)
         reads, syncs = [], []
         for step in range(6):
             model.zero_grad(set_to_none=True)

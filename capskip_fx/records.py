@@ -171,6 +171,8 @@ class GraphRecord:
     verified: bool = False  # an informative gathered step matched the dense-masked backward
     verified_unordered: bool = False  # ... on a step whose kept rows were not the first k
     checks: int = 0  # verify comparisons run
+    host_reads: int = 0  # body backwards that read their rows from the device (their own nonzero rows)
+    rows_reused: int = 0  # body backwards that ran on the rows of the gathered backward that fed them (no read)
 
     def settle(self, **fields: Any) -> Optional[Refusal]:
         """Replace compile fields (a pipeline result).  A ``refusal`` is kept only if the graph had none
@@ -232,6 +234,7 @@ class GraphRecord:
                 "reason": self.reason, "where": None if self.refusal is None else self.refusal.where,
                 "gathered_inputs": c.plan.gathered_inputs if c.plan else 0,
                 "row_counts": sorted(self.row_counts), "verified": self.verified, "vcas": c.vcas,
+                "host_reads": self.host_reads, "rows_reused": self.rows_reused,
                 "gather": c.gather if c.gather_refused is None else f"eager ({c.gather_refused})"}
 
 

@@ -18,7 +18,8 @@
 #   then compare (Δ vs each row's own step-matched dense) and the kept fraction per epoch with the
 #   projected GPU ratio (1 + 2k)/3 (labelled a projection) into RESULTS.
 # Every run writes checkpoint.pt each epoch; an interrupted run resumes from it, finished runs (with
-# result.json) are skipped, so the script can span several sittings.  FORCE=1 reruns.
+# result.json) are skipped, so the script can span several sittings.  FORCE=1 reruns.  Two copies started
+# side by side (one per core) share the work: each run is locked by the copy running it.
 #
 #   experiments/run_finetune_long.sh                                   # the whole thing (hours on CPU)
 #   SEEDS=0 SELECT_SEEDS=100 FT_EPOCHS=1 PRE_EPOCHS=1 PRE_SUBSET=2000 OUT=/tmp/fl RESULTS=/tmp/fl/res \
@@ -51,14 +52,31 @@ run() {  # run DIR FLAGS...: skip a finished run, resume an interrupted one from
   if [[ -f "$dir/result.json" && -z "${FORCE:-}" ]]; then
     echo "== $dir: done, skipping"; return
   fi
+  # a second copy of this script (one per core) takes the runs this one has not claimed; the lock
+  # is released when the run's process ends, however it ends
+  mkdir -p "$(dirname "$dir")"
+  local fd
+  exec {fd}>"$dir.lock"
+  if ! flock -n "$fd"; then
+    echo "== $dir: running in another copy, skipping"; exec {fd}>&-; return
+  fi
   if [[ -f "$dir/checkpoint.pt" && -z "${FORCE:-}" ]]; then
     echo "== $dir: resuming"
     # shellcheck disable=SC2086  # EXTRA is a list of flags
-    "$PY" -m capskip_fx.train --resume "$dir/checkpoint.pt" --out "$dir" $EXTRA; return
+    "$PY" -m capskip_fx.train --resume "$dir/checkpoint.pt" --out "$dir" $EXTRA
+  else
+    echo "== $dir"
+    # shellcheck disable=SC2086
+    "$PY" -m capskip_fx.train --config "$CONFIG" --backend "$BACKEND" --out "$dir" $EXTRA "$@"
   fi
-  echo "== $dir"
-  # shellcheck disable=SC2086
-  "$PY" -m capskip_fx.train --config "$CONFIG" --backend "$BACKEND" --out "$dir" $EXTRA "$@"
+  exec {fd}>&-
+}
+
+wait_for() {  # wait_for DIR...: until every run has its result.json (those another copy is running)
+  local d
+  for d in "$@"; do
+    while [[ ! -f "$d/result.json" ]]; do sleep 30; done
+  done
 }
 
 result() {  # result RUN_DIR KEY
@@ -139,6 +157,9 @@ for s in $SEEDS; do
   ft "$R/capskip+infobatch-s$s" --rule capskip+infobatch --budget "$B" --seed "$s"
 done
 
+wait_for $(for s in $SEEDS; do for r in dense capskip kabena random-matched sb infobatch capskip+infobatch; do
+  echo "$OUT/runs/$r-s$s"; done; done)
+
 # ---- stage 2c: step-time ratios, interleaved in one process at each rule's measured share of rows
 rows_frac() {  # rows_frac RULE: backward rows / rows over that rule's finished seeds
   "$PY" - "$OUT/runs" "$1" $SEEDS <<'EOF'
@@ -153,6 +174,7 @@ print(f"{back / rows:.3f}")
 EOF
 }
 SPEED=$RESULTS/speed
+exec {speed_fd}>"$SPEED.lock"; flock "$speed_fd"  # one copy measures, alone; the other waits for it
 if [[ ! -f "$SPEED.json" || -n "${FORCE:-}" ]]; then
   k_cap=$(rows_frac capskip); k_kab=$(rows_frac kabena); k_ci=$(rows_frac capskip+infobatch)
   # shellcheck disable=SC2086
@@ -161,6 +183,7 @@ if [[ ! -f "$SPEED.json" || -n "${FORCE:-}" ]]; then
     -- --config "$CONFIG" --backend "$BACKEND" --dataset mnist --train-subset none \
     --initial-checkpoint "$CKPT" --reset-head --check-every 0 $EXTRA
 fi
+exec {speed_fd}>&-
 ratio() {  # ratio ARM: that arm's step-time ratio to the harness's dense, from the speed benchmark
   "$PY" -c 'import json, sys; print(round(next(r["vs_dense"] for r in json.load(open(sys.argv[1]))["rows"] if r["arm"] == sys.argv[2]), 3))' "$SPEED.json" "$1"
 }
@@ -178,6 +201,9 @@ for s in $SEEDS; do
   ft "$R/dense-sm-infobatch-s$s" --rule dense --seed "$s" --steps-of "$R/infobatch-s$s" --ratio "$r_ib"
   ft "$R/dense-sm-capskip+infobatch-s$s" --rule dense --seed "$s" --steps-of "$R/capskip+infobatch-s$s" --ratio "$r_ci"
 done
+
+wait_for $(for s in $SEEDS; do for r in capskip kabena infobatch capskip+infobatch; do
+  echo "$OUT/runs/dense-sm-$r-s$s"; done; done)
 
 # ---- the tables: compare, and the kept fraction per epoch with its projected GPU ratio
 "$PY" -m capskip_fx.train compare "$OUT/runs" --out "$RESULTS"

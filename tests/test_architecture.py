@@ -137,7 +137,7 @@ def test_every_rule_declares_whether_it_reads_labels():
 
 # runtime/'s parts, bottom first: each imports only parts before it (state.py composes them; backward.py
 # is called by AOTAutograd and reads the state it is given)
-RUNTIME_PARTS = ["stats", "forwards", "clock", "view", "checks", "state", "backward"]
+RUNTIME_PARTS = ["stats", "forwards", "clock", "view", "checks", "published", "state", "backward"]
 
 
 def test_runtime_parts_import_downward_only():

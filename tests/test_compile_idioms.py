@@ -129,6 +129,49 @@ def test_regional_compile_skips_rows_in_every_block():
     for r in rep:
         assert r["backward"] == "selected rows", f"graph ran all rows: {r}"
         assert r["row_counts"] == [N // 2], f"graph ran all rows: {r}"
+    # blocks[0] is fed by blocks[1]'s gathered backward directly: its rows, no host read; blocks[1] is fed
+    # through the eager mean before the head: it finds its own rows (one read per step)
+    assert (rep[0]["rows_reused"], rep[0]["host_reads"]) == (3, 0), f"blocks[0] did not reuse blocks[1]'s rows: {rep[0]}"
+    assert (rep[1]["rows_reused"], rep[1]["host_reads"]) == (0, 3), f"blocks[1] reused rows across eager code: {rep[1]}"
+
+
+class _TokensAux(Tokens):
+    """``Tokens`` whose first block's output also feeds a loss term on every row (``self.aux``)."""
+
+    def forward(self, x):
+        h0 = self.blocks[0](self.embed(x))
+        self.aux = h0.pow(2).mean()
+        return self.head(self.blocks[1](h0).mean(1))
+
+
+@needs_dynamic_sources
+def test_regional_compile_does_not_reuse_rows_when_a_second_consumer_adds_gradient():
+    """blocks[0]'s output reaches blocks[1] (gathered, zero outside its rows) and an all-row loss term:
+    autograd sums the two into a new tensor, so blocks[0] must not take blocks[1]'s rows (it would
+    drop the term's gradient on the skipped rows)."""
+    torch.manual_seed(6)
+    model = _TokensAux().double()
+    for b in model.blocks:
+        b.compile(backend="capskip", options=OPTS)
+    model.head.compile(backend="capskip", options=OPTS)
+    ref = copy.deepcopy(model)
+    for _ in range(2):
+        x, y = torch.randn(N, 5, 4, dtype=torch.float64), torch.randint(0, 3, (N,))
+        model.zero_grad()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            (F.cross_entropy(model(x), y) + model.aux).backward()
+        s = capskip_fx.stats(model)
+        assert (s.mode, s.kept) == ("selected", N // 2), f"{s.mode}, kept {s.kept}: {s.fallback}"
+        ref.load_state_dict(model.state_dict())
+        ref.zero_grad()
+        ((F.cross_entropy(ref(x), y, reduction="none") * s.weight).sum() / N + ref.aux).backward()
+        for (name, a), b in zip(ref.named_parameters(), model.parameters()):
+            err = float((a.grad - b.grad).norm() / a.grad.norm().clamp_min(1e-30))
+            assert err < 1e-12, f"{name}: gradient differs from the selection's reference by {err:.3g}"
+    rep = capskip_fx.report(model)
+    assert rep[0]["rows_reused"] == 0, f"blocks[0] took blocks[1]'s rows though the aux term feeds it too: {rep[0]}"
+    assert rep[0]["host_reads"] == 2, f"blocks[0] should find its own rows each step: {rep[0]}"
 
 
 @needs_dynamic_sources

@@ -93,6 +93,45 @@ def test_reads_per_step_and_exact(opts, reads, gather):
         f"expected [r.gather for r in cm.backend.records... == [gather], got {[r.gather for r in cm.backend.records if r.plan is not None]!r} vs {[gather]!r}")
 
 
+class _Chain(torch.nn.Module):
+    """Row-wise blocks feeding each other and the head directly: what regional compile chains."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = torch.nn.Linear(D, 8)
+        self.blocks = torch.nn.ModuleList([torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Tanh()) for _ in range(3)])
+        self.head = torch.nn.Linear(8, C)
+
+    def forward(self, x):
+        h = self.embed(x).relu()
+        for b in self.blocks:
+            h = b(h)
+        return self.head(h)
+
+
+@pytest.mark.parametrize("gather", ["eager", "graph"])
+def test_regional_compile_reads_nothing_per_block(gather):
+    """Each block graph's incoming gradient is the next graph's returned one: it runs on those rows
+    without reading the device (a fixed-count rule: no read at all), exact."""
+    torch.manual_seed(0)
+    model = _Chain().double()
+    capskip_fx.compile_regions(model, blocks=model.blocks, head=model.head, rule="random", keep=0.5,
+                               backend="aot_eager", gather=gather)
+    for step in range(4):  # steps 0-1: compile, verify
+        x, y = _batch(step)
+        model.zero_grad(set_to_none=True)
+        loss = F.cross_entropy(model(x), y)
+        with count_host_reads() as ops:
+            loss.backward()
+        st = capskip_fx.stats(model)
+        assert (st.mode, st.kept, st.rows) == ("selected", N // 2, N // 2), st
+        assert max_rel_err(_grads(model), _ref(model, x, y, st.weight)) < 1e-10, "gradient differs from the reference"
+        if step >= 2:
+            assert ops == [], f"step {step}: a regionally compiled step read the device: {ops}"
+    rep = capskip_fx.report(model)
+    assert [r["rows_reused"] for r in rep if r["role"] == "body"] == [4, 4, 4], f"a block read its own rows: {rep}"
+
+
 class ReadingForced(capskip_fx.rules.Forced):
     """A fixed-count rule that reads the device once: the counter must see reads made in the backward."""
 

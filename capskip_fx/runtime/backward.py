@@ -4,11 +4,11 @@ Per call (one backward of one forward):
   - head graph of the returned logits (its autograd node carries its forward, runtime/forwards.py):
     run the rule on that forward's h, z, dL/dz and labels (one host read, none for a fixed count;
     the kept-row index below is built on the device either way);
-  - any other graph (graph breaks, DDP splits, a Linear output that is not the logits): drop the
-    rows whose incoming gradient is zero (one host read).  Those are its forward's skipped rows when
-    the head's backward ran first and the code between the graphs is row-wise, which is not proven
-    (that code is not traced): so the head's count is not reused, and dropping them is exact whatever
-    code lies between graphs;
+  - any other graph (graph breaks, DDP splits, regional compile's blocks, a Linear output that is not
+    the logits): when its incoming gradient is the very tensor a gathered backward returned (nothing
+    between the graphs touched it; runtime/published.py), run on that backward's rows, no host read;
+    otherwise drop the rows whose incoming gradient is zero (one host read), exact whatever code lies
+    between the graphs (it is not traced, so it is not assumed row-wise);
   - an in-graph loss (the loss computed inside the model): its backward (up to dL/dz) runs first on
     all rows, as its own compiled graph; the rows are selected on dL/dz;
   - the kept rows first, ``kb = bucket(k)`` rows gathered (pad rows are skipped rows, weight 0),
@@ -59,23 +59,29 @@ class SelectedRowBackward:
         return self._shapes[kb]
 
     def _rows_of(self, args: list):
-        """(weight, k, this forward's stats or None) for this call: the rule's rows (head of the returned
-        logits) or the rows that carry gradient (any other graph)."""
+        """(weight, k, this forward's stats or None, the kept-row index or None) for this call: the rule's
+        rows (head of the returned logits) or the rows that carry gradient (any other graph)."""
         p, state = self.plan, self.state
         if p.head:
             head, fwd = state.running_forward()
             if head:
                 weight, k = state.select(*(args[i] for i in p.select_args), fwd)
-                return weight, k, state.last.forwards[-1]
+                return weight, k, state.last.forwards[-1], None
             if not self.record.body and (state.bound_forwards or state.hook_bound):
                 self.record.demoted = "a Linear output that is not the returned logits"
         g = args[p.select_args[-1]]
         n = g.shape[0]
         state.body_backward(n, self.record.no_head)
+        tangents = [args[i] for i in p.tangent_args]
+        idx = state.published.rows_of(tangents, n) if tangents else None
+        if idx is not None:  # the consumer's rows, on the device
+            self.record.rows_reused += 1
+            return torch.zeros(n, dtype=g.dtype, device=g.device).index_fill_(0, idx, 1), idx.numel(), None, idx
         live = torch.zeros(n, dtype=torch.bool, device=g.device)
-        for i in p.tangent_args:
-            live |= (args[i].reshape(n, -1) != 0).any(1)
-        return live.to(g.dtype), int(live.sum()), None  # the one host read of a body graph
+        for t in tangents:
+            live |= (t.reshape(n, -1) != 0).any(1)
+        self.record.host_reads += 1
+        return live.to(g.dtype), int(live.sum()), None, None  # the one host read of a body graph
 
     def __call__(self, args: list) -> list:
         p, state, rec = self.plan, self.state, self.record
@@ -86,7 +92,7 @@ class SelectedRowBackward:
             full = args
             args = [full[i] for i in pre.keep] + list(outs)
             full.clear()
-        weight, k, stats = self._rows_of(args)
+        weight, k, stats, idx = self._rows_of(args)
         n = weight.shape[0]
         if hasattr(self.compiled, "live_rows"):  # a sampling backward (VCAS) sizes its budgets by it
             self.compiled.live_rows = k
@@ -98,7 +104,8 @@ class SelectedRowBackward:
             args.clear()
             return out
         # kept rows first; the pad rows are skipped rows and carry weight 0
-        idx = torch.argsort((weight == 0).to(torch.int8), stable=True)[:kb]
+        if idx is None or idx.numel() != kb:
+            idx = torch.argsort((weight == 0).to(torch.int8), stable=True)[:kb]
         w_kb = weight.index_select(0, idx)
         check = self._should_verify(k, n)
         full_args = list(args) if check else None
@@ -124,8 +131,13 @@ class SelectedRowBackward:
             if stochastic:
                 exact = self._full_rows(self.compiled.exact(check_args), idx, n)
                 res = self._verify(full_args, weight, exact, stats)
-                return outs if res is exact else res
-            outs = self._verify(full_args, weight, outs, stats)
+                if res is not exact:
+                    return res
+            else:
+                res = self._verify(full_args, weight, outs, stats)
+                if res is not outs:
+                    return res
+        state.published.publish(outs, p.out_specs, idx, n)
         return outs
 
     def _dense(self, args: list, weight: torch.Tensor, exact: bool = False) -> list:

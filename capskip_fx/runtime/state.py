@@ -12,7 +12,8 @@ backward (graph task): ``stats()`` shows the last one, with its forwards when th
 
 Host reads (each stalls an accelerator's queue): a head backward reads the device once (the kept
 count k with the fallback checks folded in), or not at all when the rule's Selection carries a
-host-known ``count``; a body graph (after a graph break) reads once (runtime/backward.py).
+host-known ``count``; a body graph (after a graph break) reads once, or not at all when its incoming
+gradient is the one a gathered backward returned (runtime/published.py, runtime/backward.py).
 """
 from __future__ import annotations
 
@@ -32,6 +33,7 @@ from . import forwards
 from .checks import bad_targets_error, check_not_compiled_autograd, deferred_reason, fallback_reason, head_checks
 from .clock import StepClock
 from .forwards import NO_HEAD_REASON, UNBOUND_REASON, ForwardContext, logits_of
+from .published import PublishedRows
 from .stats import RunSummary, StepStats
 from .view import global_view
 
@@ -78,6 +80,7 @@ class RuntimeState:
         self.print_at_exit = False  # the string backend's: scripts that never call stats()
         _LIVE.add(self)
         self._pending_runners: list = []  # their states from a checkpoint loaded before they compiled
+        self.published = PublishedRows()  # this backward's gathered input gradients, for the body graphs
 
     # the clock's numbers and the step in progress, where the API, the backwards and checkpoints read them
     step = property(lambda self: self.clock.step, lambda self, v: setattr(self.clock, "step", v))
