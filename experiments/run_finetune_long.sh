@@ -115,31 +115,9 @@ if [[ -z "${B:-}" ]]; then
       ft "$OUT/select/capskip-b$b-s$s" --rule capskip --budget "$b" --val-split "$VAL" --seed "$s"
     done
   done
-  B=$("$PY" - "$OUT/select" "$TOL" "$RESULTS/select.md" "$SELECT_SEEDS" $BUDGETS <<'EOF'
-import json, statistics, sys
-from pathlib import Path
-sel, tol, out, seeds, budgets = Path(sys.argv[1]), float(sys.argv[2]), sys.argv[3], sys.argv[4].split(), sys.argv[5:]
-top1 = lambda d: json.load(open(sel / d / "result.json"))["final_top1"]
-kept = lambda d: json.load(open(sel / d / "result.json"))["kept_frac"]
-dense = [top1(f"dense-s{s}") for s in seeds]
-rows = ["| run | validation top-1 per seed | mean | kept (mean) | within tol |", "|---|---|---|---|---|",
-        f"| dense | {', '.join(f'{a:.2f}' for a in dense)} | {statistics.fmean(dense):.2f} | 1.00 | |"]
-ok = []
-for b in budgets:
-    acc = [top1(f"capskip-b{b}-s{s}") for s in seeds]
-    k = statistics.fmean(kept(f"capskip-b{b}-s{s}") for s in seeds)
-    good = statistics.fmean(acc) >= statistics.fmean(dense) - tol
-    ok += [float(b)] * good
-    rows.append(f"| capskip b={b} | {', '.join(f'{a:.2f}' for a in acc)} | {statistics.fmean(acc):.2f} | {k:.2f} | {'yes' if good else 'no'} |")
-chosen = max(ok) if ok else min(map(float, budgets))
-text = [f"# Budget chosen on validation: b = {chosen:g}", "",
-        f"Largest b whose mean validation top-1 over the selection seeds ({', '.join(seeds)}; not comparison "
-        f"seeds) is within {tol:g} points of dense's mean, else the smallest. Validation: rows held out of "
-        f"the training split (--val-split); the test set is not looked at.", ""] + rows
-Path(out).write_text("\n".join(text) + "\n")
-print(f"{chosen:g}")
-EOF
-)
+  # shellcheck disable=SC2086  # lists of words
+  B=$("$PY" -m capskip_fx.train choose-budget "$OUT/select" --seeds $SELECT_SEEDS --budgets $BUDGETS --tol "$TOL" \
+    --out "$RESULTS/select.md")
   echo "== capskip budget chosen on validation: b=$B (see $RESULTS/select.md)"
 fi
 

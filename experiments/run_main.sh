@@ -3,7 +3,8 @@
 #   dense E epochs | capskip E epochs | dense time-matched to capskip's wall-clock |
 #   random with capskip's per-step kept counts | SB (fixed count) at capskip's mean keep rate | Stale-SB |
 #   UB (its defaults) | VCAS alone | CAPSkip then VCAS inside its kept rows (VCAS_FREQ="" skips these two);
-# SEEDS seeds each, then one compare table + plots in $OUT/compare.
+# SEEDS seeds each, then one compare table + plots in $OUT/compare.  capskip's b: BUDGET, or (unset) the
+# largest of BUDGETS within TOL points of dense on VAL validation rows over SELECT_SEEDS ($OUT/select.md).
 # Finished runs (with result.json) are skipped, so the script can be resumed; FORCE=1 reruns.
 # ONLY="vcas ub" runs only the runs whose names start with one of those words (the time-matched and SB
 # runs need capskip's result).
@@ -15,7 +16,11 @@ E=${E:-10}                          # epochs
 TRAIN_SUBSET=${TRAIN_SUBSET:-10000} # images per epoch ("none" = all 60000)
 EVAL_SUBSET=${EVAL_SUBSET:-2000}
 SEEDS=${SEEDS:-"0 1 2"}
-BUDGET=${BUDGET:-0.3}               # capskip's b (also the matched rule's b for random)
+BUDGET=${BUDGET:-}                  # capskip's b (also the matched rule's b for random); empty: chosen on validation
+SELECT_SEEDS=${SELECT_SEEDS:-"100 101 102"}  # seeds of the budget choice (not comparison seeds)
+BUDGETS=${BUDGETS:-"0.1 0.3 0.5 0.7"}
+VAL=${VAL:-2000}                    # validation rows held out of the training split for the choice
+TOL=${TOL:-0.5}                     # the largest b whose mean validation top-1 is within TOL of dense's
 SB_KEEP=${SB_KEEP:-}                # empty: capskip's measured kept fraction, same seed
 BACKEND=${BACKEND:-inductor}
 CONFIG=${CONFIG:-configs/fashion_mnist_tiny.yaml}
@@ -46,6 +51,20 @@ result() {  # result RUN KEY
   "$PY" -c 'import json, sys; print(json.load(open(sys.argv[1]))[sys.argv[2]])' "$OUT/$1/result.json" "$2"
 }
 
+# capskip's budget, chosen on validation rows over the selection seeds (the test set is not looked at)
+if [[ -z "$BUDGET" ]]; then
+  for s in $SELECT_SEEDS; do
+    ONLY="" run "select/dense-s$s" --rule dense --val-split "$VAL" --seed "$s"
+    for b in $BUDGETS; do
+      ONLY="" run "select/capskip-b$b-s$s" --rule capskip --budget "$b" --val-split "$VAL" --seed "$s"
+    done
+  done
+  # shellcheck disable=SC2086  # lists of words
+  BUDGET=$("$PY" -m capskip_fx.train choose-budget "$OUT/select" --seeds $SELECT_SEEDS --budgets $BUDGETS \
+    --tol "$TOL" --out "$OUT/select.md")
+  echo "== capskip budget chosen on validation: b=$BUDGET (see $OUT/select.md)"
+fi
+
 for s in $SEEDS; do
   run "dense-s$s" --rule dense --seed "$s"
   run "capskip-b$BUDGET-s$s" --rule capskip --budget "$BUDGET" --seed "$s"
@@ -64,4 +83,4 @@ for s in $SEEDS; do
   fi
 done
 
-"$PY" -m capskip_fx.train compare "$OUT" --out "$OUT/compare"
+"$PY" -m capskip_fx.train compare "$OUT"/*-s*/ --out "$OUT/compare"  # the comparison runs, not select/

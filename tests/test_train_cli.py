@@ -79,3 +79,38 @@ def test_static_names_match_the_registries():
         f"expected set(config.DATA_RULES.values()) <= set(RULES), got {set(config.DATA_RULES.values())!r} vs {set(RULES)!r}")  # the model half of each data-side rule is a rule
     assert set(datasets.DEFAULT_IMG_SIZE) | {"pytext"} == set(config.DATASETS), \
         f"train/config.py's DATASETS {config.DATASETS} differ from the loaders' {sorted(datasets.DEFAULT_IMG_SIZE)}"
+
+
+def _select_runs(root: Path, top1: dict) -> None:
+    """Fake validation runs: ``top1[name] = [per-seed top-1]`` for seeds 100, 101."""
+    import json
+
+    for name, accs in top1.items():
+        for seed, acc in zip((100, 101), accs):
+            d = root / f"{name}-s{seed}"
+            d.mkdir(parents=True)
+            (d / "result.json").write_text(json.dumps({"final_top1": acc, "kept_frac": 0.5}))
+
+
+@pytest.mark.parametrize("capskip,chosen", [
+    ({"0.3": [80.0, 80.0], "0.5": [79.6, 79.6], "0.7": [79.0, 79.2]}, 0.5),  # 0.5 is 0.4 below: the largest within
+    ({"0.3": [78.0, 79.0], "0.5": [70.0, 70.0], "0.7": [60.0, 61.0]}, 0.3),  # none within 0.5: the smallest
+    ({"0.3": [81.0, 81.0], "0.5": [80.5, 80.5], "0.7": [79.5, 79.5]}, 0.7),  # the boundary counts as within
+])
+def test_choose_budget_takes_the_largest_b_within_tolerance(tmp_path, capskip, chosen):
+    from capskip_fx.train.cli import run
+
+    _select_runs(tmp_path, {"dense": [80.0, 80.0], **{f"capskip-b{b}": a for b, a in capskip.items()}})
+    out = tmp_path / "select.md"
+    got = run(["choose-budget", str(tmp_path), "--seeds", "100", "101", "--budgets", *capskip, "--out", str(out)])
+    assert got == chosen, f"chose b={got}, expected {chosen} for validation means {capskip}"
+    assert f"b = {chosen:g}" in out.read_text(), f"the page names another budget:\n{out.read_text()}"
+
+
+def test_choose_budget_names_a_missing_run(tmp_path):
+    from capskip_fx.train.cli import run
+
+    _select_runs(tmp_path, {"dense": [80.0, 80.0], "capskip-b0.3": [80.0, 80.0]})
+    with pytest.raises(FileNotFoundError, match=r"capskip-b0\.5-s100/result\.json is missing"):
+        run(["choose-budget", str(tmp_path), "--seeds", "100", "101", "--budgets", "0.3", "0.5",
+             "--out", str(tmp_path / "select.md")])

@@ -1,4 +1,5 @@
-"""The command line: ``capskip-train [train] FLAGS`` and ``capskip-train compare RUNS``.
+"""The command line: ``capskip-train [train] FLAGS``, ``capskip-train compare RUNS`` and
+``capskip-train choose-budget SELECT_DIR`` (capskip's b from validation runs).
 
 Parsing needs neither torch nor timm: what a command runs is imported after its flags are read, so
 ``--help`` and flag errors answer at once."""
@@ -33,7 +34,7 @@ def _key_value(s: str):
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="capskip-train", description=DESCRIPTION)
-    sub = p.add_subparsers(dest="command", metavar="{train,compare}")
+    sub = p.add_subparsers(dest="command", metavar="{train,compare,choose-budget}")
     t = sub.add_parser("train", help="train one run (the default sub-command)",
                        argument_default=argparse.SUPPRESS)  # only flags given on the command line override
 
@@ -123,6 +124,12 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--load-drift", type=float, default=0.2,
                    help="mark a wall-clock ratio when a run's median data-loading time per step differs from "
                         "dense's by more than this fraction (the machine's load changed; default: 0.2)")
+    b = sub.add_parser("choose-budget", help="pick capskip's b from validation runs; prints it, writes the table")
+    b.add_argument("select_dir", help="folder with dense-s{SEED} and capskip-b{B}-s{SEED} runs (--val-split)")
+    b.add_argument("--seeds", nargs="+", required=True, help="selection seeds (not comparison seeds)")
+    b.add_argument("--budgets", nargs="+", required=True, help="the budgets tried, as in the run names")
+    b.add_argument("--tol", type=float, default=0.5, help="points of validation top-1 below dense allowed")
+    b.add_argument("--out", required=True, help="Markdown file for the table")
     return p
 
 
@@ -170,13 +177,20 @@ def run(argv: Optional[Sequence[str]] = None) -> Any:
         print(parser.format_help() + "\n`capskip-train [train] FLAGS` (train is the default):\n\n"
               + sub.choices["train"].format_help())
         raise SystemExit(0)
-    if not argv or argv[0] not in ("train", "compare", "-h", "--help"):
+    if not argv or argv[0] not in ("train", "compare", "choose-budget", "-h", "--help"):
         argv.insert(0, "train")
     ns = parser.parse_args(argv)
     if ns.command == "compare":
         table = compare(ns.runs, ns.out, drift=ns.load_drift)
         print(table + f"\nwritten to {ns.out}/compare.md")
         return table
+    if ns.command == "choose-budget":
+        from .report import choose_budget
+
+        chosen, page = choose_budget(ns.select_dir, ns.seeds, ns.budgets, ns.tol)
+        Path(ns.out).write_text(page)
+        print(f"{chosen:g}")
+        return chosen
     cfg = config_from_args(ns)
     from .loop import train
 

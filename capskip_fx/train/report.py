@@ -442,3 +442,35 @@ def compare_page(runs: Sequence[Run], table: str, figures: Sequence[str]) -> str
             "forwarded / rows drawn from the data (below 1 only under Stale-SB's data-side filter or InfoBatch's sampler); mean kept is "
             "of the forwarded rows.\n\n"
             + "".join(f"![{p}]({p})\n" for p in figures) + "\nRuns:\n" + dirs + "\n")
+
+
+def choose_budget(select_dir: str | Path, seeds: Sequence[str], budgets: Sequence[str],
+                  tol: float) -> tuple[float, str]:
+    """``capskip-train choose-budget``: the largest b whose mean validation top-1 over ``seeds`` is within
+    ``tol`` points of dense's mean, else the smallest b; and the Markdown page that shows why.  Reads
+    ``SELECT_DIR/dense-s{seed}`` and ``SELECT_DIR/capskip-b{b}-s{seed}`` (runs made with --val-split)."""
+    root = Path(select_dir)
+
+    def result(name: str) -> dict:
+        path = root / name / "result.json"
+        if not path.is_file():
+            raise FileNotFoundError(f"choose-budget: {path} is missing (has that run finished?)")
+        return json.loads(path.read_text())
+
+    dense = [result(f"dense-s{s}")["final_top1"] for s in seeds]
+    rows = ["| run | validation top-1 per seed | mean | kept (mean) | within tol |", "|---|---|---|---|---|",
+            f"| dense | {', '.join(f'{a:.2f}' for a in dense)} | {statistics.fmean(dense):.2f} | 1.00 | |"]
+    ok = []
+    for b in budgets:
+        res = [result(f"capskip-b{b}-s{s}") for s in seeds]
+        acc = [r["final_top1"] for r in res]
+        good = statistics.fmean(acc) >= statistics.fmean(dense) - tol
+        ok += [float(b)] * good
+        rows.append(f"| capskip b={b} | {', '.join(f'{a:.2f}' for a in acc)} | {statistics.fmean(acc):.2f} | "
+                    f"{statistics.fmean(r['kept_frac'] for r in res):.2f} | {'yes' if good else 'no'} |")
+    chosen = max(ok) if ok else min(map(float, budgets))
+    page = [f"# Budget chosen on validation: b = {chosen:g}", "",
+            f"Largest b whose mean validation top-1 over the selection seeds ({', '.join(seeds)}; not comparison "
+            f"seeds) is within {tol:g} points of dense's mean, else the smallest. Validation: rows held out of "
+            f"the training split (--val-split); the test set is not looked at.", ""] + rows
+    return chosen, "\n".join(page) + "\n"
