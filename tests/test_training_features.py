@@ -96,22 +96,30 @@ def test_autocast_bf16_selection_in_float32_and_gradients():
     with torch.autocast("cpu", dtype=torch.bfloat16):
         out = cm(x)
         loss = F.cross_entropy(out, y)
-    assert out.dtype == torch.bfloat16, f"expected out.dtype == torch.bfloat16, got {out.dtype!r} vs {torch.bfloat16!r}"  # the head really ran in bf16
+    assert out.dtype == torch.bfloat16, (
+        f"under bf16 autocast the logits should be bfloat16, got {out.dtype}")  # the head really ran in bf16
     loss.backward()
     assert rule.seen == [(torch.float32,) * 3], (
-        f"expected rule.seen == [(torch.float32,) * 3], got {rule.seen!r} vs {[(torch.float32,) * 3]!r}")  # the rule sees float32 (upcast in RuntimeState.select)
+        "the rule should run once and see delta, h and z upcast to float32 under bf16 autocast, "
+        f"saw dtypes {rule.seen}")  # the rule sees float32 (upcast in RuntimeState.select)
     st = capskip_fx.stats(cm)
-    assert st.kept == 3, f"expected st.kept == 3, got {st.kept!r}"
-    assert st.fallback is None, f"expected st.fallback is None, got {st.fallback!r}"
+    assert st.kept == 3, f"the rule kept rows 0, 3 and 5, yet stats say kept {st.kept}"
+    assert st.fallback is None, (
+        f"a bf16 autocast step should run the rule's selection, yet it fell back: {st.fallback!r}")
     assert cm.backend.records[0].backward == "selected rows", (
-        f'expected cm.backend.records[0].backward == "selected rows", got {cm.backend.records[0].backward!r}')
+        "under autocast the head graph's backward should run on the selected rows, "
+        f"report says {cm.backend.records[0].backward!r}")
     assert cm.backend.records[0].row_counts == {3}, (
-        f"expected cm.backend.records[0].row_counts == {{3}}, got {cm.backend.records[0].row_counts!r}")
+        "the gathered backward should run on exactly the 3 kept rows, "
+        f"gathered row counts seen: {cm.backend.records[0].row_counts}")
     grads = _grads(model)
     assert max_rel_err(grads, _autocast_reference(model, x, y, st.weight)) < BF16_VS_AUTOCAST, (
-        'expected max_rel_err(grads, _autocast_reference(model, x, y, st.weight)) < B...')
+        "bf16 selected-row gradients differ from the eager autocast reference of the same weighted loss by more "
+        "than summing the kept rows in another order explains: max rel err "
+        f"{max_rel_err(grads, _autocast_reference(model, x, y, st.weight)):.2e} > {BF16_VS_AUTOCAST}")
     assert max_rel_err(grads, reference_grads(model, x, y, st.weight)) < BF16_VS_F64, (
-        'expected max_rel_err(grads, reference_grads(model, x, y, st.weight)) < BF16_...')
+        "bf16 selected-row gradients are further from the float64 reference than the bf16 forward explains: "
+        f"max rel err {max_rel_err(grads, reference_grads(model, x, y, st.weight)):.2e} > {BF16_VS_F64}")
 
     # CAPSkip itself under autocast: float32 Gram, bound within budget, same exactness
     cm.rule = CAPSkip(budget=0.5)
@@ -121,10 +129,13 @@ def test_autocast_bf16_selection_in_float32_and_gradients():
     with torch.autocast("cpu", dtype=torch.bfloat16):
         F.cross_entropy(cm(x2), y2).backward()
     st = capskip_fx.stats(cm)
-    assert st.fallback is None, f"expected st.fallback is None, got {st.fallback!r}"
-    assert st.bound <= 0.5, f"expected st.bound <= 0.5, got {st.bound!r}"
+    assert st.fallback is None, (
+        f"CAPSkip under bf16 autocast (float32 Gram) should select rows, yet it fell back: {st.fallback!r}")
+    assert st.bound <= 0.5, (
+        f"CAPSkip's bound ||S_k|| / ||G|| must stay within the budget 0.5 under autocast, got {st.bound}")
     assert max_rel_err(_grads(model), _autocast_reference(model, x2, y2, st.weight)) < BF16_VS_AUTOCAST, (
-        'expected max_rel_err(_grads(model), _autocast_reference(model, x2, y2, st.we...')
+        "CAPSkip's bf16 gradients differ from the eager autocast reference of its weighted loss: max rel err "
+        f"{max_rel_err(_grads(model), _autocast_reference(model, x2, y2, st.weight)):.2e} > {BF16_VS_AUTOCAST}")
 
 
 @pytest.mark.inductor
@@ -140,15 +151,21 @@ def test_inductor_autocast_and_varying_batch_one_compile():
         with torch.autocast("cpu", dtype=torch.bfloat16):
             F.cross_entropy(cm(x), y).backward()
         st = capskip_fx.stats(cm)
-        assert st.n == n, f"expected st.n == n, got {st.n!r} vs {n!r}"
-        assert st.fallback is None, f"expected st.fallback is None, got {st.fallback!r}"
+        assert st.n == n, f"stats should describe this step's batch of {n} rows, got n={st.n}"
+        assert st.fallback is None, (
+            f"the Inductor path under bf16 autocast should select rows at batch size {n}, yet it fell back: "
+            f"{st.fallback!r}")
         assert max_rel_err(_grads(model), _autocast_reference(model, x, y, st.weight)) < BF16_VS_AUTOCAST, (
-            'expected max_rel_err(_grads(model), _autocast_reference(model, x, y, st.weig...')
-    assert len(cm.backend.records) == 1, f"expected len(cm.backend.records) == 1, got {len(cm.backend.records)!r}"
+            f"Inductor bf16 gradients at batch size {n} differ from the eager autocast reference: max rel err "
+            f"{max_rel_err(_grads(model), _autocast_reference(model, x, y, st.weight)):.2e} > {BF16_VS_AUTOCAST}")
+    assert len(cm.backend.records) == 1, (
+        f"batch sizes 8, 5, 8, 3 should share one dynamic graph, yet {len(cm.backend.records)} graphs were compiled")
     assert capskip_fx.stats(cm).variants == 1, (
-        f"expected capskip_fx.stats(cm).variants == 1, got {capskip_fx.stats(cm).variants!r}")
+        "batch sizes 8, 5, 8, 3 should share one compiled backward variant, "
+        f"got {capskip_fx.stats(cm).variants}")
     assert cm.backend.records[0].backward == "selected rows", (
-        f'expected cm.backend.records[0].backward == "selected rows", got {cm.backend.records[0].backward!r}')
+        "the Inductor head graph's backward should run on the selected rows, "
+        f"report says {cm.backend.records[0].backward!r}")
 
 
 # ---------------------------------------------------------------- accumulation
@@ -168,15 +185,20 @@ def test_gradient_accumulation_each_micro_batch_selects_its_rows():
         (F.cross_entropy(cm(x), y) / m).backward()  # grads accumulate in .grad
         weights.append(capskip_fx.stats(cm).weight.clone())
         steps.append(capskip_fx.stats(cm).step)
-    assert steps == [0, 1, 2], f"expected steps == [0, 1, 2], got {steps!r}"  # one selection per micro-batch
-    assert any((w == 0).any() for w in weights), 'expected any((w == 0).any() for w in weights)'  # something was skipped
-    assert not torch.equal(weights[0], weights[1]), 'expected not torch.equal(weights[0], weights[1])'  # each micro-batch decided on its own rows
+    assert steps == [0, 1, 2], (
+        f"each micro-batch should run the rule once, got steps {steps}")  # one selection per micro-batch
+    assert any((w == 0).any() for w in weights), (
+        f"CAPSkip at budget 0.5 should skip a row in some micro-batch, weights: {weights}")  # something was skipped
+    assert not torch.equal(weights[0], weights[1]), (
+        "each micro-batch should select on its own rows, yet the first two got the same weights "
+        f"{weights[0]}")  # each micro-batch decided on its own rows
     total = {}
     for (x, y), w in zip(micro, weights):
         for k, r in reference_grads(model, x, y, w).items():
             total[k] = total.get(k, 0) + r / m
     assert max_rel_err(_grads(model), total) < 1e-10, (
-        f"expected max_rel_err(_grads(model), total) < 1e-10, got {max_rel_err(_grads(model), total)!r}")
+        f"gradients accumulated over {m} micro-batches differ from the sum of their float64 references (each "
+        f"with its own rows): max rel err {max_rel_err(_grads(model), total):.2e}")
 
 
 # ---------------------------------------------------------------- retain_graph / create_graph
@@ -207,13 +229,18 @@ def test_retain_graph_second_backward():
     first, w1, s1 = _grads(model), capskip_fx.stats(cm).weight.clone(), capskip_fx.stats(cm).step
     loss.backward()  # the rule runs again on the same (h, z, dL/dz): same rows
     w2, s2 = capskip_fx.stats(cm).weight, capskip_fx.stats(cm).step
-    assert (w1 == 0).any(), 'expected (w1 == 0).any()'
-    assert torch.equal(w1, w2), 'expected torch.equal(w1, w2)'
-    assert s2 == s1 + 1, f"expected s2 == s1 + 1, got {s2!r} vs {s1 + 1!r}"
+    assert (w1 == 0).any(), f"CAPSkip at budget 0.5 should skip a row on the first backward, weights {w1}"
+    assert torch.equal(w1, w2), (
+        "the retained second backward sees the same (h, z, dL/dz), so the rule should keep the same rows: "
+        f"{w1} then {w2}")
+    assert s2 == s1 + 1, f"the second backward should run the rule once more (step {s1 + 1}), stats say step {s2}"
     ref = reference_grads(model, x, y, w1)
-    assert max_rel_err(first, ref) < 1e-10, f"expected max_rel_err(first, ref) < 1e-10, got {max_rel_err(first, ref)!r}"
+    assert max_rel_err(first, ref) < 1e-10, (
+        "the first backward's gradients differ from the float64 reference for its rows: max rel err "
+        f"{max_rel_err(first, ref):.2e}")
     assert max_rel_err(_grads(model), {k: 2 * r for k, r in ref.items()}) < 1e-10, (
-        'expected max_rel_err(_grads(model), {k: 2 * r for k, r in ref.items()}) < 1e-10')
+        "two backwards through the retained graph should accumulate twice the reference gradients: max rel err "
+        f"{max_rel_err(_grads(model), {k: 2 * r for k, r in ref.items()}):.2e}")
 
 
 def test_create_graph_first_order_exact_double_backward_clear_error():
@@ -224,7 +251,8 @@ def test_create_graph_first_order_exact_double_backward_clear_error():
     grads = torch.autograd.grad(F.cross_entropy(cm(x), y), list(model.parameters()), create_graph=True)
     named = dict(zip([k for k, _ in model.named_parameters()], grads))
     assert max_rel_err(named, reference_grads(model, x, y, capskip_fx.stats(cm).weight)) < 1e-10, (
-        'expected max_rel_err(named, reference_grads(model, x, y, capskip_fx.stats(cm...')
+        "first-order gradients taken with create_graph=True differ from the float64 reference for the forced rows: "
+        f"max rel err {max_rel_err(named, reference_grads(model, x, y, capskip_fx.stats(cm).weight)):.2e}")
     with pytest.raises(RuntimeError, match="does not currently support double backward"):
         sum(g.pow(2).sum() for g in grads).backward()
 
@@ -237,24 +265,27 @@ def test_no_grad_and_eval_forwards_equal_eager():
     cm = capskip_fx.compile(model, rule="forced", keep=0.5, backend="aot_eager")
     x, y = _batch(2)
     cm.eval()
-    assert not model.training, 'expected not model.training'
+    assert not model.training, "cm.eval() should put the wrapped model in eval mode"
     with torch.no_grad():
         assert torch.allclose(cm(x), model(x), rtol=0, atol=1e-13), (
-            'expected torch.allclose(cm(x), model(x), rtol=0, atol=1e-13)')
+            "the compiled model's no_grad eval forward (dropout off) should equal the eager model's")
     out = cm(x)  # eval mode, grad enabled: a training-capable graph without dropout
     assert torch.allclose(out, model(x), rtol=0, atol=1e-13), (
-        'expected torch.allclose(out, model(x), rtol=0, atol=1e-13)')
-    assert out.requires_grad, f"expected out.requires_grad to be true, got {out.requires_grad!r}"
+        "an eval-mode forward with grad enabled (a training-capable graph without dropout) should equal the "
+        f"eager one, max abs diff {(out - model(x)).abs().max().item():.2e}")
+    assert out.requires_grad, "an eval-mode forward with grad enabled should return logits that require grad"
     cm.train()
     model.drop.p = 0.0  # dropout off so the train-mode graph can be compared too
     with torch.no_grad():
         assert torch.allclose(cm(x), model(x), rtol=0, atol=1e-13), (
-            'expected torch.allclose(cm(x), model(x), rtol=0, atol=1e-13)')
+            "after cm.train() with dropout at 0, the compiled no_grad forward should equal the eager model's")
     grads, w = _step(cm, model, x, y)  # training after inference still selects, exactly
     assert capskip_fx.stats(cm).kept == N // 2, (
-        f"expected capskip_fx.stats(cm).kept == N // 2, got {capskip_fx.stats(cm).kept!r} vs {N // 2!r}")
+        f"a training step after inference forwards should still run the forced rule, keeping {N // 2} of {N} "
+        f"rows; kept {capskip_fx.stats(cm).kept}")
     assert max_rel_err(grads, reference_grads(model, x, y, w)) < 1e-10, (
-        'expected max_rel_err(grads, reference_grads(model, x, y, w)) < 1e-10')
+        "a training step after inference forwards should still give the exact gradient of its rows: max rel err "
+        f"{max_rel_err(grads, reference_grads(model, x, y, w)):.2e}")
 
 
 def test_inference_graph_leaves_no_refusal_behind():
@@ -267,9 +298,11 @@ def test_inference_graph_leaves_no_refusal_behind():
             cm(x)
     _step(cm, model, x, y)
     assert capskip_fx.stats(cm).fallback is None, (
-        f"expected capskip_fx.stats(cm).fallback is None, got {capskip_fx.stats(cm).fallback!r}")
+        "a no_grad forward between training steps should leave no fallback on the next step, got "
+        f"{capskip_fx.stats(cm).fallback!r}")
     assert all(r["reason"] is None for r in capskip_fx.report(cm)), (
-        'expected all(r["reason"] is None for r in capskip_fx.report(cm))')
+        "a no_grad graph has no backward and should leave no refusal reason in the report: "
+        f"{[r['reason'] for r in capskip_fx.report(cm)]}")
 
 
 # ---------------------------------------------------------------- checkpoint / resume
@@ -302,7 +335,9 @@ def test_checkpoint_resume_is_bit_identical_for_sb():
     cm, opt, w_first = _sb_run(first, batches[:S])
     buf = io.BytesIO()
     torch.save({"model": cm.state_dict(), "opt": opt.state_dict()}, buf)
-    assert "history" in cm.state_dict()["_capskip"]["rule"], 'expected "history" in cm.state_dict()["_capskip"]["rule"]'  # the rule's state is in the checkpoint
+    assert "history" in cm.state_dict()["_capskip"]["rule"], (
+        "the checkpoint should hold Selective-Backprop's loss history (the rule's state), rule keys: "
+        f"{sorted(cm.state_dict()['_capskip']['rule'])}")  # the rule's state is in the checkpoint
 
     resumed = fresh(123)  # a new process: other init, other seed, state from disk
     cm2 = capskip_fx.compile(resumed, rule="sb", beta=1.0, history=32, prime_epochs=0, backend="aot_eager", seed=99)
@@ -314,9 +349,11 @@ def test_checkpoint_resume_is_bit_identical_for_sb():
     _, _, w_resumed = _sb_run(resumed, batches[S:], cm2, opt2)
 
     for a, b in zip(w_straight, w_first + w_resumed):
-        assert torch.equal(a, b), 'expected torch.equal(a, b)'
+        assert torch.equal(a, b), (
+            f"after resuming from the checkpoint a step kept other rows than the uninterrupted run: {b} vs {a}")
     assert any(0 < int((w != 0).sum()) < N for w in w_resumed), (
-        'expected any(0 < int((w != 0).sum()) < N for w in w_resumed)')  # SB really skipped rows after resuming
+        "Selective-Backprop should really skip rows after resuming (some step keeps some but not all rows), "
+        f"kept per step: {[int((w != 0).sum()) for w in w_resumed]}")  # SB really skipped rows after resuming
     for (k, p), q in zip(straight.named_parameters(), resumed.parameters()):
         assert torch.equal(p, q), k
 
@@ -338,21 +375,29 @@ def test_varying_batch_sizes_no_recompile_storm():
         y = torch.randint(0, 10, (n,), generator=gen)
         grads, w = _step(cm, model, x, y)
         st = capskip_fx.stats(cm)
-        assert st.n == n, f"expected st.n == n, got {st.n!r} vs {n!r}"
-        assert w.shape == (n,), f"expected w.shape == (n,), got {w.shape!r} vs {(n,)!r}"
+        assert st.n == n, f"stats should describe this step's batch of {n} rows, got n={st.n}"
+        assert w.shape == (n,), (
+            f"the rule's weight should have one entry per row of the batch of {n}, got shape {tuple(w.shape)}")
         if n == 1:
-            assert st.kept == 1, f"expected st.kept == 1, got {st.kept!r}"
-            assert "size 1" in st.fallback, f'expected "size 1" in st.fallback, got st.fallback = {st.fallback!r}'
+            assert st.kept == 1, f"a batch of 1 runs the eager model and keeps its one row, stats say kept {st.kept}"
+            assert "size 1" in st.fallback, (
+                f"a batch of 1 should fall back with a reason naming size 1, got {st.fallback!r}")
         else:
-            assert st.kept == len(keep), f"expected st.kept == len(keep), got {st.kept!r} vs {len(keep)!r}"
-            assert st.fallback is None, f"expected st.fallback is None, got {st.fallback!r}"
+            assert st.kept == len(keep), f"the forced rule kept {len(keep)} of {n} rows, stats say kept {st.kept}"
+            assert st.fallback is None, (
+                f"a batch of {n} should run the forced selection, yet it fell back: {st.fallback!r}")
         assert max_rel_err(grads, reference_grads(model, x, y, w)) < 1e-10, (
-            'expected max_rel_err(grads, reference_grads(model, x, y, w)) < 1e-10')
-    assert len(cm.backend.records) == 1, f"expected len(cm.backend.records) == 1, got {len(cm.backend.records)!r}"
+            f"gradients at batch size {n} differ from the float64 reference for the kept rows: max rel err "
+            f"{max_rel_err(grads, reference_grads(model, x, y, w)):.2e}")
+    assert len(cm.backend.records) == 1, (
+        "batch sizes 8, 8, 5, 8, 3, 1, 6 should share one dynamic graph (no recompile storm), yet "
+        f"{len(cm.backend.records)} graphs were compiled")
     assert capskip_fx.stats(cm).variants == 1, (
-        f"expected capskip_fx.stats(cm).variants == 1, got {capskip_fx.stats(cm).variants!r}")
+        "batch sizes 8, 8, 5, 8, 3, 1, 6 should share one compiled backward variant, "
+        f"got {capskip_fx.stats(cm).variants}")
     assert 2 in cm.backend.records[0].row_counts, (
-        f"expected 2 in cm.backend.records[0].row_counts, got cm.backend.records[0].row_counts = {cm.backend.records[0].row_counts!r}")  # 1 or 2 kept rows ran gathered on min_rows = 2
+        "1 or 2 kept rows should run gathered on the minimum of 2 rows, gathered row counts seen: "
+        f"{cm.backend.records[0].row_counts}")  # 1 or 2 kept rows ran gathered on min_rows = 2
 
 
 # ---------------------------------------------------------------- graph breaks
@@ -400,21 +445,26 @@ def _check_graph_break(model, make_x):
         grads, w = _step(cm, model, x, y)
         skipped += int((w == 0).sum())
         assert capskip_fx.stats(cm).step == before + (step > 0), (
-            f"expected capskip_fx.stats(cm).step == before + (step > 0), got {capskip_fx.stats(cm).step!r} vs {before + (step > 0)!r}")  # the rule ran once per step
+            "the rule should run once per training step, not once per graph of the break: stats say step "
+            f"{capskip_fx.stats(cm).step}, expected {before + (step > 0)}")  # the rule ran once per step
         assert max_rel_err(grads, reference_grads(model, x, y, w)) < 1e-10, (
-            'expected max_rel_err(grads, reference_grads(model, x, y, w)) < 1e-10')
-    assert skipped > 0, f"expected skipped > 0, got {skipped!r}"
+            f"gradients across the graph break differ from the float64 reference at step {step}: max rel err "
+            f"{max_rel_err(grads, reference_grads(model, x, y, w)):.2e}")
+    assert skipped > 0, (
+        "CAPSkip at budget 0.5 should skip some row over 3 steps across the graph break, it skipped none")
     recs = cm.backend.records
-    assert len(recs) == 2, f"expected len(recs) == 2, got {len(recs)!r}"
+    assert len(recs) == 2, f"the graph break should split the model into 2 graphs, got {len(recs)}"
     head = [r for r in recs if r.head]
-    assert len(head) == 1, f"expected len(head) == 1, got {len(head)!r}"
+    assert len(head) == 1, f"exactly one graph (the one producing the logits) should be the head, got {len(head)}"
     assert head[0].backward == "selected rows", (
-        f'expected head[0].backward == "selected rows", got {head[0].backward!r}')
-    assert head[0].row_counts, f"expected head[0].row_counts to be true, got {head[0].row_counts!r}"
+        f"the head graph's backward should run on the selected rows, report says {head[0].backward!r}")
+    assert head[0].row_counts, (
+        "the head graph's selected backward should record the row counts it gathered, none recorded")
     for r in recs:
         if r is not head[0]:  # above the break: the head's rows (body graph), or dense with a reason
             assert getattr(r, "body", False) or (r.backward.startswith("dense") and r.reason), (
-                'expected getattr(r, "body", False) or (r.backward.startswith("dense") and r....')
+                "the graph above the break should run on the head's rows (a body graph) or be dense with a reason, "
+                f"got backward {r.backward!r}, reason {r.reason!r}")
 
 
 @pytest.mark.parametrize("how", ["graph_break", "print"])
