@@ -111,7 +111,7 @@ def test_root_module_compiled_in_place():
     model.compile(backend="capskip", options=OPTS)
     for err, mode, n, kept, rows, _, _ in _steps(model, lambda: torch.randn(N, 6, dtype=torch.float64)):
         assert (mode, n, kept, rows) == ("selected", N, N // 2, N // 2), (
-            f'expected (mode, n, kept, rows) == ("selected", N, N // 2, N // 2), got {(mode, n, kept, rows)!r} vs {("selected", N, N // 2, N // 2)!r}')
+            f"in-place compile of the root must select half the rows; mode {mode}, n {n}, kept {kept}, rows {rows}")
         assert err < 1e-12, f"gradient error {err:.3g}"
     assert not any(k.startswith("_orig_mod") for k in model.state_dict()), "in-place compile keeps clean keys"
 
@@ -122,7 +122,7 @@ def test_regional_compile_skips_rows_in_every_block():
     model = _compile_regions(Tokens().double())
     for err, mode, n, kept, rows, _, _ in _steps(model, lambda: torch.randn(N, 5, 4, dtype=torch.float64)):
         assert (mode, n, kept, rows) == ("selected", N, N // 2, N // 2), (
-            f'expected (mode, n, kept, rows) == ("selected", N, N // 2, N // 2), got {(mode, n, kept, rows)!r} vs {("selected", N, N // 2, N // 2)!r}')
+            f"regional compile must select half the rows every step; got mode {mode}, n {n}, kept {kept}, rows {rows}")
         assert err < 1e-12, f"gradient error {err:.3g}"
     rep = capskip_fx.report(model)
     assert [r["role"] for r in rep] == ["body", "body", "head"], rep
@@ -187,7 +187,7 @@ def test_regional_compile_with_the_head_left_eager_is_dense_with_a_reason():
         assert "dense backward" in fallback, f"a dense step says why: {fallback!r}"
         assert err < 1e-12, f"gradient error {err:.3g}"
     assert "not the output of a compiled graph" in results[-1][5], (
-        f'expected "not the output of a compiled graph" in results[-1][5], got results[-1][5] = {results[-1][5]!r}')
+        f"with the head eager, a dense step must say its logits are no compiled graph's output; {results[-1][5]!r}")
 
 
 @needs_dynamic_sources
@@ -201,11 +201,13 @@ def test_two_models_compiled_in_place_keep_their_own_state():
         F.cross_entropy(a(x), y).backward()
         F.cross_entropy(b(x), y).backward()
     assert capskip_fx.stats(a).kept == N // 2, (
-        f"expected capskip_fx.stats(a).kept == N // 2, got {capskip_fx.stats(a).kept!r} vs {N // 2!r}")
+        f"model a (keep=0.5) must keep its own half, not b's quarter; kept {capskip_fx.stats(a).kept} of {N}")
     assert capskip_fx.stats(b).kept == N // 4, (
-        f"expected capskip_fx.stats(b).kept == N // 4, got {capskip_fx.stats(b).kept!r} vs {N // 4!r}")
-    assert capskip_fx.stats(a).n == N, f"expected capskip_fx.stats(a).n == N, got {capskip_fx.stats(a).n!r} vs {N!r}"
-    assert capskip_fx.stats(b).n == N, f"expected capskip_fx.stats(b).n == N, got {capskip_fx.stats(b).n!r} vs {N!r}"
+        f"model b (keep=0.25) must keep its own quarter, not a's half; kept {capskip_fx.stats(b).kept} of {N}")
+    assert capskip_fx.stats(a).n == N, (
+        f"model a's stats must count its own batch of {N} rows; n = {capskip_fx.stats(a).n}")
+    assert capskip_fx.stats(b).n == N, (
+        f"model b's stats must count its own batch of {N} rows; n = {capskip_fx.stats(b).n}")
 
 
 @needs_dynamic_sources
@@ -388,7 +390,7 @@ def test_compile_regions_on_timm_vit_selects_in_every_graph(backend):
     model = _vit().to(dtype)
     ref = copy.deepcopy(model)
     assert capskip_fx.compile_regions(model, rule="random", keep=0.5, backend=backend) is model, (
-        'expected capskip_fx.compile_regions(model, rule="random", keep=0.5, backend=...')
+        "compile_regions compiles in place and must return the model itself, not a wrapper")
     assert list(model.state_dict()) == list(ref.state_dict()), "in-place compile keeps the model's keys"
     for _ in range(2):
         x, y = torch.randn(N, 3, 32, 32, dtype=dtype), torch.randint(0, 5, (N,))
@@ -413,8 +415,9 @@ def test_compile_regions_on_timm_vit_selects_in_every_graph(backend):
     assert (run.steps, run.n, run.kept, run.rows) == (2, 2 * N, N, N), run
     assert run.modes == {"selected": 2}, run
     assert not run.fallbacks, run
-    assert "kept 50.0%" in str(run), f'expected "kept 50.0%" in str(run), got str(run) = {str(run)!r}'
-    assert run.as_dict()["capskip/rows_pct"] == 50.0, 'expected run.as_dict()["capskip/rows_pct"] == 50.0'
+    assert "kept 50.0%" in str(run), f"the run summary's text must report the half of the rows kept; got {str(run)!r}"
+    assert run.as_dict()["capskip/rows_pct"] == 50.0, (
+        f"the logged metrics must say 50% of the rows ran the backward; got {run.as_dict()['capskip/rows_pct']}")
 
 
 def test_compile_regions_refuses_a_model_without_repeated_blocks():
@@ -433,9 +436,9 @@ def test_summary_counts_dense_steps_by_reason():
     assert (run.steps, run.kept_pct, run.rows_pct) == (3, 100.0, 100.0), run
     assert run.modes == {"dense": 3}, run
     assert sum(run.fallbacks.values()) == 3, (
-        f"expected sum(run.fallbacks.values()) == 3, got {sum(run.fallbacks.values())!r}")
+        f"each of the 3 dense steps must be counted under its reason; fallbacks {run.fallbacks}")
     assert any("not the output of a compiled graph" in r for r in run.fallbacks), (
-        'expected any("not the output of a compiled graph" in r for r in run.fallbacks)')
+        f"the dense steps' reason must be that the logits are no compiled graph's output; {run.fallbacks}")
 
 
 def _stateful_idiom(idiom, seed):

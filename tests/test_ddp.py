@@ -76,13 +76,17 @@ def test_ddp_matches_single_process(tmp_path, optimize_ddp, scope, accumulate):
         expect = torch.zeros(W * N, dtype=torch.float64)
         expect[KEEP[0]] = 1
         expect[N + KEEP[1]] = 1
-        assert torch.equal(w, expect), 'expected torch.equal(w, expect)'
+        assert torch.equal(w, expect), (
+            f"each rank must weight exactly its forced KEEP rows (1) and zero the rest; gathered weights {w.tolist()}")
     else:  # the same decision as one process running CAPSkip on the global batch
         single = capskip_fx.compile(make_model(), rule=CAPSkip(budget=0.5), backend="eager")
         F.cross_entropy(single(x), y).backward()
         assert torch.equal(w, capskip_fx.stats(single).weight), (
-            'expected torch.equal(w, capskip_fx.stats(single).weight)')
-        assert 0 < int((w == 0).sum()) < W * N, 'expected 0 < int((w == 0).sum()) < W * N'
+            "scope='global' under DDP must select the rows one process running CAPSkip on the global batch selects;"
+            f" DDP weights {w.tolist()} vs single-process {capskip_fx.stats(single).weight.tolist()}")
+        assert 0 < int((w == 0).sum()) < W * N, (
+            "the global selection must drop some rows but not all, or the parity check proves nothing;"
+            f" {int((w == 0).sum())} of {W * N} dropped")
     ref = make_model()
     (F.cross_entropy(ref(x), y, reduction="none") * w).sum().div(W * N).backward()
     if accumulate:  # each rank's flipped micro-batch selected the same positions of its flipped rows
@@ -91,11 +95,13 @@ def test_ddp_matches_single_process(tmp_path, optimize_ddp, scope, accumulate):
     for k, p in ref.named_parameters():
         assert (out["grads"][k] - p.grad).norm() <= 1e-10 * p.grad.norm(), k
     roles = [r["role"] for r in out["report"]]
-    assert roles.count("head") == 1, f'expected roles.count("head") == 1, got {roles.count("head")!r}'
+    assert roles.count("head") == 1, (
+        f"exactly one graph (the logits') must be the head that selects, the DDP splits reuse its rows; roles {roles}")
     assert all(r["backward"] == "selected rows" for r in out["report"]), (
-        'expected all(r["backward"] == "selected rows" for r in out["report"])')
+        f"every graph, each DDP bucket split too, must run its backward on the selected rows; {out['report']}")
     if optimize_ddp:
-        assert len(roles) >= 2, f"expected len(roles) >= 2, got {len(roles)!r}"  # DDPOptimizer split the graph; the body splits dropped rows too
+        assert len(roles) >= 2, (
+            f"DDPOptimizer must split the graph per bucket (bucket_cap_mb=1); got {len(roles)} graph(s)")  # DDPOptimizer split the graph; the body splits dropped rows too
 
 
 def _fsdp_worker(rank, port, path):
@@ -129,9 +135,11 @@ def test_fsdp2_is_refused_clearly(tmp_path):
     path = str(tmp_path / "fsdp.pt")
     spawn(_fsdp_worker, (free_port(), path), 1, path)
     out = torch.load(path, weights_only=False)
-    assert "FSDP2" in out["refused"], f'expected "FSDP2" in out["refused"], got out["refused"] = {out["refused"]!r}'
+    assert "FSDP2" in out["refused"], (
+        f"compiling an FSDP2-sharded model must refuse and name FSDP2; got {out['refused']!r}")
     assert "DDP(capskip_fx.compile(model))" in out["refused"], (
-        f'expected "DDP(capskip_fx.compile(model))" in out["refused"], got out["refused"] = {out["refused"]!r}')
+        f"the FSDP2 refusal must point to the supported pattern DDP(capskip_fx.compile(model)); got {out['refused']!r}")
     assert "no graph" in out["fallback"], (
-        f'expected "no graph" in out["fallback"], got out["fallback"] = {out["fallback"]!r}')
-    assert out["kept"] == W * N, f'expected out["kept"] == W * N, got {out["kept"]!r} vs {W * N!r}'
+        "a model sharded after compile() must say its step ran dense because no graph was captured;"
+        f" fallback {out['fallback']!r}")
+    assert out["kept"] == W * N, f"the dense FSDP2 step must keep every row; stats say kept {out['kept']} of {W * N}"

@@ -58,7 +58,7 @@ def test_counter_sees_reads():
     with count_host_reads() as ops:
         (t * 2).sum()
         torch.argsort(t, stable=True)
-    assert ops == [], f"expected ops == [], got {ops!r}"
+    assert ops == [], f"plain arithmetic and a stable argsort keep values on the device; the counter saw reads {ops}"
 
 
 RULES = [  # (rule options, reads per steady-state step)
@@ -88,9 +88,10 @@ def test_reads_per_step_and_exact(opts, reads, gather):
             assert 0 < st.kept < N, st
             assert st.rows < N, st
             assert max_rel_err(_grads(model), _ref(model, x, y, st.weight)) < 1e-10, (
-                'expected max_rel_err(_grads(model), _ref(model, x, y, st.weight)) < 1e-10')
+                "a steady-state selected step's gradient differs from the float64 reference weighted by its selection")
     assert [r.gather for r in cm.backend.records if r.plan is not None] == [gather], (
-        f"expected [r.gather for r in cm.backend.records... == [gather], got {[r.gather for r in cm.backend.records if r.plan is not None]!r} vs {[gather]!r}")
+        f"exactly one graph plans a selected backward, with the requested gather={gather!r}; got"
+        f" {[r.gather for r in cm.backend.records if r.plan is not None]}")
 
 
 class _Chain(torch.nn.Module):
@@ -150,7 +151,7 @@ def test_counter_sees_a_read_in_the_backward():
         with count_host_reads() as ops:
             loss.backward()
     assert ops == ["aten._local_scalar_dense.default"], (
-        f'expected ops == ["aten._local_scalar_dense.default"], got {ops!r}')
+        f"the rule's item() in the backward must be counted as one host read; counted {ops}")
 
 
 def _state(cm):
@@ -164,8 +165,10 @@ def _snapshot(cm):
 
 def _same(a, b):
     (ra, ga), (rb, gb) = a, b
-    assert torch.equal(ga, gb), 'expected torch.equal(ga, gb)'
-    assert ra.keys() == rb.keys(), f"expected ra.keys() == rb.keys(), got {ra.keys()!r} vs {rb.keys()!r}"
+    assert torch.equal(ga, gb), (
+        "the runtime generator's state changed across a step that fell back or raised; it must be put back")
+    assert ra.keys() == rb.keys(), (
+        f"the rule's state_dict keys changed across the step; before {list(ra)}, after {list(rb)}")
     for k in ra:
         if isinstance(ra[k], torch.Tensor):
             assert torch.equal(ra[k].nan_to_num(-7.0), rb[k].nan_to_num(-7.0)), k
@@ -204,9 +207,10 @@ def test_fallback_step_reads_once_runs_dense_and_leaves_the_rule_state(opts, bad
         loss.backward()
     assert len(ops) == 1, ops
     st = capskip_fx.stats(cm)
-    assert reason in st.fallback, f"expected reason in st.fallback, got {reason!r} vs {st.fallback!r}"
-    assert st.kept == N, f"expected st.kept == N, got {st.kept!r} vs {N!r}"
-    assert bool((st.weight == 1).all()), 'expected bool((st.weight == 1).all())'
+    assert reason in st.fallback, (
+        f"the dense fallback must give the bad step's reason {reason!r}; stats say {st.fallback!r}")
+    assert st.kept == N, f"a step that falls back keeps every row; stats say kept {st.kept} of {N}"
+    assert bool((st.weight == 1).all()), f"a dense fallback must weight every row 1; weights {st.weight.tolist()}"
     _same(_snapshot(cm), before)
     ref = copy.deepcopy(model)
     ref.zero_grad(set_to_none=True)
@@ -214,9 +218,11 @@ def test_fallback_step_reads_once_runs_dense_and_leaves_the_rule_state(opts, bad
     for k, g in _grads(model).items():
         r = ref.get_parameter(k).grad
         if bad == "nan":
-            assert torch.equal(torch.isnan(g), torch.isnan(r)), 'expected torch.equal(torch.isnan(g), torch.isnan(r))'
+            assert torch.equal(torch.isnan(g), torch.isnan(r)), (
+                f"the dense fallback's {k} gradient must be NaN exactly where the eager model's is")
         else:
-            assert torch.allclose(g, r, rtol=1e-10, atol=1e-12), 'expected torch.allclose(g, r, rtol=1e-10, atol=1e-12)'
+            assert torch.allclose(g, r, rtol=1e-10, atol=1e-12), (
+                f"the dense fallback's {k} gradient must equal the eager model's full-batch gradient")
 
 
 def test_bad_labels_raise_before_the_state_changes():
@@ -249,18 +255,20 @@ def test_fixed_count_nan_step_reads_nothing_and_its_gradient_is_non_finite():
     loss = F.cross_entropy(cm(x), y)
     with count_host_reads() as ops:
         loss.backward()
-    assert ops == [], f"expected ops == [], got {ops!r}"
+    assert ops == [], f"a fixed-count rule's NaN step must read nothing from the device; counted {ops}"
     assert all(not torch.isfinite(g).all() for g in _grads(model).values()), (
-        'expected all(not torch.isfinite(g).all() for g in _grads(model).values())')
+        "the NaN step's kept rows weigh NaN: every parameter's gradient must be non-finite, so GradScaler skips it")
     st = capskip_fx.stats(cm)
-    assert st.kept == N // 2, f"expected st.kept == N // 2, got {st.kept!r} vs {N // 2!r}"
-    assert st.rows < N, f"expected st.rows < N, got {st.rows!r} vs {N!r}"
+    assert st.kept == N // 2, (
+        f"the NaN step still runs the fixed count (no read, so no dense fallback); kept {st.kept} of {N}")
+    assert st.rows < N, f"the NaN step must really run the backward on fewer rows; rows {st.rows} of {N}"
     with pytest.warns(UserWarning, match="non-finite"), count_host_reads() as ops:
-        assert "non-finite" in st.fallback, f'expected "non-finite" in st.fallback, got st.fallback = {st.fallback!r}'
-    assert ops == ["tolist"], f'expected ops == ["tolist"], got {ops!r}'
+        assert "non-finite" in st.fallback, (
+            f"stats().fallback must report the non-finite step when asked; got {st.fallback!r}")
+    assert ops == ["tolist"], f"asking stats().fallback must read the checks once with tolist(); counted {ops}"
     F.cross_entropy(cm(_batch(10)[0]), _batch(10)[1]).backward()  # the next finite step is clean
     assert capskip_fx.stats(cm).fallback is None, (
-        f"expected capskip_fx.stats(cm).fallback is None, got {capskip_fx.stats(cm).fallback!r}")
+        f"the next finite step must not inherit the NaN step's reason; fallback {capskip_fx.stats(cm).fallback!r}")
 
 
 def test_fixed_count_uninformative_step_keeps_its_rows_exactly_and_says_so():
@@ -275,17 +283,20 @@ def test_fixed_count_uninformative_step_keeps_its_rows_exactly_and_says_so():
         loss = F.mse_loss(cm(x), F.one_hot(y, C).double())
         with count_host_reads() as ops:
             loss.backward()
-    assert ops == [], f"expected ops == [], got {ops!r}"
+    assert ops == [], (
+        f"sb with a fixed keep count must read nothing from the device, even on MSE without labels; counted {ops}")
     st = capskip_fx.stats(cm)
-    assert st.kept == N // 2, f"expected st.kept == N // 2, got {st.kept!r} vs {N // 2!r}"
+    assert st.kept == N // 2, f"the uninformative step still runs sb's fixed count; kept {st.kept} of {N}"
     assert "capskip_targets=" in st.fallback, (
-        f'expected "capskip_targets=" in st.fallback, got st.fallback = {st.fallback!r}')
-    assert "kept its rows" in st.fallback, f'expected "kept its rows" in st.fallback, got st.fallback = {st.fallback!r}'
+        f"the reason must ask for capskip_targets= (MSE gives no labels to score rows); got {st.fallback!r}")
+    assert "kept its rows" in st.fallback, (
+        f"the reason must say the step kept its rows (not dense); got {st.fallback!r}")
     ref = copy.deepcopy(model)
     ref.zero_grad(set_to_none=True)
     (F.mse_loss(ref(x), F.one_hot(y, C).double(), reduction="none").mean(1) * st.weight).sum().div(N).backward()
     assert max_rel_err(_grads(model), _grads(ref)) < 1e-10, (
-        f"expected max_rel_err(_grads(model), _grads(ref)) < 1e-10, got {max_rel_err(_grads(model), _grads(ref))!r}")
+        "the kept rows' gradient must equal the float64 MSE reference weighted by the step's selection;"
+        f" rel. error {max_rel_err(_grads(model), _grads(ref))!r}")
 
 
 VCAS_CASES = [  # (rule options, sampler, reads per sampled step)

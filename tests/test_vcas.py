@@ -72,18 +72,21 @@ def test_cuts_at_residual_forks_and_probe_step_is_exact(deit2):
     ref, cm = deit2
     r = _runner(cm)
     # a pre-norm block has two residual forks (attention, MLP): 2 blocks -> 4 cuts, 5 segments
-    assert len(r.split.boundaries) == 4, f"expected len(r.split.boundaries) == 4, got {len(r.split.boundaries)!r}"
-    assert len(r.split.segments) == 5, f"expected len(r.split.segments) == 5, got {len(r.split.segments)!r}"
+    assert len(r.split.boundaries) == 4, (
+        f"2 pre-norm blocks have 4 residual forks: cut='fork' must cut at each; got {len(r.split.boundaries)} cuts")
+    assert len(r.split.segments) == 5, f"4 cuts must make 5 segments; got {len(r.split.segments)}"
     # qkv, proj, fc1, fc2 per block; the head and the patch embedding stay exact
-    assert r.slots == 8, f"expected r.slots == 8, got {r.slots!r}"
+    assert r.slots == 8, (
+        f"qkv, proj, fc1, fc2 per block: 8 sampled matmuls, head and patch embedding exact; got {r.slots}")
     rows = capskip_fx.report(cm)
-    assert len(rows) == 1, f"expected len(rows) == 1, got {len(rows)!r}"
+    assert len(rows) == 1, f"one compiled graph expected in report(); got {len(rows)}"
     assert rows[0]["vcas"].startswith("5 segments, 8 sampled"), (
-        'expected rows[0]["vcas"].startswith("5 segments, 8 sampled")')
-    assert r.ctrl.probes_done == 1, f"expected r.ctrl.probes_done == 1, got {r.ctrl.probes_done!r}"  # step 0 was a probe: its gradient is the exact one (two halves)
+        f"report() must describe the 5 segments and 8 sampled matmuls; got {rows[0]['vcas']!r}")
+    assert r.ctrl.probes_done == 1, (
+        f"step 0 must be a probe; probes_done {r.ctrl.probes_done}")  # step 0 was a probe: its gradient is the exact one (two halves)
     x, y = _data()
     assert _rel(_grads(cm.model), _ref_grads(ref, x, y)) < 1e-10, (
-        'expected _rel(_grads(cm.model), _ref_grads(ref, x, y)) < 1e-10')
+        "the probe step's gradient (two exact halves) must equal the float64 reference")
 
 
 def test_segments_run_exact_when_nothing_is_sampled(deit2):
@@ -96,12 +99,13 @@ def test_segments_run_exact_when_nothing_is_sampled(deit2):
         cm.model.zero_grad(set_to_none=True)
         F.cross_entropy(cm(x), y).backward()
         assert _rel(_grads(cm.model), _ref_grads(ref, x, y)) < 1e-10, (
-            'expected _rel(_grads(cm.model), _ref_grads(ref, x, y)) < 1e-10')
+            "with rho = nu = 1 nothing is sampled: the segmented backward must be exact, at another batch size too")
         st = capskip_fx.stats(cm)
         assert st.vcas["segment_rows"] == [6] * 5, (
-            f'expected st.vcas["segment_rows"] == [6] * 5, got {st.vcas["segment_rows"]!r} vs {[6] * 5!r}')
-        assert not st.vcas["probe"], 'expected not st.vcas["probe"]'
-        assert all(k == t for k, t in st.vcas["wgrad_rows"]), 'expected all(k == t for k, t in st.vcas["wgrad_rows"])'
+            f"with nothing sampled every segment must run all 6 rows; segment rows {st.vcas['segment_rows']}")
+        assert not st.vcas["probe"], "this step must not probe (freq: only step 0 probes)"
+        assert all(k == t for k, t in st.vcas["wgrad_rows"]), (
+            f"nu = 1 must keep every token row of each weight-gradient matmul; (kept, total) {st.vcas['wgrad_rows']}")
     finally:
         r.ctrl.rho, r.ctrl.nu = rho, nu
 
@@ -136,20 +140,28 @@ def test_sampled_backward_drops_rows_and_is_unbiased(deit2, sampler):
             # the executed graph: token-row matmuls below a resampling cut run on fewer than 8*65 rows
             mm_rows.extend(s[0][0] for op, s in cm.backend.records[0].matmul_shapes if op == "aten.mm.default")
             w_rows.append(st["wgrad_rows"])
-        assert any(rows[-1] < 8 for rows in seg_rows), 'expected any(rows[-1] < 8 for rows in seg_rows)'  # rows really dropped below the cuts
-        assert all(rows[0] == 8 for rows in seg_rows), 'expected all(rows[0] == 8 for rows in seg_rows)'
+        assert any(rows[-1] < 8 for rows in seg_rows), (
+            "SampleA never dropped a row below the cuts in any draw")  # rows really dropped below the cuts
+        assert all(rows[0] == 8 for rows in seg_rows), (
+            "the top segment, above every cut, must run all 8 rows in every draw")
         if sampler == "systematic":  # resampled where rho drops: cut 0 (0.75) and cut 2 (0.5)
             assert all(rows == [8, 6, 6, 4, 4] for rows in seg_rows), (
-                'expected all(rows == [8, 6, 6, 4, 4] for rows in seg_rows)')
-            assert max(mm_rows) == 6 * 65, f"expected max(mm_rows) == 6 * 65, got {max(mm_rows)!r} vs {6 * 65!r}"
-            assert 4 * 65 in mm_rows, f"expected 4 * 65 in mm_rows, got {4 * 65!r} vs {mm_rows!r}"
+                "the systematic sampler must keep int(rho * 8) rows:"
+                f" 8, 6 below cut 0 (rho 0.75), 4 below cut 2 (rho 0.5); got {sorted(set(map(tuple, seg_rows)))}")
+            assert max(mm_rows) == 6 * 65, (
+                f"the largest token-row matmul below the cuts must run 6 rows x 65 tokens; got {max(mm_rows)}")
+            assert 4 * 65 in mm_rows, (
+                f"some matmul below cut 2 must run 4 rows x 65 tokens; sizes {sorted(set(mm_rows))}")
             assert all(k == int(0.5 * t) for rows in w_rows for k, t in rows), (
-                'expected all(k == int(0.5 * t) for rows in w_rows for k, t in rows)')
+                f"the systematic SampleW must keep exactly int(0.5 * T) of T token rows; (kept, total) {w_rows[0]}")
         else:  # Bernoulli: random counts (sometimes all 8 rows)
-            assert 8 * 65 in mm_rows, f"expected 8 * 65 in mm_rows, got {8 * 65!r} vs {mm_rows!r}"
-            assert any(8 < r < 8 * 65 for r in mm_rows), 'expected any(8 < r < 8 * 65 for r in mm_rows)'
+            assert 8 * 65 in mm_rows, (
+                f"a Bernoulli draw must sometimes keep all 8 rows (an 8 x 65-row matmul); sizes {sorted(set(mm_rows))}")
+            assert any(8 < r < 8 * 65 for r in mm_rows), (
+                f"Bernoulli SampleW must run some matmuls on a partial set of token rows; sizes {sorted(set(mm_rows))}")
         assert sum(k for rows in w_rows for k, _ in rows) < 0.8 * sum(t for rows in w_rows for _, t in rows), (
-            f"expected sum(k for rows in w_rows for k, _ in ... < 0.8 * sum(t for rows in w_rows for _,..., got {sum(k for rows in w_rows for k, _ in rows)!r} vs {0.8 * sum(t for rows in w_rows for _, t in rows)!r}")
+            "SampleW at nu = 0.5 must keep well under all weight-gradient token rows (< 80 %); kept"
+            f" {sum(k for rows in w_rows for k, _ in rows)} of {sum(t for rows in w_rows for _, t in rows)}")
         for a, s, e, (name, _) in zip(acc, sq, exact, cm.model.named_parameters()):
             mean = a / draws
             var = (s / draws - mean ** 2).clamp_min(0) * draws / (draws - 1)
@@ -167,7 +179,7 @@ def test_probe_updates_controller_and_state_dict_round_trips(deit2):
     r = _runner(cm)
     sd = cm.state_dict()
     assert sd["_capskip"]["runners"][0]["s"] == r.ctrl.s, (
-        f'expected sd["_capskip"]["runners"][0]["s"] == r.ctrl.s, got {sd["_capskip"]["runners"][0]["s"]!r} vs {r.ctrl.s!r}')
+        f"the checkpoint must carry the controller's s; saved {sd['_capskip']['runners'][0]['s']}, live {r.ctrl.s}")
     # a fresh model loads the controller before its backward is compiled (pending), then uses it;
     # checkpoints written before the runners key kept it under "vcas"
     ref2, cm2 = _build()
@@ -177,11 +189,12 @@ def test_probe_updates_controller_and_state_dict_round_trips(deit2):
     x, y = _data()
     F.cross_entropy(cm2(x), y).backward()
     r2 = _runner(cm2)
-    assert r2.ctrl.s == 0.5, f"expected r2.ctrl.s == 0.5, got {r2.ctrl.s!r}"
-    assert r2.ctrl.step == 8, f"expected r2.ctrl.step == 8, got {r2.ctrl.step!r}"
-    assert r2.ctrl.rho == [0.9, 0.8, 0.7, 0.6], f"expected r2.ctrl.rho == [0.9, 0.8, 0.7, 0.6], got {r2.ctrl.rho!r}"
+    assert r2.ctrl.s == 0.5, (
+        f"a fresh model must load s from a legacy 'vcas' checkpoint before its backward compiles; s {r2.ctrl.s}")
+    assert r2.ctrl.step == 8, f"the loaded step counter 7 must advance to 8 after one step; step {r2.ctrl.step}"
+    assert r2.ctrl.rho == [0.9, 0.8, 0.7, 0.6], f"the loaded rho schedule must be used as saved; rho {r2.ctrl.rho}"
     assert capskip_fx.stats(cm2).vcas["nu"] == [0.3] * 8, (
-        f'expected capskip_fx.stats(cm2).vcas["nu"] == [0.3] * 8, got {capskip_fx.stats(cm2).vcas["nu"]!r} vs {[0.3] * 8!r}')
+        f"the step must sample with the loaded nu; stats say nu {capskip_fx.stats(cm2).vcas['nu']}")
 
 
 def test_controller_direction_on_a_real_probe():
@@ -194,15 +207,17 @@ def test_controller_direction_on_a_real_probe():
         r.ctrl.s, r.ctrl.nu = 0.5, [0.5] * r.slots
         r.ctrl.rho = [0.6] * len(r.ctrl.rho)
         F.cross_entropy(cm(x), y).backward()  # step 1: probe with sampling active
-        assert r.ctrl.probes_done == 2, f"expected r.ctrl.probes_done == 2, got {r.ctrl.probes_done!r}"
+        assert r.ctrl.probes_done == 2, f"with freq=1 steps 0 and 1 must both probe; probes_done {r.ctrl.probes_done}"
         if up:
-            assert r.ctrl.s == pytest.approx(0.51), f"expected r.ctrl.s == pytest.approx(0.51), got {r.ctrl.s!r}"
-            assert all(v > 0.5 for v in r.ctrl.nu), 'expected all(v > 0.5 for v in r.ctrl.nu)'
+            assert r.ctrl.s == pytest.approx(0.51), (
+                f"a tiny tau (variance over budget) must raise s by 0.01; s {r.ctrl.s}")
+            assert all(v > 0.5 for v in r.ctrl.nu), f"a tiny tau must raise every nu above 0.5; nu {r.ctrl.nu}"
             assert r.ctrl.last["act_ratio"] > 0, (
-                f'expected r.ctrl.last["act_ratio"] > 0, got {r.ctrl.last["act_ratio"]!r}')
+                f"sampling at rho = 0.6 must add activation variance; act_var / sgd_var = {r.ctrl.last['act_ratio']}")
         else:
-            assert r.ctrl.s == pytest.approx(0.49), f"expected r.ctrl.s == pytest.approx(0.49), got {r.ctrl.s!r}"
-            assert all(v < 0.5 for v in r.ctrl.nu), 'expected all(v < 0.5 for v in r.ctrl.nu)'
+            assert r.ctrl.s == pytest.approx(0.49), (
+                f"a huge tau (variance far under budget) must lower s by 0.01; s {r.ctrl.s}")
+            assert all(v < 0.5 for v in r.ctrl.nu), f"a huge tau must lower every nu below 0.5; nu {r.ctrl.nu}"
 
 
 def test_capskip_then_vcas_inside_the_kept_rows():
@@ -211,22 +226,23 @@ def test_capskip_then_vcas_inside_the_kept_rows():
     x, y = _data(n=8)
     F.cross_entropy(cm(x), y).backward()  # step 0: exact (probe) over the 5 kept rows
     w = capskip_fx.stats(cm).weight
-    assert int((w != 0).sum()) == 5, f"expected int((w != 0).sum()) == 5, got {int((w != 0).sum())!r}"
+    assert int((w != 0).sum()) == 5, f"Forced(keep=0.625) on 8 rows must keep 5; {int((w != 0).sum())} nonzero weights"
     grads = _grads(cm.model)
     ref.zero_grad(set_to_none=True)
     (F.cross_entropy(ref(x), y, reduction="none") * w).mean().backward()
     assert _rel(grads, _grads(ref)) < 1e-10, (
-        f"expected _rel(grads, _grads(ref)) < 1e-10, got {_rel(grads, _grads(ref))!r}")
+        "the probe step over the kept rows must give the exact weighted gradient;"
+        f" rel. error {_rel(grads, _grads(ref))!r}")
     r = _runner(cm)
     r.ctrl.rho = [0.5] * len(r.ctrl.rho)
     cm.model.zero_grad(set_to_none=True)
     F.cross_entropy(cm(x), y).backward()
     st = capskip_fx.stats(cm)
-    assert st.rows == 5, f"expected st.rows == 5, got {st.rows!r}"
+    assert st.rows == 5, f"capskip's selection must still run its 5 kept rows under VCAS; rows {st.rows}"
     assert st.vcas["segment_rows"][0] == 5, (
-        f'expected st.vcas["segment_rows"][0] == 5, got {st.vcas["segment_rows"][0]!r}')
+        f"VCAS's top segment must start from the 5 kept rows, not the batch; segment rows {st.vcas['segment_rows']}")
     assert st.vcas["segment_rows"][-1] <= 5, (
-        f'expected st.vcas["segment_rows"][-1] <= 5, got {st.vcas["segment_rows"][-1]!r}')
+        f"VCAS may only drop rows among the 5 kept ones, never add; segment rows {st.vcas['segment_rows']}")
 
 
 def test_no_residual_block_falls_back_exact_with_reason():
@@ -239,11 +255,11 @@ def test_no_residual_block_falls_back_exact_with_reason():
         warnings.simplefilter("always")
         F.cross_entropy(cm(x), y).backward()
     assert any("no residual fork" in str(m.message) for m in w), (
-        'expected any("no residual fork" in str(m.message) for m in w)')
+        f"a model without a residual fork must warn why VCAS does not apply; warnings {[str(m.message) for m in w]}")
     assert "no residual fork" in capskip_fx.report(cm)[0]["vcas"], (
-        f'expected "no residual fork" in capskip_fx.report(cm)[0]["vcas"], got capskip_fx.report(cm)[0]["vcas"] = {capskip_fx.report(cm)[0]["vcas"]!r}')
+        f"report() must give the reason 'no residual fork'; vcas column {capskip_fx.report(cm)[0]['vcas']!r}")
     assert _rel(_grads(model), _ref_grads(ref, x, y)) < 1e-10, (
-        'expected _rel(_grads(model), _ref_grads(ref, x, y)) < 1e-10')
+        "the exact backward VCAS fell back to must give the float64 reference gradient")
 
 
 def test_refused_segmenting_leaves_the_exact_backward(monkeypatch):
@@ -261,10 +277,10 @@ def test_refused_segmenting_leaves_the_exact_backward(monkeypatch):
         warnings.simplefilter("ignore")
         F.cross_entropy(cm(x), y).backward()
     assert "test refusal" in capskip_fx.report(cm)[0]["vcas"], (
-        f'expected "test refusal" in capskip_fx.report(cm)[0]["vcas"], got capskip_fx.report(cm)[0]["vcas"] = {capskip_fx.report(cm)[0]["vcas"]!r}')
-    assert not cm.backend.state.runners, 'expected not cm.backend.state.runners'
+        f"report() must carry the refusal's reason; vcas column {capskip_fx.report(cm)[0]['vcas']!r}")
+    assert not cm.backend.state.runners, "a refused segmenting must leave no VCAS runner behind"
     assert _rel(_grads(cm.model), _ref_grads(ref, x, y)) < 1e-10, (
-        'expected _rel(_grads(cm.model), _ref_grads(ref, x, y)) < 1e-10')
+        "after the refusal the unrewritten backward must be exact (no SampleW rewrite leaked)")
 
 
 def test_vcas_option_errors():
@@ -275,8 +291,9 @@ def test_vcas_option_errors():
     with pytest.raises(ValueError, match="tau_act"):
         capskip_fx.compile(make_mlp(), vcas={"tau_act": 0})
     cm = capskip_fx.compile(make_mlp(), rule="vcas", vcas={"freq": 5})
-    assert cm.config.vcas == VCAS(freq=5), f"expected cm.config.vcas == VCAS(freq=5), got {cm.config.vcas!r}"
-    assert cm.rule.name == "dense", f'expected cm.rule.name == "dense", got {cm.rule.name!r}'
+    assert cm.config.vcas == VCAS(freq=5), f"a dict vcas= option must become the VCAS config; got {cm.config.vcas!r}"
+    assert cm.rule.name == "dense", (
+        f"rule='vcas' must leave the row rule dense (VCAS samples inside the backward); rule {cm.rule.name!r}")
 
 
 @pytest.mark.inductor
@@ -290,23 +307,24 @@ def test_inductor_segments_exact_then_sampled_without_recompiles():
         r = _runner(cm)
         if n == 8:  # probe step: exact
             assert _rel(_grads(cm.model), _ref_grads(ref, x, y)) < 1e-4, (
-                'expected _rel(_grads(cm.model), _ref_grads(ref, x, y)) < 1e-4')
+                "the probe step under Inductor must give the exact gradient (float32 tolerance)")
             r.ctrl.rho, r.ctrl.nu = [0.5] * len(r.ctrl.rho), [0.4] * r.slots
     st = capskip_fx.stats(cm)
     assert (st.vcas["segment_rows"][0] == 6 and st.vcas["segment_rows"][-1] < 6 or \
         any(k < t for k, t in st.vcas["wgrad_rows"])), (
-        'expected st.vcas["segment_rows"][0] == 6 and st.vcas["segment_rows"][-1] < 6...')
+        "the sampled step must drop rows below a cut or weight-gradient token rows; segment rows"
+        f" {st.vcas['segment_rows']}, (kept, total) {st.vcas['wgrad_rows']}")
     compiled_before = len(r.compiled)
     for seed in range(3, 6):  # other row counts, other nu/rho: the same compiled segments
         r.ctrl.nu = [0.3 + 0.1 * (seed - 3)] * r.slots
         x, y = _data(n=8, dtype=torch.float32, seed=seed)
         F.cross_entropy(cm(x), y).backward()
     assert len(capskip_fx.report(cm)) == 1, (
-        f"expected len(capskip_fx.report(cm)) == 1, got {len(capskip_fx.report(cm))!r}")
+        f"other row counts and ratios must reuse the one compiled graph; report has {len(capskip_fx.report(cm))}")
     assert len(r.compiled) == compiled_before, (
-        f"expected len(r.compiled) == compiled_before, got {len(r.compiled)!r} vs {compiled_before!r}")
+        f"changing rho, nu or the batch size must compile no new segments; {len(r.compiled)} vs {compiled_before}")
     assert capskip_fx.stats(cm).variants == 1, (
-        f"expected capskip_fx.stats(cm).variants == 1, got {capskip_fx.stats(cm).variants!r}")
+        f"stats must show one compiled variant (no recompiles); variants {capskip_fx.stats(cm).variants}")
 
 
 class _Block(nn.Module):
@@ -382,19 +400,21 @@ def test_samplers_and_sampled_matmuls_where_the_reference_has_them(cut, cuts, sl
     ref = copy.deepcopy(model)
     want_samplers, want_linears = ref_vcas_counts(model, _Block)
     assert (want_samplers, want_linears) == (2, 8), (
-        f"expected (want_samplers, want_linears) == (2, 8), got {(want_samplers, want_linears)!r}")
+        "the reference's model_processor transcription must find 2 ActSamplers and 8 Linears here;"
+        f" got {(want_samplers, want_linears)}")
     cm = capskip_fx.compile(model, rule="vcas", backend="aot_eager", vcas=VCAS(freq=NO_PROBE, cut=cut))
     x, y = torch.randn(8, 5, 6, dtype=torch.float64), torch.randint(0, 4, (8,))
     F.cross_entropy(cm(x), y).backward()
     r = _runner(cm)
-    assert len(r.split.boundaries) == cuts, (
-        f"expected len(r.split.boundaries) == cuts, got {len(r.split.boundaries)!r} vs {cuts!r}")
-    assert r.slots == want_linears == slots, 'expected r.slots == want_linears == slots'
+    assert len(r.split.boundaries) == cuts, f"cut={cut!r} must give {cuts} cuts; got {len(r.split.boundaries)}"
+    assert r.slots == want_linears == slots, (
+        f"the sampled matmuls must be the reference's VCAS Linears ({want_linears}, expected {slots}); got {r.slots}")
     if cut == "block":
         assert len(r.split.boundaries) == want_samplers, (
-            f"expected len(r.split.boundaries) == want_samplers, got {len(r.split.boundaries)!r} vs {want_samplers!r}")
+            "cut='block' must cut where the reference has an ActSampler"
+            f" ({want_samplers}); got {len(r.split.boundaries)}")
     assert _rel(_grads(model), _ref_grads(ref, x, y)) < 1e-10, (
-        'expected _rel(_grads(model), _ref_grads(ref, x, y)) < 1e-10')  # the probe step: exact
+        "the probe step's gradient must equal the float64 reference")  # the probe step: exact
     # the sampled matmuls are the blocks' Linears: the embedding's weight gradient stays exact
     r.ctrl.rho, r.ctrl.nu = [1.0] * len(r.ctrl.rho), [0.3] * r.slots
     model.zero_grad(set_to_none=True)
@@ -404,7 +424,7 @@ def test_samplers_and_sampled_matmuls_where_the_reference_has_them(cut, cuts, sl
     for name in ("embed.weight", "head.weight"):
         torch.testing.assert_close(g[name], want[name], rtol=1e-10, atol=1e-12)
     assert any(not torch.allclose(g[n], want[n]) for n in want if n.startswith("blocks.")), (
-        'expected any(not torch.allclose(g[n], want[n]) for n in want if n.startswith...')
+        "with nu = 0.3 the blocks' Linear weight gradients must really be sampled, yet all equal the exact ones")
 
 
 def ref_soft_topk(x, k, gen):
@@ -506,7 +526,7 @@ def test_weight_variance_measured_in_the_activation_sampled_passes():
                 st = n.meta["fwd_nn_module_stack"]
                 slot_name[n.args[3]] = list(st.values())[-1][0].split(".", 1)[1]
     assert sorted(slot_name) == list(range(8)), (
-        f"expected sorted(slot_name) == list(range(8)), got {sorted(slot_name)!r}")
+        f"each of the 8 sampled Linears must have one sampled_wgrad slot in the segments; slots {sorted(slot_name)}")
     rho_top_first, nu = [0.75, 0.5], 0.6
     seen = []
     original = r.ctrl.update
@@ -577,17 +597,18 @@ def _check_residual_stack(depth, tokens, dim, n, every):
     F.cross_entropy(cm(x), y).backward()
     r = _runner(cm)
     assert len(r.split.boundaries) == len(range(0, depth, every)), (
-        f"expected len(r.split.boundaries) == len(range(0, depth, every)), got {len(r.split.boundaries)!r}")
-    assert r.slots == 2 * depth, f"expected r.slots == 2 * depth, got {r.slots!r} vs {2 * depth!r}"
-    assert r.ctrl.probes_done == 1, f"expected r.ctrl.probes_done == 1, got {r.ctrl.probes_done!r}"
+        f"one cut per {every}-th block of {depth}: {len(range(0, depth, every))} expected;"
+        f" got {len(r.split.boundaries)}")
+    assert r.slots == 2 * depth, f"two sampled matmuls per block: {2 * depth} expected; got {r.slots}"
+    assert r.ctrl.probes_done == 1, f"step 0 must be the one probe; probes_done {r.ctrl.probes_done}"
     assert _rel(_grads(model), _ref_grads(ref, x, y)) < 1e-10, (
-        'expected _rel(_grads(model), _ref_grads(ref, x, y)) < 1e-10')
+        "the probe step's gradient (exact halves through the segments) must equal the float64 eager gradient")
     # and with nothing to sample (rho = nu = 1), a plain step is the exact gradient too
     r.ctrl.rho, r.ctrl.nu = [1.0] * len(r.ctrl.rho), [1.0] * r.slots
     model.zero_grad(set_to_none=True)
     F.cross_entropy(cm(x), y).backward()
     assert _rel(_grads(model), _ref_grads(ref, x, y)) < 1e-10, (
-        'expected _rel(_grads(model), _ref_grads(ref, x, y)) < 1e-10')
+        "with rho = nu = 1 nothing is sampled: a plain step must give the exact gradient")
 
 
 def test_bernoulli_cut_without_survivors_passes_the_exact_gradient():
@@ -609,8 +630,9 @@ def test_bernoulli_cut_without_survivors_passes_the_exact_gradient():
         model.zero_grad(set_to_none=True)
         F.cross_entropy(cm(x), y).backward()
         g = dict(model.named_parameters())["embed.weight"].grad
-        assert float(g.norm()) > 0, f"expected float(g.norm()) > 0, got {float(g.norm())!r}"
+        assert float(g.norm()) > 0, (
+            f"a cut that keeps no row must pass the gradient through, not zero the embedding's; norm {float(g.norm())}")
         if capskip_fx.stats(cm).vcas["segment_rows"][-1] == 16:  # nobody survived: all rows, exact
             empty += 1
             torch.testing.assert_close(g, exact["embed.weight"], rtol=1e-10, atol=1e-12)
-    assert empty > 0, f"expected empty > 0, got {empty!r}"
+    assert empty > 0, "in 25 draws at k = 1 no cut came out empty, so the no-survivor path went untested"
