@@ -26,22 +26,28 @@ def test_intervals_paired_differences_and_time_to_accuracy(tmp_path):
             for line in table.splitlines()[2:]}
     half = T975_DF2 * 1.0 / math.sqrt(3)  # dense: sd 1
     assert rows["dense"][1] == f"91.00 [{91 - half:.2f}, {91 + half:.2f}]", (
-        f'expected rows["dense"][1] == f"91.00 [{{91 - half:.2f}}, {{91 + half:..., got {rows["dense"][1]!r}')
+        "dense's finals 90, 91, 92 give 91.00 with a 95% Student-t interval (sd 1, 2 degrees of freedom); "
+        f"the cell reads {rows['dense'][1]!r}")
     d = [a - b for a, b in zip(finals["capskip"], finals["tm"])]  # +2.5, +0.5, +1.5
     m, sd = sum(d) / 3, math.sqrt(sum((x - sum(d) / 3) ** 2 for x in d) / 2)
     assert rows["capskip b=0.3"][4] == f"{m:+.2f} [{m - T975_DF2 * sd / math.sqrt(3):+.2f}, {m + T975_DF2 * sd / math.sqrt(3):+.2f}]", (
-        f'expected rows["capskip b=0.3"][4] == f"{{m:+.2f}} [{{m - T975_DF2 * sd / math..., got {rows["capskip b=0.3"][4]!r}')
+        "capskip's Δ vs time-matched dense pairs each seed (+2.5, +0.5, +1.5): their mean and t interval; "
+        f"the cell reads {rows['capskip b=0.3'][4]!r}")
     assert rows["dense time-matched"][4] == "n/a", (
-        f'expected rows["dense time-matched"][4] == "n/a", got {rows["dense time-matched"][4]!r}')
+        "the time-matched dense run is not compared with itself, so its Δ vs time-matched is n/a; "
+        f"the cell reads {rows['dense time-matched'][4]!r}")
     assert rows["capskip b=0.3"][2] == "n/a", (
-        f'expected rows["capskip b=0.3"][2] == "n/a", got {rows["capskip b=0.3"][2]!r}')
+        "with no step-matched dense run, capskip's Δ vs step-matched is n/a; "
+        f"the cell reads {rows['capskip b=0.3'][2]!r}")
     # time to 91: dense seeds 1, 2 reach it at 20 and 10 + 10 * (91 - 80) / (92 - 80); median of those two
     dense_t = sorted([20.0, 10 + 10 * 11 / 12])
     cap_t = sorted([5 + 6 * (91 - 81) / (91.5 - 81), 5 + 6 * (91 - 81) / (92.5 - 81)])
     assert rows["capskip b=0.3"][7] == f"{(sum(cap_t) / 2) / (sum(dense_t) / 2):.2f} (2/3)", (
-        f'expected rows["capskip b=0.3"][7] == f"{{(sum(cap_t) / 2) / (sum(dense_t) /..., got {rows["capskip b=0.3"][7]!r}')
-    assert rows["dense time-matched"][7] == f"{12 / (sum(dense_t) / 2):.2f} (1/3)", (
-        f'expected rows["dense time-matched"][7] == f"{{12 / (sum(dense_t) / 2):.2f}} (1/3)", got {rows["dense time-matched"][7]!r}')  # only seed 2: 91.0 at 12 s
+        "capskip reaches dense's final top-1 (91) on 2 of 3 seeds; its time is their median over dense's; "
+        f"the cell reads {rows['capskip b=0.3'][7]!r}")
+    assert rows["dense time-matched"][7] == f"{12 / (sum(dense_t) / 2):.2f} (1/3)", (  # only seed 2: 91.0 at 12 s
+        "only seed 2 of the time-matched run reaches 91 (at 12 s): 12 s over dense's median, (1/3); "
+        f"the cell reads {rows['dense time-matched'][7]!r}")
 
 
 def test_one_seed_has_no_interval_and_plots_draw_bands(tmp_path):
@@ -49,13 +55,16 @@ def test_one_seed_has_no_interval_and_plots_draw_bands(tmp_path):
     for s in range(2):
         _run(tmp_path, f"capskip-s{s}", s, [(5, 81.0 + s), (11, 90.0 + s)], rule="capskip", budget=0.3)
     table = cli.compare([tmp_path], tmp_path / "cmp")
-    assert "| dense | 1 | 90.00 |" in table, f'expected "| dense | 1 | 90.00 |" in table, got table = {table!r}'
+    assert "| dense | 1 | 90.00 |" in table, (
+        f"with one seed, dense's final top-1 has no interval (90.00 alone); table {table!r}")
     for p in plots.PLOTS:
-        assert (tmp_path / "cmp" / p).stat().st_size > 1000, 'expected (tmp_path / "cmp" / p).stat().st_size > 1000'
+        assert (tmp_path / "cmp" / p).stat().st_size > 1000, (
+            f"compare's plot {p} is under 1000 bytes, too small to hold the curves and their bands")
     mean, half = report.band([[1.0, 2.0], [3.0, 4.0]])
-    assert mean.tolist() == [2.0, 3.0], f"expected mean.tolist() == [2.0, 3.0], got {mean.tolist()!r}"
-    assert half == pytest.approx([12.706204736174698 * math.sqrt(2) / math.sqrt(2)] * 2), (
-        f"expected half == pytest.approx([12.706204736174698 * m..., got {half!r}")  # t(0.975, 1) * sd / sqrt(n)
+    assert mean.tolist() == [2.0, 3.0], (
+        f"a band's centre is the mean over runs at each point ([1, 3] -> 2, [2, 4] -> 3), got {mean.tolist()}")
+    assert half == pytest.approx([12.706204736174698 * math.sqrt(2) / math.sqrt(2)] * 2), (  # t(0.975, 1) * sd / sqrt(n)
+        f"a band's half-width over two runs is t(0.975, 1) x sd / sqrt(2), got {half!r}")
 
 
 def _logged(d, data_ms, n=20, hit=None):
@@ -85,35 +94,50 @@ def test_table_marks_missed_budgets_and_loaded_machines(tmp_path, capsys):
         _logged(tmp_path / f"sb-s{s}", 27.3 * (1 + 0.19))  # drifted, but within the threshold
     runs = report.find_runs([tmp_path])
     assert [r.budget_missed for r in runs if r.config.get("time_budget")] == [True, False], (
-        f'expected [r.budget_missed for r in runs if r.c... == [True, False], got {[r.budget_missed for r in runs if r.config.get("time_budget")]!r}')
-    assert report.load_drift(runs[0], None) != report.load_drift(runs[0], None), (
-        'expected report.load_drift(runs[0], None) != report.load_drift(runs[0], None)')  # NaN without dense
+        "seed 0's time-matched run finished its epochs before its budget (missed), seed 1's hit it; got "
+        f"{[r.budget_missed for r in runs if r.config.get('time_budget')]}")
+    assert report.load_drift(runs[0], None) != report.load_drift(runs[0], None), (  # NaN without dense
+        "with no dense run to compare with, the load drift is NaN (unequal to itself), "
+        f"got {report.load_drift(runs[0], None)}")
     table = cli.compare([tmp_path], tmp_path / "cmp")
     rows = {line.split("|")[1].strip(): [c.strip() for c in line.split("|")[2:-1]]
             for line in table.splitlines()[2:] if line.startswith("| ")}
-    assert "dense time-matched †" in rows, f'expected "dense time-matched †" in rows, got rows = {rows!r}'# the row itself
-    assert rows["capskip b=0.3"][4].endswith("†"), 'expected rows["capskip b=0.3"][4].endswith("†")'# its Δ is against a run that was not time-matched
-    assert rows["capskip b=0.3"][6].endswith("‡"), 'expected rows["capskip b=0.3"][6].endswith("‡")'
-    assert not rows["sb keep=0.5"][6].endswith("‡"), 'expected not rows["sb keep=0.5"][6].endswith("‡")'
+    assert "dense time-matched †" in rows, (  # the row itself
+        f"the time-matched row must carry † since seed 0 missed its budget; rows {list(rows)}")
+    assert rows["capskip b=0.3"][4].endswith("†"), (  # its Δ is against a run that was not time-matched
+        "capskip's Δ vs time-matched compares with a run that missed its budget, so the cell must carry †; "
+        f"it reads {rows['capskip b=0.3'][4]!r}")
+    assert rows["capskip b=0.3"][6].endswith("‡"), (
+        "capskip's data time on seed 1 drifted a third from dense's, so its × dense wall-clock must carry ‡ "
+        f"(loaded machine); it reads {rows['capskip b=0.3'][6]!r}")
+    assert not rows["sb keep=0.5"][6].endswith("‡"), (
+        "sb's data time drifted 19%, within the threshold, so its × dense wall-clock must carry no ‡; "
+        f"it reads {rows['sb keep=0.5'][6]!r}")
     # data ms/step: the steady steps' median (27.3 x 1.01), the compile step's 5 s left out
-    assert rows["dense"][13] == "27.6 ± 0.0", f'expected rows["dense"][13] == "27.6 ± 0.0", got {rows["dense"][13]!r}'
+    assert rows["dense"][13] == "27.6 ± 0.0", (
+        "dense's data ms/step is its steady steps' median (27.3 x 1.01), the compile step's 5 s left out; "
+        f"the cell reads {rows['dense'][13]!r}")
     missed, = [l for l in table.splitlines() if l.startswith("†")]
     loaded, = [l for l in table.splitlines() if l.startswith("‡")]
     assert "seed(s) 0 finished all epochs before the time budget (20 s < 27 s)" in missed, (
-        f'expected "seed(s) 0 finished all epochs before... in missed, got missed = {missed!r}')
-    assert loaded.startswith("‡ capskip b=0.3"), 'expected loaded.startswith("‡ capskip b=0.3")'
+        f"the † note must say seed 0 finished all epochs before its time budget (20 s < 27 s); it reads {missed!r}")
+    assert loaded.startswith("‡ capskip b=0.3"), (
+        f"the ‡ note must name capskip b=0.3, the run measured on a loaded machine; it reads {loaded!r}")
     assert "-33% (seed 1: 18.5 vs 27.6 ms)" in loaded, (
-        f'expected "-33% (seed 1: 18.5 vs 27.6 ms)" in loaded, got loaded = {loaded!r}')
+        f"the ‡ note must give capskip's drift, its seed and both data times per step; it reads {loaded!r}")
     err = capsys.readouterr().err
-    assert err.count("warning: ") == 2, f'expected err.count("warning: ") == 2, got {err.count("warning: ")!r}'
-    assert "benchmarks/interleaved.py" in err, f'expected "benchmarks/interleaved.py" in err, got err = {err!r}'
+    assert err.count("warning: ") == 2, (
+        f"compare must warn once for the missed budget and once for the loaded machine; stderr {err!r}")
+    assert "benchmarks/interleaved.py" in err, (
+        f"the loaded-machine warning must point to benchmarks/interleaved.py for load-free timing; stderr {err!r}")
     assert "‡" in (tmp_path / "cmp" / "compare.md").read_text(), (
-        f'expected "‡" in (tmp_path / "cmp" / "compare.md").rea..., got (tmp_path / "cmp" / "compare.md").rea... = {(tmp_path / "cmp" / "compare.md").read_text()!r}')
+        "compare.md must carry the ‡ mark too, not only the printed table")
     assert ("distortion checks" in \
         (tmp_path / "cmp" / "compare.md").read_text()), (
-        f'expected "distortion checks" in (tmp_path / "cmp" / "compare.md").rea..., got (tmp_path / "cmp" / "compare.md").rea... = {(tmp_path / "cmp" / "compare.md").read_text()!r}')
+        "compare.md must say how its wall-clock is measured (distortion checks left out, among others)")
     # a looser threshold takes the load mark off; nothing is marked on clean runs
     assert "‡" not in report.compare_table(runs, drift=0.5).split("\n\n")[0], (
-        'expected "‡" not in report.compare_table(runs, drift=0.5).split("\\n\\n")[0]')
+        "a looser drift threshold (50%) must take the ‡ mark off the table")
     clean = [r for r in runs if r.seed == 1 and r.config.get("rule") != "capskip"]
-    assert not report.table_warnings(clean), 'expected not report.table_warnings(clean)'
+    assert not report.table_warnings(clean), (
+        f"runs on a steady machine that met their budgets need no warning, got {report.table_warnings(clean)}")

@@ -11,7 +11,7 @@ from capskip_fx import compat
 
 
 def test_this_torch_has_every_required_internal():
-    assert compat.missing() == [], 'expected compat.missing() == []'
+    assert compat.missing() == [], f"this torch lacks internals the library relies on: {compat.missing()}"
 
 
 def test_a_missing_internal_is_named_with_the_torch_version(monkeypatch):
@@ -19,7 +19,7 @@ def test_a_missing_internal_is_named_with_the_torch_version(monkeypatch):
     with pytest.raises(ImportError, match=r"(?s)torch \S+.*torch\._C\._no_such_thing \(a test\)") as e:
         compat.check()
     assert torch.__version__ in str(e.value), (
-        f"expected torch.__version__ in str(e.value), got {torch.__version__!r} vs {str(e.value)!r}")
+        f"the import error must name the running torch version {torch.__version__}; it reads {str(e.value)!r}")
 
 
 @pytest.mark.subprocess

@@ -32,7 +32,8 @@ SCRIPT = textwrap.dedent("""
     x, y = torch.randn(8, 8), torch.randint(0, 4, (8,))
     F.cross_entropy(cm(x, capskip_targets=y), y).backward()
     st = capskip_fx.stats(cm)
-    assert st.kept == 4 and st.n == 8, st
+    assert st.kept == 4, f"forced keep=0.5 must back-propagate 4 of the batch's 8 rows: {st}"
+    assert st.n == 8, f"the step's stats must count the batch's 8 rows: {st}"
     assert all(p.grad is not None for p in model.parameters())
     loaded = sorted(m for m, mod in sys.modules.items() if m.split(".")[0] in BLOCKED and mod is not None)
     assert not loaded, loaded
@@ -48,5 +49,6 @@ def test_core_imports_and_compiles_without_the_train_extras():
     p = subprocess.run([sys.executable, "-c", SCRIPT, ",".join(EXTRAS)], cwd=ROOT, capture_output=True, text=True,
                        timeout=300)
     assert p.returncode == 0, p.stderr[-3000:]
-    assert "core ok" in p.stdout, f'expected "core ok" in p.stdout, got p.stdout = {p.stdout!r}'
-    assert "harness blocked:" in p.stdout, f'expected "harness blocked:" in p.stdout, got p.stdout = {p.stdout!r}'
+    assert "core ok" in p.stdout, f"the core must import and compile with the train extras blocked; stdout {p.stdout!r}"
+    assert "harness blocked:" in p.stdout, (
+        f"the control failed: with its extras blocked the harness must not import; stdout {p.stdout!r}")

@@ -16,6 +16,6 @@ def test_retain_freed_memory_applies_and_opts_out(monkeypatch):
     code = "from capskip_fx.cpu import retain_freed_memory as r; print(r())"
     # a fresh process: mallopt changes this one's allocator for good
     assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True).stdout.strip() == "True", (
-        'expected subprocess.run([sys.executable, "-c", code], capture_output=True, t...')
+        "a fresh process on glibc must apply the malloc setting that keeps freed memory (retain_freed_memory() True)")
     monkeypatch.setenv("CAPSKIP_MALLOC_TUNING", "0")
-    assert retain_freed_memory() is False, 'expected retain_freed_memory() is False'
+    assert retain_freed_memory() is False, "CAPSKIP_MALLOC_TUNING=0 must opt out of the malloc setting"

@@ -18,8 +18,10 @@ def test_quickstart_runs_and_skips_rows():
     assert out.returncode == 0, out.stderr[-2000:]
     lines = [ln for ln in out.stdout.splitlines() if ln.startswith("epoch 1:")]
     kept, seen = map(int, lines[0].split("back-propagated ")[1].split(" rows")[0].split("/"))
-    assert 0 < kept < seen, 'expected 0 < kept < seen'  # rows were skipped
+    assert 0 < kept < seen, (  # rows were skipped
+        f"the quickstart must back-propagate some but not all rows in epoch 1, it did {kept} of {seen}")
     table = out.stdout[out.stdout.index("graph  role"):].splitlines()  # report() prints as a table
-    assert "head  selected rows" in table[1], f'expected "head selected rows" in table[1], got table[1] = {table[1]!r}'
+    assert "head  selected rows" in table[1], (
+        f"report() must list the training graph as a head whose backward runs on selected rows; it reads {table[1]!r}")
     assert "none (inference graph)" in table[2], (
-        f'expected "none (inference graph)" in table[2], got table[2] = {table[2]!r}')
+        f"the no_grad accuracy pass's graph must be listed as an inference graph (no backward); it reads {table[2]!r}")

@@ -118,7 +118,7 @@ def test_record_compile_fields_change_only_through_settle():
     first = Refusal(RefusalKind.NO_HEAD, "first")
     assert rec.settle(head=True, refusal=first) is first, "a graph's first refusal is returned (to warn)"
     assert rec.settle(refusal=Refusal(RefusalKind.BATCH_LAYOUT, "second"), backward=BackwardMode.DENSE) is None, (
-        'expected rec.settle(refusal=Refusal(RefusalKind.BATCH_LAYOUT, "second"), bac...')
+        "a second refusal for a graph that already has one must be dropped (None returned, no second warning)")
     assert rec.reason == "first", (rec.reason, rec.backward)
     assert rec.backward == BackwardMode.DENSE, (rec.reason, rec.backward)
     assert counters()[f"refused: {RefusalKind.NO_HEAD.value}"] == 1, dict(counters())

@@ -28,23 +28,28 @@ def test_step_matched_run_has_its_own_complete_schedule(tmp_path):
     rule = tmp_path / "rule"
     res = train.run([*TINY, "--rule", "forced", "--keep", "0.5", "--epochs", "2", "--warmup-epochs", "1",
                      "--out", str(rule)])
-    assert res["steps"] == 6, f'expected res["steps"] == 6, got {res["steps"]!r}'  # 2 epochs of 3 steps
+    assert res["steps"] == 6, (  # 2 epochs of 3 steps
+        f"the rule run to match trains 2 epochs of 3 steps (6), got {res['steps']}")
     for ratio, steps, epochs in ((0.5, 3, 1), (0.74, 4, 2), (1.5, 9, 3)):
         out = tmp_path / f"dense-{ratio}"
         r = train.run([*TINY, "--rule", "dense", "--epochs", "2", "--warmup-epochs", "1", "--steps-of", str(rule),
                        "--ratio", str(ratio), "--out", str(out)])
-        assert r["steps"] == steps == round(ratio * 6), 'expected r["steps"] == steps == round(ratio * 6)'
-        assert r["max_steps"] == steps, f'expected r["max_steps"] == steps, got {r["max_steps"]!r} vs {steps!r}'
+        assert r["steps"] == steps == round(ratio * 6), (
+            f"--ratio {ratio} of the rule run's 6 steps must give round({ratio} x 6) = {steps} steps, got {r['steps']}")
+        assert r["max_steps"] == steps, (
+            f"the step-matched run must record its step limit round({ratio} x 6) = {steps}, got {r['max_steps']}")
         with open(out / "summary.csv", newline="") as f:
-            assert len(list(csv.DictReader(f))) == epochs, 'expected len(list(csv.DictReader(f))) == epochs'  # as many epochs as its steps need
+            assert len(list(csv.DictReader(f))) == epochs, (  # as many epochs as its steps need
+                f"a run of {steps} steps of 3 per epoch must write {epochs} epoch rows to summary.csv")
         lrs = _lrs(out)
         # warm-up over the first half (1 of 2 epochs' worth), then cosine down to min_lr at the last step
         cfg = train.parse_config([*TINY, "--epochs", "2", "--warmup-epochs", "1", "--max-steps", str(steps)])
         assert lrs == pytest.approx([loop.lr_at(cfg, (i + 1) / steps) for i in range(steps)]), (
-            f"expected lrs == pytest.approx([loop.lr_at(cfg, (i + 1..., got {lrs!r}")
-        assert lrs[-1] == pytest.approx(1e-4), f"expected lrs[-1] == pytest.approx(1e-4), got {lrs[-1]!r}"
+            f"a {steps}-step run needs its own full schedule: warm-up, then cosine to its last step; lrs {lrs!r}")
+        assert lrs[-1] == pytest.approx(1e-4), (
+            f"the cosine must reach min_lr 1e-4 at the step-matched run's last step, got {lrs[-1]!r}")
         assert max(lrs) == pytest.approx(1e-2, rel=0.3), (
-            f"expected max(lrs) == pytest.approx(1e-2, rel=0.3), got {max(lrs)!r}")
+            f"the warm-up must reach close to the peak lr 1e-2 before the cosine, got at most {max(lrs)!r}")
     # resumed: a finished step-matched run says so
     with pytest.raises(SystemExit, match="already made its 3 steps"):
         train.run(["--resume", str(tmp_path / "dense-0.5" / "checkpoint.pt")])
@@ -80,24 +85,30 @@ def test_compare_pairs_each_rule_with_its_own_step_matched_dense(tmp_path):
         _run(tmp_path, f"dense-cap-s{s}", s, 89.0 + s / 2, rule="dense", steps_of=str(c), ratio=0.74, max_steps=74)
         _run(tmp_path, f"dense-kab-s{s}", s, 88.0, rule="dense", steps_of=str(k), ratio=0.9, max_steps=90)
     runs = report.find_runs([tmp_path])
-    assert sum(r.is_dense_reference for r in runs) == 3, (
-        f"expected sum(r.is_dense_reference for r in runs) == 3, got {sum(r.is_dense_reference for r in runs)!r}")  # step-matched runs are not the dense reference
+    assert sum(r.is_dense_reference for r in runs) == 3, (  # step-matched runs are not the dense reference
+        "only the 3 plain dense runs are the dense reference, not the step-matched ones; counted "
+        f"{sum(r.is_dense_reference for r in runs)}")
     table = report.compare_table(runs)
     rows = {line.split("|")[1].strip(): [c.strip() for c in line.split("|")[2:-1]]
             for line in table.splitlines()[2:] if line.startswith("| ")}
     assert (set(rows) == {"dense", "capskip b=0.3", "kabena", "dense step-matched ×0.74 to capskip b=0.3",
                          "dense step-matched ×0.9 to kabena"}), (
-        f'expected set(rows) == {{"dense", "capskip b=0.3", "kabena", ..., got {set(rows)!r}')
+        f"each rule and each step-matched dense run (named for its ratio and rule) gets one row; rows {sorted(rows)}")
     d = [cap[s] - (89.0 + s / 2) for s in range(3)]  # +1.0, +1.5, +3.0
     m = sum(d) / 3
     sd = math.sqrt(sum((x - m) ** 2 for x in d) / 2)
     h = T975_DF2 * sd / math.sqrt(3)
     assert rows["capskip b=0.3"][2] == f"{m:+.2f} [{m - h:+.2f}, {m + h:+.2f}] (n=3)", (
-        f'expected rows["capskip b=0.3"][2] == f"{{m:+.2f}} [{{m - h:+.2f}}, {{m + h:+.2f..., got {rows["capskip b=0.3"][2]!r}')
-    assert rows["kabena"][2].startswith("+1.83 ["), 'expected rows["kabena"][2].startswith("+1.83 [")'  # its own matched dense (88.0), not capskip's
-    assert rows["dense"][2] == "n/a", f'expected rows["dense"][2] == "n/a", got {rows["dense"][2]!r}'
+        "capskip's Δ vs step-matched pairs each seed with its own matched dense (+1.0, +1.5, +3.0): mean, t interval, "
+        f"n=3; the cell reads {rows['capskip b=0.3'][2]!r}")
+    assert rows["kabena"][2].startswith("+1.83 ["), (  # its own matched dense (88.0), not capskip's
+        "kabena's Δ must be against its own step-matched dense (88.0), not capskip's: +1.83; "
+        f"the cell reads {rows['kabena'][2]!r}")
+    assert rows["dense"][2] == "n/a", (
+        f"dense is the reference and has no step-matched Δ, so n/a; the cell reads {rows['dense'][2]!r}")
     assert rows["dense step-matched ×0.74 to capskip b=0.3"][2] == "n/a", (
-        f'expected rows["dense step-matched ×0.74 to cap... == "n/a", got {rows["dense step-matched ×0.74 to capskip b=0.3"][2]!r}')
+        "a step-matched dense run has no step-matched Δ of its own, so n/a; "
+        f"the cell reads {rows['dense step-matched ×0.74 to capskip b=0.3'][2]!r}")
     assert rows["capskip b=0.3"][3] == "0.74", f"capskip's step-time r column: {rows['capskip b=0.3'][3]!r}"
     assert rows["kabena"][3] == "0.9", f"kabena's step-time r column: {rows['kabena'][3]!r}"
     assert rows["dense"][3] == "n/a", "dense has no step-matched run, so no r"

@@ -41,59 +41,75 @@ def test_smoke_run_writes_everything(tmp_path, capsys):
     res = train.run([*TINY, "--rule", "capskip", "--budget", "0.2", "--epochs", "1", "--check-every", "1",
                      "--out", str(out)])
     steps, checks, summary = _read(out)
-    assert len(steps) == 3 == res["steps"], 'expected len(steps) == 3 == res["steps"]'  # 96 / 32, last batch not ragged
+    assert len(steps) == 3 == res["steps"], (  # 96 / 32, last batch not ragged
+        f"96 rows in batches of 32 make 3 steps, all logged and counted; logged {len(steps)}, counted {res['steps']}")
     assert {"step", "epoch", "loss", "kept", "n", "bound", "lr", "step_time_s"} <= set(steps[0]), (
-        f'expected {{"step", "epoch", "loss", "kept", "n"... <= set(steps[0]), got set(steps[0]) = {set(steps[0])!r}')
+        f"each steps.jsonl row must carry step, rows, loss, bound, lr and time; the first has {sorted(steps[0])}")
     assert all(s["n"] == 32 and 0 <= s["kept"] <= 32 for s in steps), (
-        'expected all(s["n"] == 32 and 0 <= s["kept"] <= 32 for s in steps)')
-    assert len(summary) == 1, f"expected len(summary) == 1, got {len(summary)!r}"
+        "every step sees a full batch of 32 rows and back-propagates between 0 and 32 of them; (n, kept) per step: "
+        f"{[(s['n'], s['kept']) for s in steps]}")
+    assert len(summary) == 1, f"one epoch writes one summary.csv row, got {len(summary)}"
     row = summary[0]
     assert int(row["backward_rows"]) == sum(s["kept"] for s in steps), (
-        f'expected int(row["backward_rows"]) == sum(s["kept"] for s in steps), got {int(row["backward_rows"])!r}')
+        "the summary's backward_rows must add up the rows each step kept "
+        f"({sum(s['kept'] for s in steps)}), got {row['backward_rows']}")
     # compile_s may be 0: with the graphs in Inductor's and AOTAutograd's caches a compile step costs no more
     assert float(row["wall_clock_s"]) > 0, (
-        f'expected float(row["wall_clock_s"]) > 0, got {float(row["wall_clock_s"])!r}')
-    assert float(row["compile_s"]) >= 0, f'expected float(row["compile_s"]) >= 0, got {float(row["compile_s"])!r}'
-    assert 0 <= float(row["eval_top1"]) <= 100, 'expected 0 <= float(row["eval_top1"]) <= 100'
+        f"a run takes time, so its wall-clock must be positive, got {row['wall_clock_s']}")
+    assert float(row["compile_s"]) >= 0, f"compile time is a duration and cannot be negative, got {row['compile_s']}"
+    assert 0 <= float(row["eval_top1"]) <= 100, f"top-1 accuracy is a percentage in [0, 100], got {row['eval_top1']}"
     # exact distortion check: capskip's head guarantee holds, and matches the rule's own bound
-    assert len(checks) == 3, f"expected len(checks) == 3, got {len(checks)!r}"
+    assert len(checks) == 3, (
+        f"--check-every 1 checks the gradient's distortion on each of the 3 steps, checks.jsonl has {len(checks)}")
     for c in checks:
         assert c["rel_l2_head"] <= 0.2 + 1e-4, (
-            f'expected c["rel_l2_head"] <= 0.2 + 1e-4, got {c["rel_l2_head"]!r} vs {0.2 + 1e-4!r}')
-        assert not c["violation"], 'expected not c["violation"]'
+            "capskip b=0.2 promises a head-gradient relative L2 error within its budget 0.2; "
+            f"step {c['step']} measured {c['rel_l2_head']}")
+        assert not c["violation"], (
+            f"a check within capskip's promised bound was flagged a violation at step {c['step']}")
         assert c["rel_l2_head"] == pytest.approx(c["bound"], abs=1e-4), (
-            f'expected c["rel_l2_head"] == pytest.approx(c["bound"], abs=1e-4), got {c["rel_l2_head"]!r}')
-    assert int(row["violations"]) == 0, f'expected int(row["violations"]) == 0, got {int(row["violations"])!r}'
+            "the measured head-gradient error must equal the bound capskip computes for its own selection; "
+            f"measured {c['rel_l2_head']}, bound {c['bound']}")
+    assert int(row["violations"]) == 0, (
+        f"no check broke capskip's bound, so the summary must count 0 violations, got {row['violations']}")
     cfg = yaml.safe_load((out / "config.yaml").read_text())
-    assert cfg["in_chans"] == 1, f'expected cfg["in_chans"] == 1, got {cfg["in_chans"]!r}'
-    assert cfg["img_size"] == 16, f'expected cfg["img_size"] == 16, got {cfg["img_size"]!r}'
-    assert cfg["patch_size"] == 4, f'expected cfg["patch_size"] == 4, got {cfg["patch_size"]!r}'
-    assert cfg["label"] == "capskip b=0.2", f'expected cfg["label"] == "capskip b=0.2", got {cfg["label"]!r}'
-    assert cfg["backend"] == "eager", f'expected cfg["backend"] == "eager", got {cfg["backend"]!r}'
+    assert cfg["in_chans"] == 1, (
+        f"digits images are greyscale, so the resolved config must say 1 input channel, got {cfg['in_chans']}")
+    assert cfg["img_size"] == 16, f"the resolved config must keep --img-size 16, got {cfg['img_size']}"
+    assert cfg["patch_size"] == 4, f"the resolved config must keep --patch-size 4, got {cfg['patch_size']}"
+    assert cfg["label"] == "capskip b=0.2", (
+        f"the run's label names its rule and budget (capskip b=0.2), got {cfg['label']!r}")
+    assert cfg["backend"] == "eager", f"the resolved config must keep --backend eager, got {cfg['backend']!r}"
     for p in plots.PLOTS:
-        assert (out / p).stat().st_size > 0, 'expected (out / p).stat().st_size > 0'
+        assert (out / p).stat().st_size > 0, f"the run wrote an empty plot {p}"
     assert json.loads((out / "result.json").read_text())["label"] == "capskip b=0.2", (
-        'expected json.loads((out / "result.json").read_text())["label"] == "capskip ...')
+        "result.json must carry the run's label (capskip b=0.2), as config.yaml does")
     text = capsys.readouterr().out
-    assert "[data] digits" in text, f'expected "[data] digits" in text, got text = {text!r}'
-    assert "epoch 1 step 3/3" in text, f'expected "epoch 1 step 3/3" in text, got text = {text!r}'  # plain log lines when not a TTY
+    assert "[data] digits" in text, f"the run must log which dataset it loaded ('[data] digits'); output was {text!r}"
+    assert "epoch 1 step 3/3" in text, (  # plain log lines when not a TTY
+        f"without a TTY the progress goes out as plain log lines, up to 'epoch 1 step 3/3'; output was {text!r}")
 
 
 def test_dense_check_is_exact_and_forced_is_not(tmp_path):
     train.run([*TINY, "--rule", "dense", "--epochs", "1", "--check-every", "2", "--out", str(tmp_path / "d")])
     _, checks, _ = _read(tmp_path / "d")
-    assert len(checks) == 1, f"expected len(checks) == 1, got {len(checks)!r}"
-    assert checks[0]["step"] == 1, f'expected checks[0]["step"] == 1, got {checks[0]["step"]!r}'
-    assert checks[0]["rel_l2_all"] < 1e-5, f'expected checks[0]["rel_l2_all"] < 1e-5, got {checks[0]["rel_l2_all"]!r}'
+    assert len(checks) == 1, f"--check-every 2 over 3 steps checks the gradient once, checks.jsonl has {len(checks)}"
+    assert checks[0]["step"] == 1, f"with --check-every 2 the one check falls on step 1, got step {checks[0]['step']}"
+    assert checks[0]["rel_l2_all"] < 1e-5, (
+        "the dense rule back-propagates every row, so its gradient must match the dense reference "
+        f"(relative L2 < 1e-5), got {checks[0]['rel_l2_all']}")
     assert checks[0]["cos_all"] > 1 - 1e-6, (
-        f'expected checks[0]["cos_all"] > 1 - 1e-6, got {checks[0]["cos_all"]!r} vs {1 - 1e-6!r}')
+        f"the dense rule's gradient must point along the dense reference's (cosine 1), got {checks[0]['cos_all']}")
     train.run([*TINY, "--rule", "forced", "--keep", "0.5", "--epochs", "1", "--check-every", "1",
                "--out", str(tmp_path / "f")])
     steps, checks, summary = _read(tmp_path / "f")
-    assert all(s["kept"] == 16 for s in steps), 'expected all(s["kept"] == 16 for s in steps)'
-    assert all(c["rel_l2_head"] > 1e-3 for c in checks), 'expected all(c["rel_l2_head"] > 1e-3 for c in checks)'
-    assert int(summary[0]["violations"]) == 0, (
-        f'expected int(summary[0]["violations"]) == 0, got {int(summary[0]["violations"])!r}')  # only capskip promises a bound
+    assert all(s["kept"] == 16 for s in steps), (
+        f"forced keep=0.5 back-propagates 16 of each batch's 32 rows; kept per step {[s['kept'] for s in steps]}")
+    assert all(c["rel_l2_head"] > 1e-3 for c in checks), (
+        "skipping half the rows must change the head gradient measurably (relative L2 > 1e-3) at every check; "
+        f"measured {[c['rel_l2_head'] for c in checks]}")
+    assert int(summary[0]["violations"]) == 0, (  # only capskip promises a bound
+        f"only capskip promises a bound, so forced skipping counts no violations, got {summary[0]['violations']}")
 
 
 def test_violations_are_counted_not_raised(tmp_path, monkeypatch):
@@ -104,8 +120,10 @@ def test_violations_are_counted_not_raised(tmp_path, monkeypatch):
     res = train.run([*TINY, "--epochs", "1", "--check-every", "1", "--out", str(tmp_path / "v")])
     _, checks, summary = _read(tmp_path / "v")
     assert res["violations"] == 3 == int(summary[0]["violations"]), (
-        'expected res["violations"] == 3 == int(summary[0]["violations"])')
-    assert all(c["violation"] for c in checks), 'expected all(c["violation"] for c in checks)'
+        "a distortion check that breaks the bound on each of the 3 steps must be counted 3 times, not raised; "
+        f"result {res['violations']}, summary.csv {summary[0]['violations']}")
+    assert all(c["violation"] for c in checks), (
+        f"every check that breaks the bound must be flagged in checks.jsonl, got {[c['violation'] for c in checks]}")
 
 
 def test_config_file_overridden_by_flags(tmp_path):
@@ -114,19 +132,23 @@ def test_config_file_overridden_by_flags(tmp_path):
                  "time_budget: null\n")
     cfg = train.parse_config(["--config", str(f), "--epochs", "1", "--budget", "0.2", "--model-kw", "qkv_bias=false",
                               "--rule-opt", "beta=2"])
-    assert cfg.lr == 1e-3, f"expected cfg.lr == 1e-3, got {cfg.lr!r}"
-    assert isinstance(cfg.lr, float), 'expected isinstance(cfg.lr, float)'  # YAML 1.1 reads 1e-3 as a string
-    assert cfg.epochs == 1, f"expected cfg.epochs == 1, got {cfg.epochs!r}"
-    assert cfg.rule == "sb", f'expected cfg.rule == "sb", got {cfg.rule!r}'
-    assert cfg.budget == 0.2, f"expected cfg.budget == 0.2, got {cfg.budget!r}"
-    assert cfg.dataset == "digits", f'expected cfg.dataset == "digits", got {cfg.dataset!r}'
+    assert cfg.lr == 1e-3, f"with no --lr flag the lr comes from the config file (1e-3), got {cfg.lr!r}"
+    assert isinstance(cfg.lr, float), (  # YAML 1.1 reads 1e-3 as a string
+        f"the config file's lr 1e-3 must be a number, not the string YAML 1.1 reads, got a {type(cfg.lr).__name__}")
+    assert cfg.epochs == 1, f"--epochs 1 on the command line must override the file's epochs: 3, got {cfg.epochs!r}"
+    assert cfg.rule == "sb", f"with no --rule flag the rule comes from the config file (sb), got {cfg.rule!r}"
+    assert cfg.budget == 0.2, f"--budget 0.2 on the command line must reach the config, got {cfg.budget!r}"
+    assert cfg.dataset == "digits", (
+        f"with no --dataset flag the dataset comes from the config file (digits), got {cfg.dataset!r}")
     assert cfg.model_kwargs == {"drop_rate": 0.1, "qkv_bias": False}, (
-        f'expected cfg.model_kwargs == {{"drop_rate": 0.1, "qkv_bias": False}}, got {cfg.model_kwargs!r}')
-    assert cfg.rule_options == {"beta": 2}, f'expected cfg.rule_options == {{"beta": 2}}, got {cfg.rule_options!r}'
+        "--model-kw qkv_bias=false must be added to the file's model-kwargs (drop_rate 0.1), as a bool; "
+        f"got {cfg.model_kwargs!r}")
+    assert cfg.rule_options == {"beta": 2}, (
+        f"--rule-opt beta=2 must reach the rule's options as the number 2, got {cfg.rule_options!r}")
     with pytest.raises(SystemExit, match="takes no arguments|unexpected keyword"):  # checked before any work
         train.parse_config(["--config", str(f), "--rule", "dense", "--rule-opt", "foo=2"])
     assert train.parse_config(["--config", str(f), "--train-subset", "none"]).train_subset is None, (
-        'expected train.parse_config(["--config", str(f), "--train-subset", "none"])....')
+        "--train-subset none must mean the whole training set (None)")
     f.write_text("epochz: 3\n")
     with pytest.raises(SystemExit):
         train.parse_config(["--config", str(f)])
@@ -139,9 +161,10 @@ def test_resolved_config_round_trips(tmp_path):
     train.run([*TINY, "--rule", "dense", "--epochs", "1", "--check-every", "0", "--out", str(out)])
     again = train.parse_config(["--config", str(out / "config.yaml")])
     assert again == train.TrainConfig(**yaml.safe_load((out / "config.yaml").read_text())), (
-        f"expected again == train.TrainConfig(**yaml.safe_load((o..., got {again!r}")
-    assert again.out == str(out), f"expected again.out == str(out), got {again.out!r} vs {str(out)!r}"
-    assert again.device == "cpu", f'expected again.device == "cpu", got {again.device!r}'
+        f"the config.yaml a run writes must parse back to the config it ran with, got {again!r}")
+    assert again.out == str(out), (
+        f"the resolved config must record the folder the run wrote to ({out}), got {again.out!r}")
+    assert again.device == "cpu", f"the resolved config must record the device the run used (cpu), got {again.device!r}"
 
 
 def test_time_budget_stops_early(tmp_path):
@@ -149,46 +172,59 @@ def test_time_budget_stops_early(tmp_path):
     res = train.run([*TINY, "--rule", "dense", "--epochs", "50", "--check-every", "0", "--time-budget", "0.02",
                      "--out", str(out)])
     steps, _, summary = _read(out)
-    assert res["time_budget_hit"], f'expected res["time_budget_hit"] to be true, got {res["time_budget_hit"]!r}'
-    assert len(steps) < 50 * 3, f"expected len(steps) < 50 * 3, got {len(steps)!r} vs {50 * 3!r}"
+    assert res["time_budget_hit"], "a 0.02 s time budget must stop a 50-epoch run, and the result must say it did"
+    assert len(steps) < 50 * 3, (
+        f"the time budget must stop the run before all 50 epochs' 150 steps, it ran {len(steps)}")
     assert len(summary) == len({int(r["epoch"]) for r in summary}), (
-        f'expected len(summary) == len({{int(r["epoch"]) for r in summary}}), got {len(summary)!r}')
+        f"summary.csv must hold one row per epoch, none twice; epochs {[r['epoch'] for r in summary]}")
     assert summary[-1]["time_budget_hit"] == "1", (
-        f'expected summary[-1]["time_budget_hit"] == "1", got {summary[-1]["time_budget_hit"]!r}')
-    assert summary[-1]["eval_top1"] != "", f'expected summary[-1]["eval_top1"] != "", got {summary[-1]["eval_top1"]!r}'  # evaluated at the stop
-    assert res["wall_clock_s"] >= 0.02, f'expected res["wall_clock_s"] >= 0.02, got {res["wall_clock_s"]!r}'
+        f"the last summary row must mark the epoch the time budget stopped, got {summary[-1]['time_budget_hit']!r}")
+    assert summary[-1]["eval_top1"] != "", (  # evaluated at the stop
+        "the run must be evaluated where the time budget stops it, so the last summary row needs a top-1")
+    assert res["wall_clock_s"] >= 0.02, (
+        f"a run stopped by a 0.02 s time budget must have run at least 0.02 s, got {res['wall_clock_s']}")
 
 
 def test_rule_options_reach_the_rule():
     cfg = train.TrainConfig(rule="random", match="capskip", budget=0.3, rule_options={"unbiased": True})
     cm = capskip_fx.compile(torch.nn.Linear(4, 3), rule=cfg.rule, budget=cfg.budget, backend="eager",
                             **train.rule_options(cfg))
-    assert cm.rule.match.budget == 0.3, f"expected cm.rule.match.budget == 0.3, got {cm.rule.match.budget!r}"
-    assert cm.rule.unbiased, f"expected cm.rule.unbiased to be true, got {cm.rule.unbiased!r}"  # the matched capskip gets b, not its default
+    assert cm.rule.match.budget == 0.3, (
+        f"random matched to capskip must pass the run's budget 0.3 to that capskip, got {cm.rule.match.budget!r}")
+    assert cm.rule.unbiased, (  # the matched capskip gets b, not its default
+        "the rule option unbiased=True must reach the random rule")
     assert train.rule_options(train.TrainConfig(rule="sb", keep=0.4)) == {"keep": 0.4}, (
-        'expected train.rule_options(train.TrainConfig(rule="sb", keep=0.4)) == {"kee...')
+        "--keep 0.4 with rule sb must become the rule option keep=0.4, and nothing else")
 
 
 def test_lr_schedule():
     cfg = train.TrainConfig(epochs=10, warmup_epochs=1, lr=1.0, min_lr=0.0)
-    assert train.lr_at(cfg, 0.05) == pytest.approx(0.5), 'expected train.lr_at(cfg, 0.05) == pytest.approx(0.5)'
-    assert train.lr_at(cfg, 0.1) == pytest.approx(1.0), 'expected train.lr_at(cfg, 0.1) == pytest.approx(1.0)'
-    assert train.lr_at(cfg, 0.55) == pytest.approx(0.5), 'expected train.lr_at(cfg, 0.55) == pytest.approx(0.5)'
-    assert train.lr_at(cfg, 1.0) == pytest.approx(0.0), 'expected train.lr_at(cfg, 1.0) == pytest.approx(0.0)'
+    assert train.lr_at(cfg, 0.05) == pytest.approx(0.5), (
+        f"half-way through the 1-epoch warm-up the lr is half its peak, got {train.lr_at(cfg, 0.05)}")
+    assert train.lr_at(cfg, 0.1) == pytest.approx(1.0), (
+        f"at the end of warm-up the lr reaches its peak 1.0, got {train.lr_at(cfg, 0.1)}")
+    assert train.lr_at(cfg, 0.55) == pytest.approx(0.5), (
+        f"half-way through the cosine decay the lr is half-way from peak to min_lr, got {train.lr_at(cfg, 0.55)}")
+    assert train.lr_at(cfg, 1.0) == pytest.approx(0.0), (
+        f"at the end of training the cosine reaches min_lr 0, got {train.lr_at(cfg, 1.0)}")
 
 
 def test_compile_clock_excludes_warmup():
     c = train.CompileClock()
     c.add(0.0, 5.0, True)  # first step compiles
-    assert c.compile_s == 5.0, f"expected c.compile_s == 5.0, got {c.compile_s!r}"
-    assert c.wall_s == 0.0, f"expected c.wall_s == 0.0, got {c.wall_s!r}"
+    assert c.compile_s == 5.0, (
+        f"with no steady step yet, all 5 s of the first compile step count as compile time, got {c.compile_s}")
+    assert c.wall_s == 0.0, (
+        f"with no steady step yet, none of the first compile step counts as training time, got {c.wall_s}")
     for _ in range(4):
         c.add(0.1, 1.0, False)
     c.add(0.0, 3.0, True)  # a new variant
     assert c.compile_s == pytest.approx(4.0 + 2.0), (
-        f"expected c.compile_s == pytest.approx(4.0 + 2.0), got {c.compile_s!r}")
+        "compile time is each compile step's excess over the steady steps' median (1 s): 4 s + 2 s, "
+        f"got {c.compile_s}")
     assert c.wall_s == pytest.approx(4 * 1.1 + 2 * 1.0), (
-        f"expected c.wall_s == pytest.approx(4 * 1.1 + 2 * 1.0), got {c.wall_s!r}")
+        "training time keeps the data time and a steady step's worth of each compile step: 4 x 1.1 + 2 x 1.0 s, "
+        f"got {c.wall_s}")
 
 
 def _fake_run(d: Path, rule: str, seed: int, top1: list[float], wall: list[float], kept: float, **cfg):
@@ -221,17 +257,18 @@ def test_compare_renders_table_and_plots(tmp_path):
         f"dense row (top-1 CI, step-time r, Δ, time, ratio) wrong: {lines[2]!r}; header {lines[0]!r}")
     cap = next(l for l in lines if l.startswith("| capskip b=0.1 "))
     assert "| 2 | 85.00 [72.29, 97.71] | n/a | n/a | +11.00 |" in cap, f"capskip row wrong: {cap!r}"
-    assert "| 0.50 [0.50, 0.50] |" in cap, f'expected "| 0.50 [0.50, 0.50] |" in cap, got cap = {cap!r}'
-    assert "0.400" in cap, f'expected "0.400" in cap, got cap = {cap!r}'
+    assert "| 0.50 [0.50, 0.50] |" in cap, (
+        f"capskip took half dense's wall-clock on both seeds, so × dense must read 0.50 [0.50, 0.50]: {cap!r}")
+    assert "0.400" in cap, f"capskip's row must show its mean kept fraction 0.400: {cap!r}"
     assert any(l.startswith("| dense time-matched | 1 | 75.00 | n/a | n/a |") for l in lines), (
-        'expected any(l.startswith("| dense time-matched | 1 | 75.00 | n/a | n/a |") ...')
-    assert (out / "compare.md").read_text().count("\n|---") == 1, (
-        'expected (out / "compare.md").read_text().count("\\n|---") == 1')  # one table
+        "the time-matched dense run (one seed, 75.00 top-1) must get its own row, labelled dense time-matched")
+    assert (out / "compare.md").read_text().count("\n|---") == 1, (  # one table
+        "runs of one dataset must make one table in compare.md (one header rule)")
     for p in plots.PLOTS:
-        assert (out / p).stat().st_size > 0, 'expected (out / p).stat().st_size > 0'
+        assert (out / p).stat().st_size > 0, f"compare wrote an empty plot {p}"
     # a parent folder is searched for run directories
     assert train.run(["compare", str(runs), "--out", str(tmp_path / "cmp2")]) == table, (
-        'expected train.run(["compare", str(runs), "--out", str(tmp_path / "cmp2")]) ...')
+        "compare on the parent folder must find the same runs, and render the same table, as naming each run")
 
 
 def test_compare_pairs_step_matched_dense_by_seed(tmp_path):
@@ -246,7 +283,10 @@ def test_compare_pairs_step_matched_dense_by_seed(tmp_path):
     cap = next(l for l in table.splitlines() if l.startswith("| capskip b=0.1 "))
     cells = [c.strip() for c in cap.split("|")[1:-1]]
     # seed 0: 86 - 83 = +3, seed 1: 84 - 82 = +2 -> mean +2.50 over n=2
-    assert cells[3].startswith("+2.50") and cells[3].endswith("(n=2)"), f"step-matched Δ cell wrong: {cells[3]!r}"
+    assert cells[3].startswith("+2.50"), (
+        f"Δ vs step-matched dense is the mean of each seed's difference (+3, +2), +2.50; the cell reads {cells[3]!r}")
+    assert cells[3].endswith("(n=2)"), (
+        f"Δ vs step-matched dense pairs 2 seeds and must say (n=2); the cell reads {cells[3]!r}")
     assert cells[4] == "0.6", f"step-time r cell should be the step-matched runs' --ratio, got {cells[4]!r}"
 
 
@@ -259,16 +299,18 @@ def test_cli_errors_come_before_any_work(tmp_path, capsys):
                       (["--rule", "forced", "--keep", "3"], "keep fraction must be in (0, 1]")):
         with pytest.raises(SystemExit, match=re.escape(msg)):
             cli.run([*argv, "--out", str(tmp_path / "run")])
-        assert not (tmp_path / "run").exists(), 'expected not (tmp_path / "run").exists()'
+        assert not (tmp_path / "run").exists(), f"a bad option ({argv}) must fail before the output folder is created"
     with pytest.raises(SystemExit):
         cli.run(["--help"])
-    assert "--budget" in capsys.readouterr().out, 'expected "--budget" in capsys.readouterr().out'  # the default sub-command's flags, at the top level
+    assert "--budget" in capsys.readouterr().out, (  # the default sub-command's flags, at the top level
+        "--help at the top level must list the default train sub-command's flags, --budget among them")
 
 
 def test_compare_splits_runs_of_different_datasets(tmp_path):
     runs = [report.Run(path=tmp_path / n, config={"dataset": d, "rule": "dense", "seed": 0},
                        summary=[{"eval_top1": 50.0, "wall_clock_s": 1.0}]) for n, d in (("a", "digits"), ("b", "mnist"))]
     table = report.compare_table(runs)
-    assert "### digits" in table, f'expected "### digits" in table, got table = {table!r}'
-    assert "### mnist" in table, f'expected "### mnist" in table, got table = {table!r}'
-    assert table.count("| run |") == 2, f'expected table.count("| run |") == 2, got {table.count("| run |")!r}'
+    assert "### digits" in table, f"runs of different datasets get a section each; no '### digits' heading in {table!r}"
+    assert "### mnist" in table, f"runs of different datasets get a section each; no '### mnist' heading in {table!r}"
+    assert table.count("| run |") == 2, (
+        f"each of the two datasets gets its own table, found {table.count('| run |')} header rows")
