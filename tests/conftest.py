@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import copy
+import os
 
 import pytest
 import torch
@@ -35,7 +36,8 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
-torch.set_num_threads(2)
+# two intra-op threads, or the cores' share of each pytest-xdist worker (``-n auto``): no oversubscription
+torch.set_num_threads(max(1, min(2, (os.cpu_count() or 2) // int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")))))
 
 # Hypothesis: HYPOTHESIS_PROFILE=ci (default; fewer, derandomised examples) or thorough (every test's full
 # count, a fresh draw each run).  Tests scale their own counts with helpers.examples.examples(n).
