@@ -103,6 +103,19 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def vs_dense(rows: list[dict]) -> None:
+    """Each arm's r over dense's (``vs_dense``: what step-matched runs are made with) and its 95% interval
+    over the blocks' ratios to dense's in the same block (the pair shares each block's machine load)."""
+    dense = next((r for r in rows if r["arm"] == "dense"), None)
+    for r in rows:
+        r["vs_dense"] = r["ratio"] / dense["ratio"] if dense else math.nan
+        lo = hi = math.nan
+        if dense and len(r["block_ratios"]) > 1:
+            mean, half = t_interval([a / d for a, d in zip(r["block_ratios"], dense["block_ratios"])])
+            lo, hi = mean - half, mean + half
+        r["vs_dense_lo"], r["vs_dense_hi"] = lo, hi
+
+
 def main(argv=None) -> dict:
     a, cfg, train_argv = parse(argv)
     if a.threads:
@@ -220,9 +233,7 @@ def main(argv=None) -> dict:
                      "step_ms": 1e3 * statistics.median([t for b in times[n] for t in b]),
                      "ratio": mean, "ratio_lo": mean - half, "ratio_hi": mean + half,
                      "ratio_median": statistics.median(ratios), "block_ratios": ratios})
-    dense = next((r for r in rows if r["arm"] == "dense"), None)
-    for r in rows:
-        r["vs_dense"] = r["ratio"] / dense["ratio"] if dense else math.nan
+    vs_dense(rows)
     env = {"device": str(device), "torch": torch.__version__, "threads": torch.get_num_threads(),
            "machine": platform.machine(), "python": platform.python_version(),
            "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
@@ -238,13 +249,15 @@ def main(argv=None) -> dict:
           f"once per round on the same batch, order rotating. r: each block's median step time over "
           f"torch.compile's, mean over blocks [95% t interval] (median of blocks). A step is forward, backward, "
           f"loss.item(), the stats read and AdamW's step; data loading ({env['data_ms_median']:.1f} ms per batch, "
-          f"median) is the same for every arm and not in it.",
+          f"median) is the same for every arm and not in it. r vs dense: the arm's r over dense's (what "
+          f"step-matched runs are made with), its interval over the blocks' ratios to dense's in the same block.",
           "",
-          "| arm | kept (measured) | step ms (median) | r vs torch.compile [95% CI] | median of blocks | r vs dense |",
+          "| arm | kept (measured) | step ms (median) | r vs torch.compile [95% CI] | median of blocks | r vs dense [95% CI] |",
           "|---|---|---|---|---|---|"]
     for r in rows:
         md.append(f"| {r['arm']} | {r['kept_frac']:.3f} | {r['step_ms']:.1f} | {r['ratio']:.3f} "
-                  f"[{r['ratio_lo']:.3f}, {r['ratio_hi']:.3f}] | {r['ratio_median']:.3f} | {r['vs_dense']:.3f} |")
+                  f"[{r['ratio_lo']:.3f}, {r['ratio_hi']:.3f}] | {r['ratio_median']:.3f} | {r['vs_dense']:.3f} "
+                  f"[{r['vs_dense_lo']:.3f}, {r['vs_dense_hi']:.3f}] |")
     md += ["", "infobatch: per-step cost; its saving is fewer steps per epoch (multiply r by the run's forwarded "
                "fraction)."]
     text = "\n".join(md)

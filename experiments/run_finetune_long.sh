@@ -184,7 +184,7 @@ wait_for $(for s in $SEEDS; do for r in capskip kabena infobatch capskip+infobat
   echo "$OUT/runs/dense-sm-$r-s$s"; done; done)
 
 # ---- the tables: compare, and the kept fraction per epoch with its projected GPU ratio
-"$PY" -m capskip_fx.train compare "$OUT/runs" --out "$RESULTS"
+"$PY" -m capskip_fx.train compare "$OUT/runs" --out "$RESULTS" --speed "$SPEED.json"
 "$PY" - "$OUT/runs" "$RESULTS/kept_by_epoch.md" $SEEDS <<'EOF'
 import csv, statistics, sys
 from pathlib import Path

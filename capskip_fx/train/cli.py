@@ -6,6 +6,7 @@ Parsing needs neither torch nor timm: what a command runs is imported after its 
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from pathlib import Path
 from typing import Any, Optional, Sequence
@@ -124,6 +125,7 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--load-drift", type=float, default=0.2,
                    help="mark a wall-clock ratio when a run's median data-loading time per step differs from "
                         "dense's by more than this fraction (the machine's load changed; default: 0.2)")
+    c.add_argument("--speed", default=None, help="benchmarks/interleaved.py's JSON: the step-time ratios' intervals")
     b = sub.add_parser("choose-budget", help="pick capskip's b from validation runs; prints it, writes the table")
     b.add_argument("select_dir", help="folder with dense-s{SEED} and capskip-b{B}-s{SEED} runs (--val-split)")
     b.add_argument("--seeds", nargs="+", required=True, help="selection seeds (not comparison seeds)")
@@ -181,7 +183,7 @@ def run(argv: Optional[Sequence[str]] = None) -> Any:
         argv.insert(0, "train")
     ns = parser.parse_args(argv)
     if ns.command == "compare":
-        table = compare(ns.runs, ns.out, drift=ns.load_drift)
+        table = compare(ns.runs, ns.out, drift=ns.load_drift, speed=ns.speed)
         print(table + f"\nwritten to {ns.out}/compare.md")
         return table
     if ns.command == "choose-budget":
@@ -197,7 +199,8 @@ def run(argv: Optional[Sequence[str]] = None) -> Any:
     return train(cfg)
 
 
-def compare(paths: Sequence[str | Path], out_dir: str | Path, drift: Optional[float] = None) -> str:
+def compare(paths: Sequence[str | Path], out_dir: str | Path, drift: Optional[float] = None,
+            speed: Optional[str | Path] = None) -> str:
     """``capskip-train compare``: the figures and ``compare.md`` for the runs under ``paths``; returns the
     Markdown table.  What the table marks (time budget not reached, machine load changed) is also
     printed to stderr as warnings."""
@@ -206,7 +209,8 @@ def compare(paths: Sequence[str | Path], out_dir: str | Path, drift: Optional[fl
     runs = report.find_runs(paths)
     out_dir = Path(out_dir)
     plots.plot_runs(runs, out_dir)
-    table = report.compare_table(runs, report.LOAD_DRIFT if drift is None else drift)
+    rows = json.loads(Path(speed).read_text())["rows"] if speed else ()
+    table = report.compare_table(runs, report.LOAD_DRIFT if drift is None else drift, rows)
     for line in table.splitlines():
         if line.startswith((report.MISSED, report.LOADED)):
             print(f"warning: {line}", file=sys.stderr)

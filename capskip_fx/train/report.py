@@ -332,21 +332,22 @@ def table_warnings(runs: Sequence[Run], drift: float = LOAD_DRIFT) -> list[str]:
     return out
 
 
-def compare_table(runs: Sequence[Run], drift: float = LOAD_DRIFT) -> str:
+def compare_table(runs: Sequence[Run], drift: float = LOAD_DRIFT, speed: Sequence[dict] = ()) -> str:
     """Markdown table, one row per label: final top-1 mean ± std (sample std over seeds), etc.
     Runs on different datasets (or subsets) are never compared in one table: one table each.
-    Marks (†, ‡) and their notes below each table: :func:`table_warnings`."""
+    Marks (†, ‡) and their notes below each table: :func:`table_warnings`.  ``speed``: the rows of
+    benchmarks/interleaved.py's JSON, for the step-time ratios' intervals."""
     by_data: dict[str, list[Run]] = {}
     for r in runs:
         c = r.config
         key = f"{c.get('dataset')} (train subset {c.get('train_subset')}, eval subset {c.get('eval_subset')})"
         by_data.setdefault(key, []).append(r)
     if len(by_data) > 1:
-        return "\n".join(f"### {key}\n\n{_table(members, drift)}" for key, members in by_data.items())
-    return _table(runs, drift)
+        return "\n".join(f"### {key}\n\n{_table(members, drift, speed)}" for key, members in by_data.items())
+    return _table(runs, drift, speed)
 
 
-def _table(runs: Sequence[Run], drift: float = LOAD_DRIFT) -> str:
+def _table(runs: Sequence[Run], drift: float = LOAD_DRIFT, speed: Sequence[dict] = ()) -> str:
     groups = group_runs(runs)
     dense = next((g for g in groups.values() if all(r.is_dense_reference for r in g)), None)
     matched = next((g for g in groups.values()
@@ -356,7 +357,7 @@ def _table(runs: Sequence[Run], drift: float = LOAD_DRIFT) -> str:
     by_seed = lambda g: {r.seed: r.final.get("eval_top1") for r in g}  # noqa: E731
     lines = [
         "| run | seeds | final top-1 (%) [95% CI] | Δ vs own step-matched dense (pp, paired) [95% CI] "
-        "| step-time r (interleaved) | Δ vs time-matched dense (pp, paired) [95% CI] "
+        "| step-time r (interleaved) [95% CI] | Δ vs time-matched dense (pp, paired) [95% CI] "
         "| wall-clock (s) | × dense wall-clock (paired) [95% CI] | time to dense's final top-1 (× dense) | to 99% of it "
         "| mean kept | forwarded | backward rows | check violations | data ms/step |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
@@ -387,7 +388,7 @@ def _table(runs: Sequence[Run], drift: float = LOAD_DRIFT) -> str:
         data_ms = _mean_std([1e3 * r.data_s for r in members], ".1f")
         lines.append(
             f"| {label}{f' {MISSED}' if missed else ''} | {len(members)} | {fmt_interval([r.final.get('eval_top1') for r in members])} "
-            f"| {_step_matched_diff(members, runs)} | {_step_ratio(members, runs)} | {diff} "
+            f"| {_step_matched_diff(members, runs)} | {_step_ratio(members, runs, speed)} | {diff} "
             f"| {_mean_std([r.final.get('wall_clock_s') for r in members], '.1f')} | {ratio} "
             f"| {reach[0]} | {reach[1]} | {_mean_std([r.kept_frac for r in members], '.3f')} "
             f"| {_mean_std([r.forward_frac for r in members], '.3f')} "
@@ -417,10 +418,15 @@ def _step_matched_diff(members: Sequence[Run], runs: Sequence[Run]) -> str:
     return f"{fmt_interval(diffs, '.2f', signed=True)} (n={len(diffs)})" if diffs else "n/a"
 
 
-def _step_ratio(members: Sequence[Run], runs: Sequence[Run]) -> str:
-    """The step-time ratio r the rule's step-matched dense runs were made with (``--ratio``)."""
+def _step_ratio(members: Sequence[Run], runs: Sequence[Run], speed: Sequence[dict] = ()) -> str:
+    """The step-time ratio r the rule's step-matched dense runs were made with (``--ratio``), with its 95%
+    interval when ``speed`` (benchmarks/interleaved.py's rows) has the arm it was read from."""
     ratios = sorted({float(d.config["ratio"]) for _, d in step_matched_pairs(members, runs) if d.config.get("ratio")})
-    return ", ".join(f"{r:g}" for r in ratios) if ratios else "n/a"
+    cells = []
+    for r in ratios:
+        arm = next((a for a in speed if round(a.get("vs_dense", math.nan), 3) == r and "vs_dense_lo" in a), None)
+        cells.append(f"{r:g}" if arm is None else f"{r:g} [{arm['vs_dense_lo']:.3f}, {arm['vs_dense_hi']:.3f}]")
+    return ", ".join(cells) if cells else "n/a"
 
 
 def compare_page(runs: Sequence[Run], table: str, figures: Sequence[str]) -> str:
