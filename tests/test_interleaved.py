@@ -43,6 +43,13 @@ def test_tiny_run_reports_ratios_with_intervals(tmp_path):
         assert math.isfinite(r["ratio_hi"]), f"{r['arm']}: the interval's upper end should be finite with 3 blocks, got {r['ratio_hi']}"
         assert r["ratio"] == pytest.approx(sum(r["block_ratios"]) / 3, rel=1e-12), (
             f"{r['arm']}: the ratio should be the mean of the block ratios {r['block_ratios']}, got {r['ratio']!r}")
+        per_block = [a / d for a, d in zip(r["block_ratios"], rows["dense"]["block_ratios"])]
+        mean = sum(per_block) / 3
+        assert r["vs_dense_lo"] <= mean <= r["vs_dense_hi"], (
+            f"{r['arm']}: the interval of r vs dense should hold the mean of its per-block ratios to dense "
+            f"({mean}): [{r['vs_dense_lo']}, {r['vs_dense_hi']}]")
+    assert rows["dense"]["vs_dense_lo"] == rows["dense"]["vs_dense_hi"] == 1.0, (
+        f"dense over itself, block by block, is exactly 1: [{rows['dense']['vs_dense_lo']}, {rows['dense']['vs_dense_hi']}]")
     assert data["env"]["dataset"] == "digits", (
         f"the run should record the harness's dataset (digits), got {data['env']['dataset']!r}")
     assert data["env"]["blocks"] == 3, f"the run should record --blocks 3, got {data['env']['blocks']!r}"
