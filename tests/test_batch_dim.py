@@ -125,7 +125,8 @@ def test_torchvision_tiny_vit_selects_rows_exactly():
     assert rec.backward == "selected rows", rec.as_dict()
     tokens = (32 // 8) ** 2 + 1  # patches and the class token
     grad = model.encoder.layers[0].self_attention.in_proj_weight.grad
-    assert grad is not None and grad.norm() > 0, "no gradient reached the attention: the check would be vacuous"
+    assert grad is not None, "no gradient reached the attention: the check would be vacuous"
+    assert grad.norm() > 0, "the attention's gradient is zero: the check would be vacuous"
     assert (0, tokens, 1) in _token_major_specs(rec), rec.plan.specs
 
 
@@ -194,8 +195,10 @@ def test_mixing_the_moved_batch_is_refused(how, reason):
     with pytest.warns(UserWarning):
         F.cross_entropy(cm(x), y).backward()
     st_ = capskip_fx.stats(cm)
-    assert st_.mode == "dense" and st_.kept == N, st_
-    assert st_.fallback is not None and reason in st_.fallback, st_.fallback
+    assert st_.mode == "dense", f"the refused model's step should be dense: {st_}"
+    assert st_.kept == N, f"a dense step keeps every row: {st_}"
+    assert st_.fallback is not None, f"a dense step should say why: {st_}"
+    assert reason in st_.fallback, f"the reason should name {reason!r}: {st_.fallback!r}"
     grads = {k: p.grad for k, p in model.named_parameters()}
     err = max_rel_err(grads, reference_grads(model, x, y, torch.ones(N, dtype=torch.float64)))
     assert err < 1e-10, f"dense fallback: max rel. error {err:.3g}"
@@ -236,7 +239,8 @@ def test_vcas_runs_exact_on_a_token_major_graph():
     x, y = _data("tokens", 0)
     F.cross_entropy(cm(x), y).backward()
     note = capskip_fx.report(cm)[0]["vcas"]
-    assert note is not None and "token-major" in note, note
+    assert note is not None, "the graph should note why VCAS did not apply"
+    assert "token-major" in note, f"the note should name the token-major dim: {note!r}"
     assert not cm.backend.state.runners, "a VCAS runner was built"
     grads = {k: p.grad for k, p in model.named_parameters()}
     err = max_rel_err(grads, reference_grads(model, x, y, torch.ones(N, dtype=torch.float64)))

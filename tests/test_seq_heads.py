@@ -134,7 +134,9 @@ def test_stale_sb_pairs_sequence_losses_with_dataset_indices():
     ref_model = copy.deepcopy(model)
     _loss(cm(x, capskip_index=torch.arange(N)), y).backward()
     st = capskip_fx.stats(cm)
-    assert st.mode == "selected" and 0 < st.kept < N and st.rows < N, st
+    assert st.mode == "selected", f"the backward should run on the kept sequences: {st}"
+    assert 0 < st.kept < N, f"the rule should keep some sequences and skip others: {st}"
+    assert st.rows < N, f"the backward should run on fewer than all {N} sequences: {st}"
     err = _rel_err(_grads(model), _weighted_reference(ref_model, x, y, st.weight.double()))
     assert err < 1e-10, err
     cached = cm.rule.cache_loss[:N]
@@ -152,7 +154,8 @@ def test_token_head_without_bias_and_the_sketch_stay_exact():
     ref_model = copy.deepcopy(model)
     _loss(cm(x), y).backward()
     st = capskip_fx.stats(cm)
-    assert st.mode == "selected" and 0 < st.kept < N, st
+    assert st.mode == "selected", f"the backward should run on the kept sequences: {st}"
+    assert 0 < st.kept < N, f"the rule should keep some sequences and skip others: {st}"
     err = _rel_err(_grads(model), _weighted_reference(ref_model, x, y, st.weight.double()))
     assert err < 1e-10, f"sketched selection: gradients differ from the reference: {err}"
 
@@ -164,7 +167,8 @@ def test_token_head_with_a_learnable_scale_is_refused_with_the_reason():
     with pytest.warns(UserWarning, match="no classifier head"):
         _loss(cm(x), y).backward()
     st = capskip_fx.stats(cm)
-    assert st.mode == "dense" and st.kept == N, st
+    assert st.mode == "dense", f"the step should fall back to dense: {st}"
+    assert st.kept == N, f"a dense step keeps every sequence: {st}"
     assert "learnable temperature" in st.fallback, st.fallback
 
 
@@ -242,7 +246,8 @@ def test_explicit_token_targets_with_ignore_index():
     ref_model = copy.deepcopy(model)
     _loss(cm(x, capskip_targets=y), y).backward()
     st = capskip_fx.stats(cm)
-    assert st.mode == "selected" and 0 < st.kept < N, st
+    assert st.mode == "selected", f"the backward should run on the kept sequences: {st}"
+    assert 0 < st.kept < N, f"the rule should keep some sequences and skip others: {st}"
     err = _rel_err(_grads(model), _weighted_reference(ref_model, x, y, st.weight.double()))
     assert err < 1e-10, err
     with torch.no_grad():
@@ -350,7 +355,8 @@ def test_capskip_bound_of_a_compiled_step_matches_per_sequence_gradients():
     cm = capskip_fx.compile(model, rule="capskip", budget=0.6, backend="aot_eager")
     _loss(cm(x), y).backward()
     st = capskip_fx.stats(cm)
-    assert st.mode == "selected" and 0 < st.kept < N, st
+    assert st.mode == "selected", f"the backward should run on the kept sequences: {st}"
+    assert 0 < st.kept < N, f"the rule should keep some sequences and skip others: {st}"
     per = torch.stack(_each_sequence_alone(
         ref, x, y, lambda head: torch.cat([head.weight.grad.flatten(), head.bias.grad])))
     skipped = st.weight.double() == 0
