@@ -5,7 +5,8 @@
 #   UB (its defaults) | VCAS alone | CAPSkip then VCAS inside its kept rows (VCAS_FREQ="" skips these two);
 # SEEDS seeds each, then one compare table + plots in $OUT/compare.  capskip's b: BUDGET, or (unset) the
 # largest of BUDGETS within TOL points of dense on VAL validation rows over SELECT_SEEDS ($OUT/select.md).
-# Finished runs (with result.json) are skipped, so the script can be resumed; FORCE=1 reruns.
+# Finished runs (with result.json) are skipped, so the script can be resumed; FORCE=1 reruns.  Two copies
+# started side by side (one per core) share the runs: each run is locked by the copy running it.
 # ONLY="vcas ub" runs only the runs whose names start with one of those words (the time-matched and SB
 # runs need capskip's result).
 #
@@ -41,10 +42,26 @@ run() {  # run NAME FLAGS...
   if [[ -f "$OUT/$name/result.json" && -z "${FORCE:-}" ]]; then
     echo "== $name: done, skipping"; return
   fi
+  # a second copy of this script (one per core) takes the runs this one has not claimed; the lock is
+  # released when the run's process ends, however it ends
+  mkdir -p "$(dirname "$OUT/$name")"
+  local fd
+  exec {fd}>"$OUT/$name.lock"
+  if ! flock -n "$fd"; then
+    echo "== $name: running in another copy, skipping"; exec {fd}>&-; return
+  fi
   echo "== $name"
   # shellcheck disable=SC2086  # EXTRA is a list of flags
   "$PY" -m capskip_fx.train --config "$CONFIG" --epochs "$E" --train-subset "$TRAIN_SUBSET" \
     --eval-subset "$EVAL_SUBSET" --backend "$BACKEND" --out "$OUT/$name" $EXTRA "$@"
+  exec {fd}>&-
+}
+
+wait_for() {  # wait_for NAME...: until every run has its result.json (those another copy is running)
+  local n
+  for n in "$@"; do
+    while [[ ! -f "$OUT/$n/result.json" ]]; do sleep 20; done
+  done
 }
 
 result() {  # result RUN KEY
@@ -59,6 +76,8 @@ if [[ -z "$BUDGET" ]]; then
       ONLY="" run "select/capskip-b$b-s$s" --rule capskip --budget "$b" --val-split "$VAL" --seed "$s"
     done
   done
+  # shellcheck disable=SC2046
+  wait_for $(for s in $SELECT_SEEDS; do echo "select/dense-s$s"; for b in $BUDGETS; do echo "select/capskip-b$b-s$s"; done; done)
   # shellcheck disable=SC2086  # lists of words
   BUDGET=$("$PY" -m capskip_fx.train choose-budget "$OUT/select" --seeds $SELECT_SEEDS --budgets $BUDGETS \
     --tol "$TOL" --out "$OUT/select.md")
@@ -68,6 +87,7 @@ fi
 for s in $SEEDS; do
   run "dense-s$s" --rule dense --seed "$s"
   run "capskip-b$BUDGET-s$s" --rule capskip --budget "$BUDGET" --seed "$s"
+  [[ -d "$OUT/capskip-b$BUDGET-s$s" ]] && wait_for "capskip-b$BUDGET-s$s"  # another copy may be running it
   wall=$(result "capskip-b$BUDGET-s$s" wall_clock_s 2>/dev/null || true)  # empty under ONLY without capskip
   keep=${SB_KEEP:-$(result "capskip-b$BUDGET-s$s" kept_frac 2>/dev/null || true)}
   run "dense-timematched-b$BUDGET-s$s" --rule dense --time-budget "$wall" --seed "$s"
