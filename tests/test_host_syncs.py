@@ -18,6 +18,7 @@ from capskip_fx.debug import count_host_reads
 from conftest import max_rel_err
 
 from helpers.models import MLP, grads
+from helpers.torch_features import needs_dynamic_sources
 
 pytestmark = pytest.mark.usefixtures("many_compiles")  # conftest: every test compiles its own model
 
@@ -110,6 +111,7 @@ class _Chain(torch.nn.Module):
         return self.head(h)
 
 
+@needs_dynamic_sources
 @pytest.mark.parametrize("gather", ["eager", "graph"])
 def test_regional_compile_reads_nothing_per_block(gather):
     """Each block graph's incoming gradient is the next graph's returned one: it runs on those rows
