@@ -141,3 +141,15 @@ def test_table_marks_missed_budgets_and_loaded_machines(tmp_path, capsys):
     clean = [r for r in runs if r.seed == 1 and r.config.get("rule") != "capskip"]
     assert not report.table_warnings(clean), (
         f"runs on a steady machine that met their budgets need no warning, got {report.table_warnings(clean)}")
+
+
+def test_rows_by_epoch_is_each_epoch_share_of_its_own_rows():
+    """summary.csv counts rows cumulatively: each epoch's share is the difference of the counts."""
+    run = report.Run(path=None, config={}, summary=[
+        {"epoch": 1, "backward_rows": 80, "rows": 100},
+        {"epoch": 2, "backward_rows": 130, "rows": 200},   # 50 of the second 100
+        {"epoch": 3, "backward_rows": 150, "rows": 280}])  # 20 of 80 (a smaller last epoch)
+    assert plots.rows_by_epoch(run) == [0.8, 0.5, 0.25], (
+        f"per-epoch shares should be 80/100, 50/100, 20/80, got {plots.rows_by_epoch(run)}")
+    old = report.Run(path=None, config={}, summary=[{"epoch": 1, "eval_top1": 50.0}])
+    assert plots.rows_by_epoch(old) == [], "a summary without row counts has no per-epoch shares to plot"

@@ -15,7 +15,7 @@ from matplotlib.figure import Figure
 
 from .report import Run, band, eval_curve, group_runs
 
-PLOTS = ("accuracy_vs_wallclock.png", "accuracy_vs_epoch.png", "kept_fraction.png")
+PLOTS = ("accuracy_vs_wallclock.png", "accuracy_vs_epoch.png", "kept_fraction.png", "rows_by_epoch.png")
 
 
 def _colors(labels: Sequence[str]) -> dict[str, Any]:
@@ -51,9 +51,49 @@ def _group_curve(members: Sequence[Run], name: str) -> tuple[np.ndarray, np.ndar
     return grid, np.stack([np.interp(grid, x, y) for x, y in curves])
 
 
+def rows_by_epoch(r: Run) -> list[float]:
+    """The share of the forwarded rows whose backward ran, per epoch (from summary.csv's running counts)."""
+    out, prev_b, prev_n = [], 0, 0
+    for s in r.summary:
+        b, n = s.get("backward_rows"), s.get("rows")
+        if b is None or n is None:
+            return []
+        out.append((b - prev_b) / max(1, n - prev_n))
+        prev_b, prev_n = b, n
+    return out
+
+
+def _plot_rows_by_epoch(groups: dict, colors: dict, out: Path) -> None:
+    """Per group that skips rows: the share of rows back-propagated per epoch, mean over seeds with its
+    95% band; the right axis reads it as the GPU step ratio (1 + 2k)/3 it projects (forward:backward 1:2)."""
+    fig = Figure(figsize=(6.4, 4.2), layout="constrained")
+    ax = fig.subplots()
+    for label, members in groups.items():
+        per = [rows_by_epoch(r) for r in members]
+        per = [p for p in per if p]
+        if not per or all(k >= 1.0 for p in per for k in p):
+            continue
+        length = min(len(p) for p in per)
+        ys = np.array([p[:length] for p in per])
+        mean, half = band(ys)
+        xs = np.arange(1, length + 1)
+        ax.plot(xs, mean, color=colors[label], marker=".", label=f"{label} (n={len(per)})" if len(per) > 1 else label)
+        if len(per) > 1:
+            ax.fill_between(xs, mean - half, mean + half, color=colors[label], alpha=0.2, linewidth=0)
+    ax.set_xlabel("epoch")
+    ax.set_ylabel("rows back-propagated / rows forwarded")
+    ax.set_ylim(0, 1.05)
+    right = ax.secondary_yaxis("right", functions=(lambda k: (1 + 2 * k) / 3, lambda r: (3 * r - 1) / 2))
+    right.set_ylabel("projected GPU step ratio (1 + 2k)/3, not measured")
+    ax.grid(alpha=0.3)
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend(fontsize="small")
+    fig.savefig(out, dpi=110)
+
+
 def plot_runs(runs: Sequence[Run], out_dir: str | Path) -> list[Path]:
     """Accuracy vs wall-clock, accuracy vs epoch (one mean curve with its 95% band per group), kept
-    fraction over steps (one line per run)."""
+    fraction over steps (one line per run), rows back-propagated per epoch (:func:`_plot_rows_by_epoch`)."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     groups = group_runs(runs)
@@ -91,4 +131,6 @@ def plot_runs(runs: Sequence[Run], out_dir: str | Path) -> list[Path]:
             ax.legend(fontsize="small")
         fig.savefig(out_dir / name, dpi=110)
         written.append(out_dir / name)
+    _plot_rows_by_epoch(groups, colors, out_dir / "rows_by_epoch.png")
+    written.append(out_dir / "rows_by_epoch.png")
     return written
