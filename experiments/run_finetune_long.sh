@@ -54,9 +54,9 @@ run() {  # run DIR FLAGS...: skip a finished run, resume an interrupted one from
   fi
   # a second copy of this script (one per core) takes the runs this one has not claimed; the lock
   # is released when the run's process ends, however it ends
-  mkdir -p "$(dirname "$dir")"
+  mkdir -p "$(dirname "$dir")/.locks"
   local fd
-  exec {fd}>"$dir.lock"
+  exec {fd}>"$(dirname "$dir")/.locks/$(basename "$dir").lock"
   if ! flock -n "$fd"; then
     echo "== $dir: running in another copy, skipping"; exec {fd}>&-; return
   fi

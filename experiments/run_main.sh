@@ -44,9 +44,9 @@ run() {  # run NAME FLAGS...
   fi
   # a second copy of this script (one per core) takes the runs this one has not claimed; the lock is
   # released when the run's process ends, however it ends
-  mkdir -p "$(dirname "$OUT/$name")"
+  mkdir -p "$(dirname "$OUT/.locks/$name")"
   local fd
-  exec {fd}>"$OUT/$name.lock"
+  exec {fd}>"$OUT/.locks/$name.lock"
   if ! flock -n "$fd"; then
     echo "== $name: running in another copy, skipping"; exec {fd}>&-; return
   fi
