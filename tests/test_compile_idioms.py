@@ -573,3 +573,24 @@ def test_an_rnn_gets_its_true_reason():
     else:  # the head's graph after the break selects; the eager LSTM gets the kept rows' gradient
         assert s.mode == "selected", s
         assert s.rows < s.n, s
+
+
+
+@needs_dynamic_sources
+def test_published_gradients_do_not_outlive_their_backward():
+    """The gradients a gathered backward returns are held (their identity proves the next graph's rows)
+    only while the backward runs: nothing of a step's backward is kept after it."""
+    from capskip_fx.backend import backend_of
+
+    torch.manual_seed(7)
+    model = _compile_regions(Tokens().double())
+    for _ in range(3):
+        x, y = torch.randn(N, 5, 4, dtype=torch.float64), torch.randint(0, 3, (N,))
+        loss = F.cross_entropy(model(x), y)
+        published = backend_of(model.head).state.published
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            loss.backward()
+        assert len(published) == 0, f"{len(published)} published gradients outlived their backward"
+    rep = capskip_fx.report(model)
+    assert rep[0]["rows_reused"] == 3, f"blocks[0] should take blocks[1]'s rows each step: {rep[0]}"

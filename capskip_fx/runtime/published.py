@@ -34,17 +34,24 @@ class PublishedRows:
             self._items.extend(new)
             # once per publishing backward is enough; queued each time so a backward that raised cannot
             # leave the list uncleared for good
-            torch.autograd.Variable._execution_engine.queue_callback(self._items.clear)
+            torch.autograd.Variable._execution_engine.queue_callback(self.clear)
 
     def rows_of(self, tangents: list[Tensor], n: int) -> Optional[Tensor]:
-        """The index every tangent is zero outside, if each one is a published gradient of one index."""
-        idx = None
+        """The index every tangent is zero outside, if each one is a published gradient of one index.
+        A match is dropped from the list (autograd hands a gradient to one node): its memory is freed
+        as soon as the body's backward is done with it, not at the end of the whole backward."""
+        idx, hits = None, []
         for t in tangents:
             hit = next((it for it in self._items if it[0] is t), None)
             if hit is None or hit[1] != t._version or hit[3] != n or (idx is not None and hit[2] is not idx):
                 return None
             idx = hit[2]
+            hits.append(hit)
+        self._items = [it for it in self._items if not any(it is h for h in hits)]
         return idx
+
+    def clear(self) -> None:
+        self._items = []
 
     def __len__(self) -> int:
         return len(self._items)
