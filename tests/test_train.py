@@ -7,6 +7,7 @@ from __future__ import annotations
 import csv
 import json
 import re
+import shutil
 from pathlib import Path
 
 import pytest
@@ -288,15 +289,26 @@ def test_compare_pairs_step_matched_dense_by_seed(tmp_path):
     assert cells[3].endswith("(n=2)"), (
         f"Δ vs step-matched dense pairs 2 seeds and must say (n=2); the cell reads {cells[3]!r}")
     assert cells[4] == "0.6", f"step-time r cell should be the step-matched runs' --ratio, got {cells[4]!r}"
+    # moved runs (a results folder): steps_of no longer names a run here, the folder name still does
+    moved = tmp_path / "moved"
+    shutil.copytree(runs, moved)
+    shutil.rmtree(runs)
+    table = train.run(["compare", str(moved), "--out", str(tmp_path / "cmp")])
+    cap = next(l for l in table.splitlines() if l.startswith("| capskip b=0.1 "))
+    cell = [c.strip() for c in cap.split("|")[1:-1]][3]
+    assert cell.startswith("+2.50"), f"moved runs should still pair with their step-matched dense; the cell reads {cell!r}"
+    runs = moved
     # with the interleaved benchmark's JSON, the ratio carries the interval of the arm it was read from
     speed = tmp_path / "speed.json"
     speed.write_text(json.dumps({"rows": [
         {"arm": "dense", "vs_dense": 1.0, "vs_dense_lo": 1.0, "vs_dense_hi": 1.0},
-        {"arm": "forced:keep=0.5", "vs_dense": 0.6004, "vs_dense_lo": 0.55, "vs_dense_hi": 0.65}]}))
+        {"arm": "forced:keep=0.300", "vs_dense": 0.5996, "vs_dense_lo": 0.50, "vs_dense_hi": 0.70},  # same r, other rows
+        {"arm": "forced:keep=0.400", "vs_dense": 0.6004, "vs_dense_lo": 0.55, "vs_dense_hi": 0.65}]}))
     table = train.run(["compare", str(runs), "--out", str(tmp_path / "cmp"), "--speed", str(speed)])
     cap = next(l for l in table.splitlines() if l.startswith("| capskip b=0.1 "))
     cell = [c.strip() for c in cap.split("|")[1:-1]][4]
-    assert cell == "0.6 [0.550, 0.650]", f"step-time r should carry its arm's 95% interval, the cell reads {cell!r}"
+    assert cell == "0.6 [0.550, 0.650]", (
+        f"step-time r should carry the interval of the arm timing capskip's 40 % of rows, the cell reads {cell!r}")
 
 
 def test_cli_errors_come_before_any_work(tmp_path, capsys):

@@ -399,14 +399,21 @@ def _table(runs: Sequence[Run], drift: float = LOAD_DRIFT, speed: Sequence[dict]
 
 
 def step_matched_pairs(members: Sequence[Run], runs: Sequence[Run]) -> list[tuple[Run, Run]]:
-    """(rule run, its step-matched dense run) for each member some run names with ``steps_of``, same seed."""
-    by_path = {}
+    """(rule run, its step-matched dense run) for each member some run names with ``steps_of``, same seed.
+    A ``steps_of`` path that names no run here (the runs were moved, e.g. into a results folder) matches
+    the run folder of the same name."""
+    by_path, by_name = {}, {}
+    here = {r.path.resolve() for r in runs}
     for r in runs:
         if r.config.get("steps_of"):
-            by_path.setdefault(Path(r.config["steps_of"]).resolve(), []).append(r)
+            target = Path(r.config["steps_of"])
+            if target.resolve() in here:
+                by_path.setdefault(target.resolve(), []).append(r)
+            else:
+                by_name.setdefault(target.name, []).append(r)
     pairs = []
     for m in members:
-        for d in by_path.get(m.path.resolve(), []):
+        for d in by_path.get(m.path.resolve(), []) + by_name.get(m.path.name, []):
             if d.seed == m.seed:
                 pairs.append((m, d))
     return pairs
@@ -424,9 +431,19 @@ def _step_ratio(members: Sequence[Run], runs: Sequence[Run], speed: Sequence[dic
     ratios = sorted({float(d.config["ratio"]) for _, d in step_matched_pairs(members, runs) if d.config.get("ratio")})
     cells = []
     for r in ratios:
-        arm = next((a for a in speed if round(a.get("vs_dense", math.nan), 3) == r and "vs_dense_lo" in a), None)
-        cells.append(f"{r:g}" if arm is None else f"{r:g} [{arm['vs_dense_lo']:.3f}, {arm['vs_dense_hi']:.3f}]")
+        arms = [a for a in speed if round(a.get("vs_dense", math.nan), 3) == r and "vs_dense_lo" in a]
+        if len(arms) > 1:  # several arms read the same r: the one timing this rule's share of rows
+            arms = [a for a in arms if a["arm"] == f"forced:keep={_rows_share(members):.3f}"]
+        cells.append(f"{r:g}" if len(arms) != 1 else f"{r:g} [{arms[0]['vs_dense_lo']:.3f}, {arms[0]['vs_dense_hi']:.3f}]")
     return ", ".join(cells) if cells else "n/a"
+
+
+def _rows_share(members: Sequence[Run]) -> float:
+    """Rows back-propagated / rows forwarded over the runs (their last summary rows): the share of rows the
+    interleaved benchmark's ``forced:keep=`` arm for them times."""
+    back = sum(r.final.get("backward_rows") or 0 for r in members)
+    rows = sum(r.final.get("rows") or 0 for r in members)
+    return back / rows if rows else math.nan
 
 
 def compare_page(runs: Sequence[Run], table: str, figures: Sequence[str]) -> str:
