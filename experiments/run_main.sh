@@ -31,6 +31,8 @@ EXTRA=${EXTRA:-}                    # flags for every run, e.g. "--threads 2 --d
 PY=${PYTHON:-python}
 
 cd "$(dirname "$0")/.."
+# shellcheck source=experiments/locks.sh
+source experiments/locks.sh
 
 run() {  # run NAME FLAGS...
   local name=$1; shift
@@ -42,26 +44,10 @@ run() {  # run NAME FLAGS...
   if [[ -f "$OUT/$name/result.json" && -z "${FORCE:-}" ]]; then
     echo "== $name: done, skipping"; return
   fi
-  # a second copy of this script (one per core) takes the runs this one has not claimed; the lock is
-  # released when the run's process ends, however it ends
-  mkdir -p "$(dirname "$OUT/.locks/$name")"
-  local fd
-  exec {fd}>"$OUT/.locks/$name.lock"
-  if ! flock -n "$fd"; then
-    echo "== $name: running in another copy, skipping"; exec {fd}>&-; return
-  fi
   echo "== $name"
   # shellcheck disable=SC2086  # EXTRA is a list of flags
-  "$PY" -m capskip_fx.train --config "$CONFIG" --epochs "$E" --train-subset "$TRAIN_SUBSET" \
-    --eval-subset "$EVAL_SUBSET" --backend "$BACKEND" --out "$OUT/$name" $EXTRA "$@"
-  exec {fd}>&-
-}
-
-wait_for() {  # wait_for NAME...: until every run has its result.json (those another copy is running)
-  local n
-  for n in "$@"; do
-    while [[ ! -f "$OUT/$n/result.json" ]]; do sleep 20; done
-  done
+  locked "$OUT/.locks/$name.lock" "$PY" -m capskip_fx.train --config "$CONFIG" --epochs "$E" \
+    --train-subset "$TRAIN_SUBSET" --eval-subset "$EVAL_SUBSET" --backend "$BACKEND" --out "$OUT/$name" $EXTRA "$@"
 }
 
 result() {  # result RUN KEY
@@ -77,7 +63,7 @@ if [[ -z "$BUDGET" ]]; then
     done
   done
   # shellcheck disable=SC2046
-  wait_for $(for s in $SELECT_SEEDS; do echo "select/dense-s$s"; for b in $BUDGETS; do echo "select/capskip-b$b-s$s"; done; done)
+  wait_for $(for s in $SELECT_SEEDS; do echo "$OUT/select/dense-s$s"; for b in $BUDGETS; do echo "$OUT/select/capskip-b$b-s$s"; done; done)
   # shellcheck disable=SC2086  # lists of words
   BUDGET=$("$PY" -m capskip_fx.train choose-budget "$OUT/select" --seeds $SELECT_SEEDS --budgets $BUDGETS \
     --tol "$TOL" --out "$OUT/select.md")
@@ -87,7 +73,7 @@ fi
 for s in $SEEDS; do
   run "dense-s$s" --rule dense --seed "$s"
   run "capskip-b$BUDGET-s$s" --rule capskip --budget "$BUDGET" --seed "$s"
-  [[ -d "$OUT/capskip-b$BUDGET-s$s" ]] && wait_for "capskip-b$BUDGET-s$s"  # another copy may be running it
+  [[ -d "$OUT/capskip-b$BUDGET-s$s" ]] && wait_for "$OUT/capskip-b$BUDGET-s$s"  # another copy may be running it
   wall=$(result "capskip-b$BUDGET-s$s" wall_clock_s 2>/dev/null || true)  # empty under ONLY without capskip
   keep=${SB_KEEP:-$(result "capskip-b$BUDGET-s$s" kept_frac 2>/dev/null || true)}
   run "dense-timematched-b$BUDGET-s$s" --rule dense --time-budget "$wall" --seed "$s"
