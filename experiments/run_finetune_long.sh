@@ -143,7 +143,7 @@ print(f"{back / rows:.3f}")
 EOF
 }
 SPEED=$RESULTS/speed
-exec {speed_fd}>"$SPEED.lock"; flock "$speed_fd"  # one copy measures, alone; the other waits for it
+mkdir -p "$OUT/.locks"; exec {speed_fd}>"$OUT/.locks/speed.lock"; flock "$speed_fd"  # one copy measures, alone; the other waits for it
 if [[ ! -f "$SPEED.json" || -n "${FORCE:-}" ]]; then
   k_cap=$(rows_frac capskip); k_kab=$(rows_frac kabena); k_ci=$(rows_frac capskip+infobatch)
   # shellcheck disable=SC2086
