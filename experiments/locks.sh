@@ -22,3 +22,10 @@ wait_for() {  # wait_for RUN_DIR...: until every run has its result.json
     while [[ ! -f "$d/result.json" ]]; do sleep 20; done
   done
 }
+
+wait_unlocked() {  # wait_unlocked LOCK_DIR: until no copy holds a run lock under LOCK_DIR (a crashed run's is free)
+  local l
+  while IFS= read -r -d '' l; do
+    flock "$l" true
+  done < <(find "$1" -name '*.lock' -print0 2>/dev/null)
+}

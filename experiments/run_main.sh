@@ -89,4 +89,5 @@ for s in $SEEDS; do
   fi
 done
 
+wait_unlocked "$OUT/.locks"  # the runs another copy is still making
 "$PY" -m capskip_fx.train compare "$OUT"/*-s*/ --out "$OUT/compare"  # the comparison runs, not select/
