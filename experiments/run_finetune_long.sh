@@ -177,25 +177,23 @@ wait_for $(for s in $SEEDS; do for r in capskip kabena infobatch capskip+infobat
 # ---- the tables: compare, and the kept fraction per epoch with its projected GPU ratio
 "$PY" -m capskip_fx.train compare "$OUT/runs" --out "$RESULTS" --speed "$SPEED.json"
 "$PY" - "$OUT/runs" "$RESULTS/kept_by_epoch.md" $SEEDS <<'EOF'
-import csv, statistics, sys
+import statistics, sys
 from pathlib import Path
+from capskip_fx.train.plots import rows_by_epoch
+from capskip_fx.train.report import load_run
 root, out, seeds = Path(sys.argv[1]), Path(sys.argv[2]), sys.argv[3:]
 lines = ["# Kept fraction per epoch (mean over seeds) and the projected GPU step ratio", "",
          "Projection, not a measurement: a GPU step whose forward:backward cost is 1:2 runs (1 + 2k)/3 of dense "
          "when it back-propagates a share k of the rows (k = backward rows / rows in the epoch).", ""]
 for rule in ("capskip", "kabena", "capskip+infobatch"):
-    per = [list(csv.DictReader(open(root / f"{rule}-s{s}" / "summary.csv"))) for s in seeds
-           if (root / f"{rule}-s{s}" / "summary.csv").exists()]
+    per = [load_run(root / f"{rule}-s{s}", with_steps=False) for s in seeds if (root / f"{rule}-s{s}").is_dir()]
     if not per:
         continue
     lines += [f"## {rule} (n = {len(per)} seeds)", "", "| epoch | kept | rows run | projected GPU ratio |", "|---|---|---|---|"]
-    for e in range(min(len(p) for p in per)):
-        kept = statistics.fmean(float(p[e]["mean_kept_frac"]) for p in per)
-        run = []
-        for p in per:
-            prev = p[e - 1] if e else {"backward_rows": 0, "rows": 0}
-            run.append((int(p[e]["backward_rows"]) - int(prev["backward_rows"])) / max(1, int(p[e]["rows"]) - int(prev["rows"])))
-        k = statistics.fmean(run)
+    shares = [rows_by_epoch(r) for r in per]
+    for e in range(min(len(r.summary) for r in per)):
+        kept = statistics.fmean(float(r.summary[e]["mean_kept_frac"]) for r in per)
+        k = statistics.fmean(sh[e] for sh in shares)
         lines.append(f"| {e + 1} | {kept:.3f} | {k:.3f} | {(1 + 2 * k) / 3:.3f} |")
     lines.append("")
 out.write_text("\n".join(lines))
