@@ -298,9 +298,11 @@ Result = Union[Layout, list]  # a Layout, or one Optional[Layout] per tuple elem
 
 
 class _Walk:
-    def __init__(self, graph: fx.Graph, sym: sympy.Symbol, exclude: frozenset = frozenset()):
+    def __init__(self, graph: fx.Graph, sym: sympy.Symbol, exclude: frozenset = frozenset(),
+                 seeds: Optional[dict] = None):
         self.graph, self.sym = graph, sym
-        self.bwd = backward_nodes(graph)
+        self.seeds = seeds  # analyze_rowwise: the inputs' layouts, by name; every node is walked
+        self.bwd = backward_nodes(graph) if seeds is None else set()
         self.exclude = exclude
         self.lay: dict[fx.Node, Result] = {}
         self.any_layout: set[fx.Node] = set()  # batch values whose rows are constant or i.i.d. random
@@ -429,7 +431,7 @@ class _Walk:
     def visit(self, n: fx.Node) -> Optional[Result]:
         val = n.meta.get("val")
         if n.op == "placeholder":
-            return self.placeholder(val)
+            return self.seeds[n.name] if self.seeds is not None and n.name in self.seeds else self.placeholder(val)
         if n.op == "get_attr":
             return self.per_output(n, self.from_shape)
         if n.target is operator.getitem:
@@ -1018,3 +1020,14 @@ def analyze(graph: fx.Graph, sym: sympy.Symbol, exclude=()) -> LayoutAnalysis:
     if not isinstance(sym, sympy.Symbol):
         raise ValueError(f"the batch size must be a sympy Symbol (the batch dim marked dynamic), got {sym!r}")
     return _Walk(graph, sym, frozenset(exclude)).run()
+
+
+def analyze_rowwise(graph: fx.Graph, sym: sympy.Symbol, seeds: dict[str, Layout]) -> LayoutAnalysis:
+    """Layouts of every value of a graph (a backward graph: no forward/backward split) whose inputs'
+    layouts are given, ``seeds`` by placeholder name (an input not named is read from its sizes as the
+    forward's inputs are).  The same rules and invariants as :func:`analyze`: ``refusal is None`` means
+    every value is row-separable along its layout and every output is free or batch-major, so output row
+    ``b`` depends on row ``b`` of the batch inputs and on the free ones only (passes/prefix_rows.py)."""
+    if not isinstance(sym, sympy.Symbol):
+        raise ValueError(f"the batch size must be a sympy Symbol, got {sym!r}")
+    return _Walk(graph, sym, seeds=dict(seeds)).run()

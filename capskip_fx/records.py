@@ -173,6 +173,7 @@ class GraphRecord:
     checks: int = 0  # verify comparisons run
     host_reads: int = 0  # body backwards that read their rows from the device (their own nonzero rows)
     rows_reused: int = 0  # body backwards that ran on the rows of the gathered backward that fed them (no read)
+    prefix_rows: int = 0  # backwards whose in-graph loss's backward ran on the kept rows only (chosen first)
 
     def settle(self, **fields: Any) -> Optional[Refusal]:
         """Replace compile fields (a pipeline result).  A ``refusal`` is kept only if the graph had none
@@ -234,7 +235,9 @@ class GraphRecord:
                 "reason": self.reason, "where": None if self.refusal is None else self.refusal.where,
                 "gathered_inputs": c.plan.gathered_inputs if c.plan else 0,
                 "row_counts": sorted(self.row_counts), "verified": self.verified, "vcas": c.vcas,
-                "host_reads": self.host_reads, "rows_reused": self.rows_reused,
+                "host_reads": self.host_reads, "rows_reused": self.rows_reused, "prefix_rows": self.prefix_rows,
+                "loss_backward": None if c.plan is None or c.plan.prefix is None else
+                "all rows: " + c.plan.prefix.whole_rows if c.plan.prefix.whole_rows else "row-wise: kept rows when the rule reads no dL/dz",
                 "gather": c.gather if c.gather_refused is None else f"eager ({c.gather_refused})"}
 
 

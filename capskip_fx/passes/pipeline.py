@@ -13,6 +13,7 @@ joint graph (Inductor's ``joint_custom_pre_pass``, before partitioning), :func:`
 backward graph (Inductor's ``inner_compile``), :func:`backward`:
   5. selected_rows.plan_backward    the selection node -> a new last input w; every gathered input
                                     checked against step 3's proof; an in-graph loss's prefix split off
+     prefix_rows.prove_prefix_rows  that prefix row-wise (it may then run on the kept rows only)
   6. compile: VCAS (the context's ``vcas``, when set), else gather_in_graph.gather_in_graph
      (gather="graph"), else the plain graph
   7. symbolic.check_not_specialised compiling must not have fixed the batch size
@@ -25,7 +26,7 @@ from __future__ import annotations
 
 import functools
 import pathlib
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from types import MappingProxyType
 from typing import Any, Callable, Mapping, Optional
 
@@ -39,6 +40,7 @@ from . import insert_select
 from .find_head import find_head, find_in_graph_loss
 from .gather_in_graph import check_full_rows_free, gather_in_graph
 from .insert_select import SELECT
+from .prefix_rows import prove_prefix_rows
 from .row_index import recompute_row_indices
 from .selected_rows import BackwardPlan, plan_backward
 
@@ -209,7 +211,8 @@ def backward(gm: fx.GraphModule, example_inputs, joint_result: Optional[JointRes
         return BackwardResult(compile_graph(gm, example_inputs, **kwargs), BackwardMode.DENSE_MASKED,
                               refusal=e.refusal, select_in_graph=any(n.target is SELECT for n in gm.graph.nodes))
     prefix = None
-    if plan.prefix is not None:  # an in-graph loss: its backward runs first, on all rows
+    if plan.prefix is not None:  # an in-graph loss: its backward runs first (on the kept rows if row-wise)
+        plan = _prefix_rows(plan)
         prefix = compile_graph(plan.prefix.gm, list(plan.prefix.examples), **dict(kwargs, static_input_idxs=()))
     inputs = list(example_inputs) + [w_val]
     compiled, vcas_note, gather_refused = None, None, None
@@ -233,6 +236,17 @@ def backward(gm: fx.GraphModule, example_inputs, joint_result: Optional[JointRes
         refusal, mode = e.refusal, BackwardMode.DENSE_MASKED
     return BackwardResult(compiled, mode, plan, prefix, refusal, in_graph=in_graph, gather_refused=gather_refused,
                           vcas=vcas_note, segmented=segmented, graph=gm)
+
+
+def _prefix_rows(plan: BackwardPlan) -> BackwardPlan:
+    """The plan with its prefix's row proof: the specs its kept rows are gathered by, or why it runs on all rows."""
+    pre = plan.prefix
+    n_out = len(pre.gm.graph.output_node().args[0])
+    try:
+        specs = prove_prefix_rows(pre.gm, list(pre.examples), plan.sym, plan.specs[len(plan.specs) - n_out:])
+    except Refused as e:
+        return replace(plan, prefix=replace(pre, whole_rows=e.refusal.detail))
+    return replace(plan, prefix=replace(pre, specs=specs))
 
 
 def _token_major(layouts: Mapping) -> bool:

@@ -37,12 +37,15 @@ from .insert_select import SELECTION_OPS
 
 @dataclass
 class Prefix:
-    """An in-graph loss: the backward nodes that compute dL/dz run first, on all rows, as their own graph."""
+    """An in-graph loss: the backward nodes that compute dL/dz run first, as their own graph: on all rows,
+    or on the kept rows when proven row-wise (passes/prefix_rows.py) and the rule reads no dL/dz."""
 
     gm: fx.GraphModule
     examples: list  # its example inputs
     args: tuple[int, ...]  # which backward inputs it takes
     keep: tuple[int, ...]  # which backward inputs the rest of the backward takes (then the prefix's outputs)
+    specs: Optional[list] = None  # row-wise: its inputs' specs (how the kept rows are gathered); None: all rows
+    whole_rows: Optional[str] = None  # why it runs on every row whatever the rule (not proven row-wise)
 
 
 @dataclass

@@ -50,7 +50,9 @@ class HeadView:
     # (view_losses, head_gram)
     # a cosine head (``s * normalize(x) @ normalize(W).T``): h is (N, 1, d + 2C), its Gram features
     # (passes/find_head.py; is_cosine, cosine_gram)
-    delta: Tensor  # (N, C) dL/dz: the logits' incoming gradient (includes 1/N and any loss scale)
+    # (N, C) dL/dz: the logits' incoming gradient (includes 1/N and any loss scale); None for a rule that
+    # does not read it (Rule.reads_gradient False) when an in-graph loss's backward has not run yet
+    delta: Optional[Tensor]
     h: Tensor  # (N, d) head input (penultimate features)
     z: Tensor  # (N, C) logits
     targets: Optional[Tensor] = None  # (N,) int64 labels: explicit, or inferred from delta; -1 = unknown
@@ -62,12 +64,12 @@ class HeadView:
 
     @property
     def n(self) -> int:
-        return self.delta.shape[0]
+        return self.z.shape[0]
 
     @property
     def tokens(self) -> bool:
         """Token-shaped logits (N, T, C): a row is a sequence."""
-        return self.delta.dim() == 3
+        return self.z.dim() == 3
 
 
 def is_cosine(delta: Tensor, h: Tensor) -> bool:
@@ -219,6 +221,10 @@ class Rule:
     # reads labels (correctness, per-example CE): the runtime then also falls back on an all-zero dL/dz
     # or, without explicit targets, a dL/dz that is not a softmax's.  True unless a rule says otherwise.
     needs_labels: bool = True
+    # reads ``view.delta`` (dL/dz).  False: the rule chooses from h, z, labels and its own state only, so
+    # with an in-graph loss the runtime may choose before that loss's backward and run it on the kept rows
+    # (passes/prefix_rows.py); ``view.delta`` is None then.
+    reads_gradient: bool = True
 
     def finish(self, sel: Selection) -> Selection:
         """Apply ``self.normalize`` to ``sel.weight`` (every rule returns through this)."""
@@ -255,7 +261,7 @@ class SeededRule(Rule):
     def generator(self, view: HeadView) -> torch.Generator:
         if view.generator is not None:
             return view.generator
-        dev = view.delta.device
+        dev = view.z.device
         g = self._generator
         if g is None or g.device.type != dev.type:
             g = torch.Generator(device=dev)
@@ -267,7 +273,7 @@ class SeededRule(Rule):
         """``n`` U[0, 1) draws on the view's device (drawn where the generator lives)."""
         g = self.generator(view)
         u = torch.rand(n, generator=g, device=g.device, dtype=dtype)
-        return u.to(view.delta.device)
+        return u.to(view.z.device)
 
     @property
     def generator_state(self) -> Optional[dict[str, Any]]:

@@ -15,6 +15,7 @@ from .base import HeadView, Rule, Selection, check_normalize
 class Forced(Rule):
     name = "forced"
     needs_labels = False
+    reads_gradient = False
 
     def __init__(self, keep: Union[float, Callable[[int], torch.Tensor]] = 1.0, normalize: str = "batch"):
         self.normalize = check_normalize(normalize, "forced")
@@ -24,7 +25,7 @@ class Forced(Rule):
 
     def select(self, view: HeadView) -> Selection:
         n = view.n
-        w = view.delta.new_zeros(n)
+        w = view.z.new_zeros(n)
         if callable(self.keep):
             sel = torch.as_tensor(self.keep(n), device=w.device)
             if sel.dtype == torch.bool:

@@ -64,6 +64,11 @@ class RandomSkip(SeededRule):
         return self.match is not None and self.match.needs_labels
 
     @property
+    def reads_gradient(self) -> bool:
+        """Likewise dL/dz: a fixed fraction reads none."""
+        return self.match is not None and self.match.reads_gradient
+
+    @property
     def match_state(self) -> Optional[dict[str, Any]]:
         return None if self.match is None else self.match.state_dict()
 
@@ -74,10 +79,10 @@ class RandomSkip(SeededRule):
 
     def select(self, view: HeadView) -> Selection:
         n = view.n
-        dt = selection_dtype(view.delta)
+        dt = selection_dtype(view.z)
         info: dict[str, Any] = {}
         if self.match is None:
-            k = torch.tensor(max(1, round(self.keep * n)), device=view.delta.device)
+            k = torch.tensor(max(1, round(self.keep * n)), device=view.z.device)
         else:
             other = self.match.select(view)
             k = (other.weight > 0).sum()  # stays on the device: no host sync

@@ -9,8 +9,10 @@ Per call (one backward of one forward):
     between the graphs touched it; runtime/published.py), run on that backward's rows, no host read;
     otherwise drop the rows whose incoming gradient is zero (one host read), exact whatever code lies
     between the graphs (it is not traced, so it is not assumed row-wise);
-  - an in-graph loss (the loss computed inside the model): its backward (up to dL/dz) runs first on
-    all rows, as its own compiled graph; the rows are selected on dL/dz;
+  - an in-graph loss (the loss computed inside the model): its backward (up to dL/dz) runs first, as its
+    own compiled graph: on all rows, and the rows are selected on dL/dz; or, for a rule that reads no dL/dz
+    (``Rule.reads_gradient`` False) and a loss backward proven row-wise (passes/prefix_rows.py), the rows
+    are selected first and it runs on the kept rows only (``record.prefix_rows`` counts those steps);
   - the kept rows first, ``kb = bucket(k)`` rows gathered (pad rows are skipped rows, weight 0),
     the compiled graph run on them, input gradients scattered back to N rows (``gather="graph"``: the
     compiled graph takes the kept-row index and does both itself, passes/gather_in_graph.py).
@@ -46,17 +48,46 @@ class SelectedRowBackward:
         self.state = state
         self.config = config
         self.record = record
-        self._shapes: dict[int, list] = {}
+        self._shapes: dict[tuple[bool, int], list] = {}
 
-    def _shapes_at(self, kb: int) -> list:
-        """Per input at kb rows: (sizes, strides) / the SymInt's value / None.  Cached: sympy is slow."""
-        if kb not in self._shapes:
+    def _shapes_at(self, kb: int, prefix: bool = False) -> list:
+        """Per input (of the prefix: ``prefix``) at kb rows: (sizes, strides) / the SymInt's value / None.
+        Cached: sympy is slow."""
+        if (prefix, kb) not in self._shapes:
             p = self.plan
-            self._shapes[kb] = [
+            self._shapes[prefix, kb] = [
                 (tuple(evaluate(e, p.sym, kb) for e in s.sizes), tuple(evaluate(e, p.sym, kb) for e in s.strides))
                 if s.kind == "batch" else evaluate(s.expr, p.sym, kb) if s.kind == "symint" else None
-                for s in p.specs]
-        return self._shapes[kb]
+                for s in (p.prefix.specs if prefix else p.specs)]
+        return self._shapes[prefix, kb]
+
+    def _chosen_first(self, full: list):
+        """(weight, k, stats) when the rows can be chosen before an in-graph loss's backward (it is proven
+        row-wise, the rule reads no dL/dz, this is the head of the returned logits), else None."""
+        p, state = self.plan, self.state
+        keep = p.prefix.keep
+        if (p.prefix.specs is None or self.in_graph or self.dense_only or not p.head or state.rule.reads_gradient
+                or max(p.select_args[:2]) >= len(keep)):
+            return None
+        head, fwd = state.running_forward()
+        if not head:
+            return None
+        weight, k = state.select(full[keep[p.select_args[0]]], full[keep[p.select_args[1]]], None, fwd)
+        return weight, k, state.last.forwards[-1]
+
+    def _prefix_on(self, full: list, idx: Optional[torch.Tensor] = None, n: int = 0) -> list:
+        """The rest's inputs: its own (N rows) then the prefix's outputs, the prefix run on all rows or, given
+        the kept-row index ``idx`` of ``n`` rows, on those (its outputs at ``len(idx)`` rows)."""
+        pre = self.plan.prefix
+        ins = [full[i] for i in pre.args]
+        if idx is not None:
+            shapes = self._shapes_at(idx.numel(), prefix=True)
+            read = [j for j, s in enumerate(pre.specs) if s.kind == "batch"]
+            gathered = iter(gather_all([ins[j] for j in read], [pre.specs[j] for j in read], idx, n,
+                                       [shapes[j] for j in read]))
+            ins = [next(gathered) if s.kind == "batch" else shape if s.kind == "symint" else a
+                   for a, s, shape in zip(ins, pre.specs, shapes)]
+        return [full[i] for i in pre.keep] + list(self.prefix(ins))
 
     def _rows_of(self, args: list):
         """(weight, k, this forward's stats or None, the kept-row index or None) for this call: the rule's
@@ -86,13 +117,16 @@ class SelectedRowBackward:
     def __call__(self, args: list) -> list:
         p, state, rec = self.plan, self.state, self.record
         state.check_not_compiled_autograd()
-        if self.prefix is not None:
-            pre = p.prefix
-            outs = self.prefix([args[i] for i in pre.args])
-            full = args
-            args = [full[i] for i in pre.keep] + list(outs)
-            full.clear()
-        weight, k, stats, idx = self._rows_of(args)
+        full = None  # the graph's inputs while the loss's backward waits for the rows
+        first = self._chosen_first(args) if self.prefix is not None else None
+        if first is not None:
+            full, args = args, None
+            (weight, k, stats), idx = first, None
+        else:
+            if self.prefix is not None:  # on all rows: the rule reads dL/dz (or the prefix is not row-wise)
+                given, args = args, self._prefix_on(args)
+                given.clear()
+            weight, k, stats, idx = self._rows_of(args)
         n = weight.shape[0]
         if hasattr(self.compiled, "live_rows"):  # a sampling backward (VCAS) sizes its budgets by it
             self.compiled.live_rows = k
@@ -100,6 +134,9 @@ class SelectedRowBackward:
         if kb > self.config.gather_below * n or self.dense_only:
             state.set_rows(stats, n, rec.reason if self.dense_only else
                            f"kept {k} of {n} rows, above gather_below={self.config.gather_below}: all rows ran")
+            if full is not None:
+                args = self._prefix_on(full)
+                full.clear()
             out = self._dense(list(args), weight)
             args.clear()
             return out
@@ -108,18 +145,26 @@ class SelectedRowBackward:
             idx = torch.argsort((weight == 0).to(torch.int8), stable=True)[:kb]
         w_kb = weight.index_select(0, idx)
         check = self._should_verify(k, n)
-        full_args = list(args) if check else None
+        ready: frozenset = frozenset()  # the rest's inputs already at kb rows (the prefix's outputs)
+        if full is not None:  # the loss's backward on the kept rows; the reference runs it on all rows
+            full_args = self._prefix_on(full) if check else None
+            args = self._prefix_on(full, idx, n)
+            full.clear()
+            ready = frozenset(range(len(p.prefix.keep), len(args)))
+            rec.prefix_rows += 1
+        else:
+            full_args = list(args) if check else None
         shapes = self._shapes_at(kb)
         if self.in_graph:  # the graph gathers and scatters: batch inputs as they are, then the index and n
             new_args = [shape if s.kind == "symint" else a
                         for a, s, shape in zip(args, p.specs, shapes)] + [w_kb, idx, n]
         else:
-            read = [i for i, s in enumerate(p.specs) if s.kind == "batch" and i not in p.unread]
+            read = [i for i, s in enumerate(p.specs) if s.kind == "batch" and i not in p.unread and i not in ready]
             gathered = iter(gather_all([args[i] for i in read], [p.specs[i] for i in read], idx, n,
                                        [shapes[i] for i in read]))
             # an input the graph never reads: its first kb rows, a view (no copy)
-            new_args = [args[i].narrow(s.dim, 0, kb * s.factor) if i in p.unread else next(gathered)
-                        if s.kind == "batch" else shape if s.kind == "symint" else a
+            new_args = [a if i in ready else args[i].narrow(s.dim, 0, kb * s.factor) if i in p.unread else
+                        next(gathered) if s.kind == "batch" else shape if s.kind == "symint" else a
                         for i, (a, s, shape) in enumerate(zip(args, p.specs, shapes))] + [w_kb]
         args.clear()
         state.set_rows(stats, kb)

@@ -13,22 +13,25 @@ from torch import Tensor
 from ..rules.labels import SOFTMAX_RESIDUAL_TOL, softmax_residual
 
 
-def head_checks(h: Tensor, z: Tensor, g: Tensor, targets: Optional[Tensor],
+def head_checks(h: Tensor, z: Tensor, g: Optional[Tensor], targets: Optional[Tensor],
                 needs_labels: bool) -> tuple[list[str], Tensor, Optional[Tensor]]:
     """The checks' names and values as one (m,) int64 device tensor (no read); and the labels with
-    out-of-range ones as -1 (unknown), so the rule, run before the read, never indexes with them."""
+    out-of-range ones as -1 (unknown), so the rule, run before the read, never indexes with them.
+    ``g`` None (chosen before an in-graph loss's backward): the finite check reads h and z; a kept row's
+    non-finite dL/dz then reaches the gradient as it would in a dense step, a skipped row's is never made."""
     # one reduction per tensor: a NaN or inf anywhere makes its sum non-finite (a sum overflowing float32,
     # ~1e38, would read as non-finite too: a dense step, never a wrong one)
-    acc = torch.float64 if g.dtype == torch.float64 else torch.float32
-    checks = {"finite": torch.isfinite(g.sum(dtype=acc) + z.sum(dtype=acc) + h.sum(dtype=acc))}
+    acc = torch.float64 if z.dtype == torch.float64 else torch.float32
+    total = z.sum(dtype=acc) + h.sum(dtype=acc)
+    checks = {"finite": torch.isfinite(total + g.sum(dtype=acc) if g is not None else total)}
     if targets is not None:
-        targets = targets.to(g.device)
-        if g.dim() == 3:  # token-shaped logits: per-token labels, -100 (cross_entropy's ignore_index) ignored
+        targets = targets.to(z.device)
+        if z.dim() == 3:  # token-shaped logits: per-token labels, -100 (cross_entropy's ignore_index) ignored
             targets = torch.where(targets == -100, torch.full_like(targets, -1), targets)
-        bad = (targets < -1) | (targets >= g.shape[-1])
+        bad = (targets < -1) | (targets >= z.shape[-1])
         checks["bad_targets"] = bad.any()
         targets = torch.where(bad, torch.full_like(targets, -1), targets)
-    if g.shape[0] > 0 and needs_labels:
+    if g is not None and g.shape[0] > 0 and needs_labels:
         # an unused 2-D output picked as the logits reads as "every row free": CAPSkip would skip all
         checks["zero"] = (g == 0).all()
         if targets is None:

@@ -42,8 +42,8 @@ __all__ = ["RuntimeState", "ForwardContext", "StepStats", "RunSummary", "logits_
            "NO_HEAD_REASON"]
 
 
-def _f32(t: Tensor) -> Tensor:
-    return t.float() if t.dtype in (torch.float16, torch.bfloat16) else t
+def _f32(t: Optional[Tensor]) -> Optional[Tensor]:
+    return t.float() if t is not None and t.dtype in (torch.float16, torch.bfloat16) else t
 
 
 _LIVE: "weakref.WeakSet[RuntimeState]" = weakref.WeakSet()  # states that print their summary at exit
@@ -126,30 +126,33 @@ class RuntimeState:
             warnings.warn(f"capskip_fx: {reason}", stacklevel=3)
 
     # -- the selection ---------------------------------------------------------------
-    def select(self, h: Tensor, z: Tensor, g: Tensor, fwd: Optional[ForwardContext]) -> tuple[Tensor, int]:
+    def select(self, h: Tensor, z: Tensor, g: Optional[Tensor], fwd: Optional[ForwardContext]) -> tuple[Tensor, int]:
         """Run the rule on one forward's head.  Returns ``(weight (N,), k)``.  One host read (k with the
-        fallback checks), none when the rule's Selection carries a host-known ``count``."""
+        fallback checks), none when the rule's Selection carries a host-known ``count``.  ``g`` None: dL/dz
+        is not computed yet (an in-graph loss whose backward runs on the kept rows): the rule must not read
+        it (``Rule.reads_gradient``), and the finite check reads h and z."""
         t0 = time.perf_counter()
-        n = g.shape[0]
+        n = z.shape[0]
         fwd = fwd if fwd is not None else ForwardContext()
         if fwd.targets is not None and fwd.targets.shape[0] != n:
             raise ValueError(f"capskip_targets has {fwd.targets.shape[0]} rows but the batch has {n}")
-        if fwd.targets is not None and fwd.targets.shape != g.shape[:-1]:
-            raise ValueError(f"capskip_targets has shape {tuple(fwd.targets.shape)}; logits of shape {tuple(g.shape)} "
-                             f"need one label per {'token (N, T), aligned with the logits' if g.dim() == 3 else 'row (N,)'}")
-        view = global_view(self.scope, h.detach(), z.detach(), g.detach(), fwd.targets, fwd.index)
+        if fwd.targets is not None and fwd.targets.shape != z.shape[:-1]:
+            raise ValueError(f"capskip_targets has shape {tuple(fwd.targets.shape)}; logits of shape {tuple(z.shape)} "
+                             f"need one label per {'token (N, T), aligned with the logits' if z.dim() == 3 else 'row (N,)'}")
+        view = global_view(self.scope, h.detach(), z.detach(), g.detach() if g is not None else None, fwd.targets,
+                           fwd.index)
         h, z, g, targets = view.h, view.z, view.g, view.targets
         names, flags, safe_targets = head_checks(h, z, g, targets, self.rule.needs_labels)
         # The rule runs before the checks are read, so that one read serves both.  A step that falls back
         # (or raises) puts the rule's state back: stateful rules (SB's history, UB's EMA, the generators
         # KABENA and the others draw from) never keep an update from a NaN or unusable step.
-        gen = self.generator(g.device)
+        gen = self.generator(z.device)
         saved = self.rule.state_dict(), gen.get_state()
         # selection math in float32 whatever the autocast dtype (bf16 Grams/losses are too coarse)
         head = HeadView(delta=_f32(g), h=_f32(h), z=_f32(z), targets=safe_targets, index=view.index,
                         step=self.clock.peek(), epoch=self.epoch, generator=gen, head_bias=self.head_bias)
-        sel: Selection = self.rule.select(head) if g.shape[0] > 0 else Selection(weight=g.new_ones(0), count=0)
-        weight = view.local_rows(sel.weight.to(g.dtype), n)  # every rank decided over the global batch
+        sel: Selection = self.rule.select(head) if z.shape[0] > 0 else Selection(weight=z.new_ones(0), count=0)
+        weight = view.local_rows(sel.weight.to((g if g is not None else z).dtype), n)  # every rank decided over the global batch
         fallback, pending = None, None
         if sel.count is not None and view.lo is None and "bad_targets" not in names:
             # the host knows k: no read.  The checks stay on the device: a non-finite step's kept rows
@@ -166,10 +169,10 @@ class RuntimeState:
                 self.rule.load_state_dict(saved[0])
                 gen.set_state(saved[1])
             if checks.get("bad_targets"):
-                raise bad_targets_error(targets.to(g.device), g.shape[-1])
+                raise bad_targets_error(targets.to(z.device), z.shape[-1])
             if fallback is not None:
                 self.warn_once(fallback)
-                sel = Selection(weight=g.new_ones(n))  # no bound either
+                sel = Selection(weight=weight.new_ones(n))  # no bound either
                 weight, k = sel.weight, n
         step = self.clock.begin(self.variants)
         fwd.stats = StepStats(step=step, n=n, kept=int(k), rows=n, _fallback=fallback, dense=fallback is not None,

@@ -18,7 +18,7 @@ class GlobalView(NamedTuple):
 
     h: Tensor
     z: Tensor
-    g: Tensor
+    g: Optional[Tensor]  # None: the rule reads no dL/dz and it was not computed yet (an in-graph loss)
     targets: Optional[Tensor]
     index: Optional[Tensor]
     lo: Optional[int] = None
@@ -28,16 +28,16 @@ class GlobalView(NamedTuple):
         return weight if self.lo is None else weight[self.lo:self.lo + n]
 
 
-def global_view(scope: str, h: Tensor, z: Tensor, g: Tensor, targets: Optional[Tensor],
+def global_view(scope: str, h: Tensor, z: Tensor, g: Optional[Tensor], targets: Optional[Tensor],
               index: Optional[Tensor]) -> GlobalView:
     """The tensors the rule runs on: this rank's, or (``scope="global"``) every rank's, in rank order."""
     import torch.distributed as dist
 
     if scope != "global" or not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
         return GlobalView(h, z, g, targets, index)
-    world, rank, n = dist.get_world_size(), dist.get_rank(), g.shape[0]
-    sizes = [torch.zeros(1, dtype=torch.long, device=g.device) for _ in range(world)]
-    dist.all_gather(sizes, torch.tensor([n], device=g.device))
+    world, rank, n = dist.get_world_size(), dist.get_rank(), z.shape[0]
+    sizes = [torch.zeros(1, dtype=torch.long, device=z.device) for _ in range(world)]
+    dist.all_gather(sizes, torch.tensor([n], device=z.device))
     if any(int(s) != n for s in sizes):
         raise ValueError(f"scope='global' needs the same batch size on every rank, got {[int(s) for s in sizes]}")
 
@@ -46,8 +46,9 @@ def global_view(scope: str, h: Tensor, z: Tensor, g: Tensor, targets: Optional[T
         dist.all_gather(parts, t.contiguous())
         return torch.cat(parts)
 
-    # ranks without explicit labels contribute the ones dL/dz implies, so every rank sees one label set
-    y = targets if targets is not None else infer_targets(g)
-    y = cat(y.to(g.device).long())
-    idx = cat(index.to(g.device)) if index is not None else None
-    return GlobalView(cat(h), cat(z), cat(g), y, idx, rank * n)
+    # ranks without explicit labels contribute the ones dL/dz implies, so every rank sees one label set;
+    # without dL/dz (a rule that reads neither it nor labels) the labels are gathered only where given
+    y = targets if targets is not None or g is None else infer_targets(g)
+    y = cat(y.to(z.device).long()) if y is not None else None
+    idx = cat(index.to(z.device)) if index is not None else None
+    return GlobalView(cat(h), cat(z), cat(g) if g is not None else None, y, idx, rank * n)
