@@ -348,6 +348,7 @@ class CapskipBackend:
         # several graphs (a prefix, VCAS's segments): not described
         return SelectedRowBackward(res.compiled, res.plan, self.state, self.config, rec,
                                    dense_only=rec.backward != BackwardMode.SELECTED, prefix=res.prefix,
+                                   prefix_gathered=res.prefix_gathered,
                                    in_graph=res.in_graph), None
 
 

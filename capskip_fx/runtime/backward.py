@@ -37,11 +37,13 @@ class SelectedRowBackward:
     """The boxed callable AOTAutograd calls as the backward."""
 
     def __init__(self, compiled: Callable, plan, state, config, record, dense_only: bool = False,
-                 prefix: Optional[Callable] = None, in_graph: bool = False):
+                 prefix: Optional[Callable] = None, in_graph: bool = False,
+                 prefix_gathered: Optional[Callable] = None):
         self._boxed_call = True  # instance attr: survives the wrappers AOT puts around us
         self.compiled = compiled
         self.in_graph = in_graph  # the graph gathers / scatters itself: inputs at n rows, then idx, n
         self.prefix = prefix  # an in-graph loss's backward (dL/dz), run first on all rows
+        self.prefix_gathered = prefix_gathered  # the same taking all rows and the kept-row index (fused gathers)
         self.dense_only = dense_only
         self.gathered_steps = 0  # informative gathered steps so far (verify schedule)
         self.plan = plan
@@ -80,6 +82,10 @@ class SelectedRowBackward:
         the kept-row index ``idx`` of ``n`` rows, on those (its outputs at ``len(idx)`` rows)."""
         pre = self.plan.prefix
         ins = [full[i] for i in pre.args]
+        if idx is not None and self.prefix_gathered is not None:  # the graph gathers its first reads itself
+            shapes = self._shapes_at(idx.numel(), prefix=True)
+            ins = [shape if s.kind == "symint" else a for a, s, shape in zip(ins, pre.specs, shapes)] + [idx, n]
+            return [full[i] for i in pre.keep] + list(self.prefix_gathered(ins))
         if idx is not None:
             shapes = self._shapes_at(idx.numel(), prefix=True)
             read = [j for j, s in enumerate(pre.specs) if s.kind == "batch"]
