@@ -326,7 +326,8 @@ class CapskipBackend:
             return compiled, Built("forward", out_idx=out_idx, training=rec.backward != BackwardMode.INFERENCE)
         _no_donated_buffers()
         vcas = functools.partial(vcas_backward, self.config, self.state, rec) if self.config.vcas is not None else None
-        ctx = pipeline.BackwardContext(base, kwargs, self.config.gather, vcas)
+        ctx = pipeline.BackwardContext(base, kwargs, self.config.gather, vcas,
+                                       fused_prefix=not self.state.rule.reads_gradient)
         res = pipeline.backward(gm, example_inputs, rec.joint, ctx)
         self._settle(rec, res.record_fields())
         if res.plan is None:

@@ -123,6 +123,26 @@ def test_a_rule_reading_dl_dz_runs_the_loss_backward_on_every_row():
     assert err < 1e-10, f"capskip with an in-graph loss: gradients off the float64 reference by {err}"
 
 
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+def test_a_rule_set_after_compiling_runs_the_loss_backward_on_the_kept_rows(backend):
+    """Compiled under CAPSkip (the prefix's fused gather is not built), then a forced rule: its kept rows are
+    gathered eagerly for the loss's backward, exactly."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = InModelLoss(Loss(tokens=True)).double()
+    cm = capskip_fx.compile(model, rule="capskip", budget=0.5, backend=backend)
+    x, y = _batch(8, Loss(tokens=True), 0)
+    cm(x, y)[0].backward()
+    cm.rule = Forced(keep=lambda n: torch.tensor([0, 5]))
+    model.zero_grad(set_to_none=True)
+    cm(x, y)[0].backward()
+    head = next(r for r in cm.backend.records if r.head)
+    st = capskip_fx.stats(cm)
+    assert (st.kept, head.prefix_rows) == (2, 1), f"{backend}: the forced step's loss backward on its 2 rows: {st}, {head.prefix_rows}"
+    err = max_rel_err(grads(model), _reference(model, x, y, st.weight.double()))
+    assert err < 1e-10, f"{backend}: a rule set after compiling: gradients off the float64 reference by {err}"
+
+
 @pytest.mark.parametrize("mixing", ["mean", "roll", "per_batch"])
 def test_a_loss_backward_that_mixes_rows_runs_on_every_row(mixing):
     loss = Loss(per_batch=True) if mixing == "per_batch" else Loss(mixing=mixing)

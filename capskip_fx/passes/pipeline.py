@@ -165,12 +165,15 @@ class JointPass(CustomGraphPass):
 class BackwardContext:
     """What the backward passes read: Inductor's compile for one graph (``compile(gm, example_inputs,
     **kwargs)``), its keyword arguments, the gather setting, and VCAS's builder when ``vcas=`` is set
-    (``vcas(gm, example_inputs, sym, compile, kwargs) -> (compiled or None, note)``)."""
+    (``vcas(gm, example_inputs, sym, compile, kwargs) -> (compiled or None, note)``), and whether a row-wise
+    in-graph loss's backward is also compiled with its kept rows gathered in the graph (``fused_prefix``: the
+    rule at compile time reads no dL/dz; a rule set later that reads none gathers them eagerly)."""
 
     compile: Callable
     kwargs: Mapping
     gather: str = "eager"
     vcas: Optional[Callable] = None
+    fused_prefix: bool = False
 
 
 @dataclass(frozen=True)
@@ -217,7 +220,7 @@ def backward(gm: fx.GraphModule, example_inputs, joint_result: Optional[JointRes
         plan = _prefix_rows(plan)
         pre, pre_kwargs = plan.prefix, dict(kwargs, static_input_idxs=())
         prefix = compile_graph(pre.gm, list(pre.examples), **pre_kwargs)
-        if pre.specs is not None:  # on the kept rows: gathered inside (fused into its first reads), else eagerly
+        if pre.specs is not None and ctx.fused_prefix:  # kept rows gathered inside (fused into its first reads)
             prefix_gathered, _ = _gather_in_graph(pre.gm, pre.specs, [None] * len(pre.gm.graph.output_node().args[0]),
                                                   plan.sym, list(pre.examples), w_val.shape[0], compile_graph,
                                                   pre_kwargs)
