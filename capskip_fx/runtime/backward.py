@@ -82,12 +82,11 @@ class SelectedRowBackward:
         the kept-row index ``idx`` of ``n`` rows, on those (its outputs at ``len(idx)`` rows)."""
         pre = self.plan.prefix
         ins = [full[i] for i in pre.args]
-        if idx is not None and self.prefix_gathered is not None:  # the graph gathers its first reads itself
-            shapes = self._shapes_at(idx.numel(), prefix=True)
-            ins = [shape if s.kind == "symint" else a for a, s, shape in zip(ins, pre.specs, shapes)] + [idx, n]
-            return [full[i] for i in pre.keep] + list(self.prefix_gathered(ins))
         if idx is not None:
             shapes = self._shapes_at(idx.numel(), prefix=True)
+            if self.prefix_gathered is not None:  # the graph gathers its first reads itself
+                ins = [shape if s.kind == "symint" else a for a, s, shape in zip(ins, pre.specs, shapes)] + [idx, n]
+                return [full[i] for i in pre.keep] + list(self.prefix_gathered(ins))
             read = [j for j, s in enumerate(pre.specs) if s.kind == "batch"]
             gathered = iter(gather_all([ins[j] for j in read], [pre.specs[j] for j in read], idx, n,
                                        [shapes[j] for j in read]))
