@@ -60,7 +60,7 @@ DEFAULT_ARMS = ["dense", "forced:keep=0.5", "random:keep=0.5", "sb:keep=0.5,star
 
 def parse(argv=None):
     argv = list(sys.argv[1:] if argv is None else argv)
-    train_argv = DEFAULT_TRAIN
+    train_argv = list(DEFAULT_TRAIN)
     if "--" in argv:
         i = argv.index("--")
         argv, train_argv = argv[:i], DEFAULT_TRAIN + argv[i + 1:]
@@ -72,16 +72,36 @@ def parse(argv=None):
     p.add_argument("--device", default=None, help="overrides the harness's --device")
     p.add_argument("--amp", default=None, choices=["none", "bf16"], help="overrides the harness's --amp")
     p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads")
+    p.add_argument("--at", nargs="+", default=[], metavar="ARM=K",
+                   help="also report ARM's r at a share K of rows back-propagated (e.g. its training runs' share): "
+                        "its own per-block ratio to dense, selection cost included, moved along the slope of the "
+                        "forced:keep arms' step time in the share of rows run")
     p.add_argument("--out", default=None, help="results file stem (default benchmarks/results/interleaved_<device>_<model>)")
     a = p.parse_args(argv)
+    cfg = parse_config(train_argv)
+    cfg_threads = cfg.threads
+    if a.threads is None:  # given after `--` (a capskip-train flag) it is honoured the same
+        a.threads = cfg_threads
+    elif cfg_threads is not None and cfg_threads != a.threads:
+        p.error(f"--threads {a.threads} before `--` contradicts --threads {cfg_threads} after it")
     if a.device:
         train_argv += ["--device", a.device]
     if a.amp:
         train_argv += ["--amp", a.amp]
+    if a.device or a.amp:
+        cfg = parse_config(train_argv)
     if a.blocks < 2:
         p.error("--blocks must be >= 2 (the interval is over blocks)")
     a.specs = [(spec, *arm_spec(spec)) for spec in a.arms]  # bad arms fail before any data is loaded
-    return a, parse_config(train_argv), train_argv
+    a.at_k = {}
+    for item in a.at:
+        arm, sep, k = item.rpartition("=")
+        if not sep or arm not in a.arms:
+            p.error(f"--at {item!r}: ARM=K with ARM one of --arms")
+        a.at_k[arm] = float(k)
+    if a.at_k and sum(name == "forced" for _, name, _ in a.specs) < 2:
+        p.error("--at needs two or more forced:keep=... arms (the slope of step time in the rows run)")
+    return a, cfg, train_argv
 
 
 def arm_spec(spec: str) -> tuple[str, dict[str, Any]]:
@@ -104,16 +124,47 @@ def sync(device: torch.device) -> None:
 
 
 def vs_dense(rows: list[dict]) -> None:
-    """Each arm's r over dense's (``vs_dense``: what step-matched runs are made with) and its 95% interval
-    over the blocks' ratios to dense's in the same block (the pair shares each block's machine load)."""
+    """Each arm's r over dense's (``vs_dense``: what step-matched runs are made with): the mean of the
+    blocks' ratios to dense's in the same block (the pair shares each block's machine load), with its 95%
+    interval over those same ratios, so the point estimate is the interval's centre; also their median
+    (``vs_dense_median``) and the per-block ratios themselves (``vs_dense_blocks``)."""
     dense = next((r for r in rows if r["arm"] == "dense"), None)
     for r in rows:
-        r["vs_dense"] = r["ratio"] / dense["ratio"] if dense else math.nan
-        lo = hi = math.nan
-        if dense and len(r["block_ratios"]) > 1:
-            mean, half = t_interval([a / d for a, d in zip(r["block_ratios"], dense["block_ratios"])])
-            lo, hi = mean - half, mean + half
-        r["vs_dense_lo"], r["vs_dense_hi"] = lo, hi
+        per = [a / d for a, d in zip(r["block_ratios"], dense["block_ratios"])] if dense else []
+        r["vs_dense_blocks"] = per
+        r["vs_dense"] = r["vs_dense_median"] = r["vs_dense_lo"] = r["vs_dense_hi"] = math.nan
+        if per:
+            r["vs_dense"] = statistics.fmean(per)
+            r["vs_dense_median"] = statistics.median(per)
+        if len(per) > 1:
+            mean, half = t_interval(per)
+            r["vs_dense_lo"], r["vs_dense_hi"] = mean - half, mean + half
+
+
+def at_share(rows: list[dict], at_k: dict[str, float]) -> None:
+    """``--at ARM=K``: ARM's r at a share K of rows run. Per block, the forced arms' ratios to dense give a
+    least-squares slope in the share of rows run; ARM's block ratio (its selection cost included) moves along
+    it from its own share in that block to K. r is the mean of those per-block values, with the 95% t
+    interval over the same values; the slope (``slope``, per unit share) likewise."""
+    forced = [r for r in rows if r["arm"].startswith("forced:")]
+    if not at_k:
+        return
+    slopes = []
+    for b in range(len(forced[0]["vs_dense_blocks"])):
+        xs = [r["block_rows_frac"][b] for r in forced]
+        ys = [r["vs_dense_blocks"][b] for r in forced]
+        mx, my = statistics.fmean(xs), statistics.fmean(ys)
+        sxx = sum((x - mx) ** 2 for x in xs)
+        slopes.append(sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sxx if sxx > 0 else math.nan)
+    for r in rows:
+        if r["arm"] not in at_k:
+            continue
+        k = at_k[r["arm"]]
+        per = [v + s * (k - f) for v, s, f in zip(r["vs_dense_blocks"], slopes, r["block_rows_frac"])]
+        mean, half = t_interval(per)
+        smean, shalf = t_interval(slopes)
+        r["at"] = {"k": k, "r": mean, "lo": mean - half, "hi": mean + half, "median": statistics.median(per),
+                   "blocks": per, "slope": smean, "slope_lo": smean - shalf, "slope_hi": smean + shalf}
 
 
 def main(argv=None) -> dict:
@@ -137,7 +188,7 @@ def main(argv=None) -> dict:
         from timm.optim import create_optimizer_v2
 
         opt = create_optimizer_v2(m, "adamw", lr=cfg.lr, weight_decay=cfg.weight_decay)
-        kept = []
+        kept, rows_run = [], []
 
         def step(x, y, idx, idx_cpu):
             opt.zero_grad(set_to_none=True)
@@ -150,13 +201,15 @@ def main(argv=None) -> dict:
             if stats:
                 st = capskip_fx.stats(fwd)
                 kept.append(int(st.kept) / max(int(st.n), 1))
+                rows_run.append(int(st.rows) / max(int(st.n), 1))
             else:
                 kept.append(1.0)
+                rows_run.append(1.0)
             opt.step()
             sync(device)
             return time.perf_counter() - t0
 
-        step.kept = kept
+        step.kept, step.rows_run = kept, rows_run
         return step
 
     def mean_ce(fwd, x, y, idx, idx_cpu):
@@ -219,6 +272,7 @@ def main(argv=None) -> dict:
                 times[n][block].append(dt)
             elif r == a.warmup - 1:
                 arms[n].kept.clear()  # measured keep: timed steps only
+                arms[n].rows_run.clear()
         if r == a.warmup - 1 or r == total - 1:
             print(f"[interleaved] round {r + 1}/{total}, {time.perf_counter() - t_start:.0f} s", flush=True)
 
@@ -232,9 +286,14 @@ def main(argv=None) -> dict:
         rows.append({"arm": n, "kept_frac": statistics.fmean(kept) if kept else math.nan,
                      "step_ms": 1e3 * statistics.median([t for b in times[n] for t in b]),
                      "ratio": mean, "ratio_lo": mean - half, "ratio_hi": mean + half,
-                     "ratio_median": statistics.median(ratios), "block_ratios": ratios})
+                     "ratio_median": statistics.median(ratios), "block_ratios": ratios,
+                     "rows_frac": statistics.fmean(arms[n].rows_run) if arms[n].rows_run else math.nan,
+                     "block_rows_frac": [statistics.fmean(arms[n].rows_run[b * a.rounds:(b + 1) * a.rounds])
+                                         for b in range(a.blocks)]})
     vs_dense(rows)
+    at_share(rows, a.at_k)
     env = {"device": str(device), "torch": torch.__version__, "threads": torch.get_num_threads(),
+           "threads_asked": a.threads,
            "machine": platform.machine(), "python": platform.python_version(),
            "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
            "model": cfg.model, "dataset": cfg.dataset, "batch_size": cfg.batch_size, "amp": cfg.amp,
@@ -249,15 +308,28 @@ def main(argv=None) -> dict:
           f"once per round on the same batch, order rotating. r: each block's median step time over "
           f"torch.compile's, mean over blocks [95% t interval] (median of blocks). A step is forward, backward, "
           f"loss.item(), the stats read and AdamW's step; data loading ({env['data_ms_median']:.1f} ms per batch, "
-          f"median) is the same for every arm and not in it. r vs dense: the arm's r over dense's (what "
-          f"step-matched runs are made with), its interval over the blocks' ratios to dense's in the same block.",
+          f"median) is the same for every arm and not in it. r vs dense (what step-matched runs are made with): "
+          f"the mean of the blocks' ratios of the arm's median step to dense's in the same block [95% t interval "
+          f"over the same ratios] (their median).",
           "",
-          "| arm | kept (measured) | step ms (median) | r vs torch.compile [95% CI] | median of blocks | r vs dense [95% CI] |",
-          "|---|---|---|---|---|---|"]
+          "| arm | kept (measured) | step ms (median) | r vs torch.compile [95% CI] | median of blocks | r vs dense [95% CI] "
+          "| median of blocks |",
+          "|---|---|---|---|---|---|---|"]
     for r in rows:
         md.append(f"| {r['arm']} | {r['kept_frac']:.3f} | {r['step_ms']:.1f} | {r['ratio']:.3f} "
                   f"[{r['ratio_lo']:.3f}, {r['ratio_hi']:.3f}] | {r['ratio_median']:.3f} | {r['vs_dense']:.3f} "
-                  f"[{r['vs_dense_lo']:.3f}, {r['vs_dense_hi']:.3f}] |")
+                  f"[{r['vs_dense_lo']:.3f}, {r['vs_dense_hi']:.3f}] | {r['vs_dense_median']:.3f} |")
+    at = [r for r in rows if "at" in r]
+    if at:
+        md += ["", "r at a given share of rows run (`--at`): the arm's own block ratios to dense (its selection "
+                   "cost included), moved along the forced arms' per-block slope in the share of rows run "
+                   f"({at[0]['at']['slope']:+.3f} [{at[0]['at']['slope_lo']:+.3f}, {at[0]['at']['slope_hi']:+.3f}] "
+                   "per unit share); mean over blocks [95% t interval] (median).", "",
+               "| arm | rows run (measured) | at share | r vs dense [95% CI] | median of blocks |", "|---|---|---|---|---|"]
+        for r in at:
+            t = r["at"]
+            md.append(f"| {r['arm']} | {r['rows_frac']:.3f} | {t['k']:.3f} | {t['r']:.3f} [{t['lo']:.3f}, {t['hi']:.3f}] "
+                      f"| {t['median']:.3f} |")
     md += ["", "infobatch: per-step cost; its saving is fewer steps per epoch (multiply r by the run's forwarded "
                "fraction)."]
     text = "\n".join(md)

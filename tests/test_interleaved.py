@@ -23,8 +23,8 @@ def _bench(*argv):
 
 @pytest.mark.subprocess
 def test_tiny_run_reports_ratios_with_intervals(tmp_path):
-    p = _bench("--threads", "1", "--blocks", "3", "--rounds", "2", "--warmup", "1", "--arms", "dense",
-               "forced:keep=0.5", "infobatch", "--out", str(tmp_path / "r"), *TINY)
+    p = _bench("--blocks", "3", "--rounds", "2", "--warmup", "1", "--arms", "dense",
+               "forced:keep=0.5", "infobatch", "--out", str(tmp_path / "r"), *TINY, "--threads", "1")
     assert p.returncode == 0, p.stderr[-3000:]
     data = json.loads((tmp_path / "r.json").read_text())
     rows = {r["arm"]: r for r in data["rows"]}
@@ -52,6 +52,7 @@ def test_tiny_run_reports_ratios_with_intervals(tmp_path):
         f"dense over itself, block by block, is exactly 1: [{rows['dense']['vs_dense_lo']}, {rows['dense']['vs_dense_hi']}]")
     assert data["env"]["dataset"] == "digits", (
         f"the run should record the harness's dataset (digits), got {data['env']['dataset']!r}")
+    assert data["env"]["threads"] == 1, f"--threads 1 after -- must be the thread count used, got {data['env']['threads']}"
     assert data["env"]["blocks"] == 3, f"the run should record --blocks 3, got {data['env']['blocks']!r}"
     md = (tmp_path / "r.md").read_text()
     assert "| forced:keep=0.5 | 0.500 |" in md, f"the markdown table should show the forced arm's kept fraction 0.500; table: {md!r}"
@@ -83,3 +84,41 @@ def test_bad_arms_fail_naming_the_fix(interleaved, capsys):
     assert stop.value.code != 0, f"--blocks 1 exited with {stop.value.code!r}"
     err = capsys.readouterr().err
     assert "--blocks must be >= 2" in err, f"argparse's message for --blocks 1: {err!r}"
+
+
+def test_threads_after_the_separator_are_honoured(interleaved):
+    """--threads given with the capskip-train flags (after `--`) is the benchmark's thread count too."""
+    a, cfg, _ = interleaved.parse(["--out", "x", *TINY, "--threads", "1"])
+    assert a.threads == 1 and cfg.threads == 1, f"--threads 1 after -- must set the benchmark's threads, got {a.threads}"
+    a, _, _ = interleaved.parse(["--threads", "2", "--out", "x", *TINY])
+    assert a.threads == 2, f"--threads 2 before -- is kept, got {a.threads}"
+    with pytest.raises(SystemExit):
+        interleaved.parse(["--threads", "2", "--out", "x", *TINY, "--threads", "1"])
+
+
+def test_r_vs_dense_is_the_centre_of_its_interval(interleaved):
+    """The point estimate and the interval of r vs dense come from the same per-block ratios."""
+    rows = [{"arm": "dense", "ratio": 1.1, "block_ratios": [1.0, 1.2, 1.1]},
+            {"arm": "x", "ratio": 0.8, "block_ratios": [0.5, 1.0, 0.9]}]
+    interleaved.vs_dense(rows)
+    x = rows[1]
+    per = [0.5 / 1.0, 1.0 / 1.2, 0.9 / 1.1]
+    assert x["vs_dense"] == pytest.approx(sum(per) / 3), f"r vs dense: the mean of per-block ratios, got {x['vs_dense']}"
+    assert x["vs_dense"] != pytest.approx(0.8 / 1.1), "not the ratio of the block means"
+    assert (x["vs_dense_lo"] + x["vs_dense_hi"]) / 2 == pytest.approx(x["vs_dense"]), "the interval is centred on r"
+
+
+def test_at_share_moves_an_arm_along_the_forced_slope(interleaved):
+    """--at ARM=K: the arm's own per-block ratio (selection cost included) moved to share K along the forced
+    arms' slope."""
+    rows = [{"arm": "dense", "ratio": 1.0, "block_ratios": [1.0, 1.0], "block_rows_frac": [1.0, 1.0]},
+            {"arm": "forced:keep=0.2", "ratio": 0.6, "block_ratios": [0.6, 0.6], "block_rows_frac": [0.2, 0.2]},
+            {"arm": "forced:keep=0.6", "ratio": 0.8, "block_ratios": [0.8, 0.8], "block_rows_frac": [0.6, 0.6]},
+            {"arm": "kabena", "ratio": 0.9, "block_ratios": [0.9, 0.9], "block_rows_frac": [0.6, 0.6]}]
+    interleaved.vs_dense(rows)
+    interleaved.at_share(rows, {"kabena": 0.4})
+    at = rows[3]["at"]
+    assert at["slope"] == pytest.approx(0.5), f"(0.8 - 0.6) / (0.6 - 0.2) = 0.5 per unit share, got {at['slope']}"
+    assert at["r"] == pytest.approx(0.8), (  # 0.9 at 0.6, minus 0.5 x 0.2: its 0.1 selection cost over forced stays
+        f"kabena at share 0.4: 0.9 - 0.5 x (0.6 - 0.4) = 0.8, got {at['r']}")
+    assert "at" not in rows[1], "only the arms named by --at get an r at a share"

@@ -112,3 +112,57 @@ def test_compare_pairs_each_rule_with_its_own_step_matched_dense(tmp_path):
     assert rows["capskip b=0.3"][3] == "0.74", f"capskip's step-time r column: {rows['capskip b=0.3'][3]!r}"
     assert rows["kabena"][3] == "0.9", f"kabena's step-time r column: {rows['kabena'][3]!r}"
     assert rows["dense"][3] == "n/a", "dense has no step-matched run, so no r"
+
+
+def test_schedules_after_the_warm_up():
+    """cosine and truncated share the cosine's shape (truncated differs in the steps it spans, tested below);
+    linear holds the peak until the last decay_frac of progress, then falls linearly to min_lr."""
+    cfg = train.TrainConfig(epochs=10, warmup_epochs=1, lr=1.0, min_lr=0.0, schedule="linear", decay_frac=0.2)
+    assert loop.lr_at(cfg, 0.05) == pytest.approx(0.5), "the warm-up is the same under every schedule"
+    assert loop.lr_at(cfg, 0.5) == loop.lr_at(cfg, 0.8) == 1.0, (
+        f"linear: constant at the peak until 1 - decay_frac = 0.8, got {loop.lr_at(cfg, 0.5)}, {loop.lr_at(cfg, 0.8)}")
+    assert loop.lr_at(cfg, 0.9) == pytest.approx(0.5), f"linear: half-way down its decay, got {loop.lr_at(cfg, 0.9)}"
+    assert loop.lr_at(cfg, 1.0) == pytest.approx(0.0), f"linear: min_lr at the end, got {loop.lr_at(cfg, 1.0)}"
+    cos = train.TrainConfig(epochs=10, warmup_epochs=1, lr=1.0, min_lr=0.0, schedule="cosine")
+    assert loop.lr_at(cos, 0.9) == pytest.approx(0.5 * (1 + math.cos(math.pi * 0.8 / 0.9))), "cosine unchanged"
+    with pytest.raises(ValueError, match="schedule 'warm' not in"):
+        train.TrainConfig(schedule="warm")
+    with pytest.raises(ValueError, match="truncated.*max-steps"):
+        train.TrainConfig(schedule="truncated")
+    with pytest.raises(ValueError, match="budget_batch.*max-steps"):
+        train.TrainConfig(budget_batch=True)
+
+
+def test_truncated_and_linear_runs_follow_their_schedules(tmp_path):
+    """4 steps of a 2-epoch run of 3 steps per epoch: truncated follows the 6-step schedule and stops above
+    min_lr; linear and cosine end at min_lr on their 4th step."""
+    lrs = {}
+    for sched in ("cosine", "truncated", "linear"):
+        out = tmp_path / sched
+        r = train.run([*TINY, "--rule", "dense", "--epochs", "2", "--warmup-epochs", "1", "--max-steps", "4",
+                       "--schedule", sched, "--out", str(out)])
+        assert r["steps"] == 4, f"{sched}: --max-steps 4 makes 4 steps, got {r['steps']}"
+        lrs[sched] = _lrs(out)
+    cfg = train.parse_config([*TINY, "--epochs", "2", "--warmup-epochs", "1", "--max-steps", "4", "--schedule",
+                              "truncated"])
+    assert lrs["truncated"] == pytest.approx([loop.lr_at(cfg, (i + 1) / 6) for i in range(4)]), (
+        f"truncated: the 2 epochs' (6 steps') schedule, cut after 4 steps; got {lrs['truncated']}")
+    assert lrs["truncated"][-1] > 1e-3, f"truncated stops before its cosine ends, got {lrs['truncated'][-1]}"
+    assert lrs["cosine"][-1] == pytest.approx(1e-4) and lrs["linear"][-1] == pytest.approx(1e-4), (
+        f"cosine and linear reach min_lr at the last step: {lrs['cosine'][-1]}, {lrs['linear'][-1]}")
+    assert lrs["linear"][1] == pytest.approx(1e-2), f"linear holds the peak after the warm-up: {lrs['linear']}"
+
+
+def test_budget_batch_spends_the_steps_in_the_epochs(tmp_path):
+    assert loop.budget_batch_size(8000, 16, 992) == 129, "992 steps in 16 epochs of 8000 rows: 62 an epoch, batch 129"
+    b = loop.budget_batch_size(8000, 16, 662)
+    assert 16 * (8000 // b) >= 662 > 16 * (8000 // (b + 1)), (
+        f"the largest batch whose 16 epochs hold 662 steps, got {b}")
+    out = tmp_path / "bb"
+    r = train.run([*TINY, "--rule", "dense", "--epochs", "2", "--max-steps", "4", "--budget-batch", "--out", str(out)])
+    assert r["steps"] == 4, f"the run makes its 4 steps, got {r['steps']}"
+    import yaml
+    batch = yaml.safe_load((out / "config.yaml").read_text())["batch_size"]
+    assert batch == 48, f"96 rows, 2 epochs, 4 steps: batch 48 (2 steps an epoch), got {batch}"
+    with open(out / "summary.csv", newline="") as f:
+        assert len(list(csv.DictReader(f))) == 2, "4 steps of 2 per epoch: 2 epochs"

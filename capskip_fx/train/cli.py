@@ -13,7 +13,7 @@ from typing import Any, Optional, Sequence
 
 import yaml
 
-from .config import AMP, BACKENDS, DATASETS, TASKS, FIELDS, RULE_NAMES, TrainConfig, default, normalise_keys, read_yaml
+from .config import AMP, BACKENDS, DATASETS, TASKS, FIELDS, RULE_NAMES, SCHEDULES, TrainConfig, default, normalise_keys, read_yaml
 
 DESCRIPTION = "Training harness: fine-tune a timm model with a selective-backprop rule, log everything."
 
@@ -101,6 +101,12 @@ def build_parser() -> argparse.ArgumentParser:
     add("--min-lr", float, "cosine floor")
     add("--weight-decay", float)
     add("--warmup-epochs", float, "linear warm-up length")
+    add("--schedule", str, "after the warm-up: 'cosine' to --min-lr over the run's steps; 'truncated': the "
+                           "--epochs' cosine cut off at --max-steps; 'linear': constant, then linear to --min-lr "
+                           "over the last --decay-frac of the steps", choices=SCHEDULES)
+    add("--decay-frac", float, "--schedule linear: the share of the steps its final decay takes")
+    add("--budget-batch", action=argparse.BooleanOptionalAction,
+        help="with --max-steps / --steps-of: the batch size that spends those steps in --epochs epochs")
     add("--amp", str, choices=AMP)
     g = t.add_argument_group("run")
     add("--seed", int)

@@ -24,6 +24,10 @@ DATA_RULES = {"infobatch": "dense", "capskip+infobatch": "capskip"}
 RULE_NAMES += list(DATA_RULES)
 
 AMP = ("none", "bf16")
+# the learning rate after the warm-up: cosine to min_lr over the run's steps; the same cosine over the
+# full epochs' steps, cut off where --max-steps stops the run; constant, then linear to min_lr over the
+# last decay_frac of the run's steps
+SCHEDULES = ("cosine", "truncated", "linear")
 
 
 @dataclass(frozen=True)
@@ -68,6 +72,9 @@ class TrainConfig:
     min_lr: float = 1e-5
     weight_decay: float = 0.05
     warmup_epochs: float = 1.0
+    schedule: str = "cosine"  # SCHEDULES
+    decay_frac: float = 0.2  # schedule "linear": the share of the steps the final linear decay takes
+    budget_batch: bool = False  # with max_steps: the batch size that spends max_steps in `epochs` epochs
     amp: str = "none"
     # run
     seed: int = 0
@@ -110,6 +117,10 @@ class TrainConfig:
             bad(f"backend {self.backend!r} not in {BACKENDS}")
         if self.amp not in AMP:
             bad(f"amp {self.amp!r} not in {AMP}")
+        if self.schedule not in SCHEDULES:
+            bad(f"schedule {self.schedule!r} not in {SCHEDULES}")
+        if not 0.0 < self.decay_frac <= 1.0:
+            bad(f"decay_frac must be in (0, 1], got {self.decay_frac}")
         if self.epochs < 1 or self.batch_size < 1 or self.eval_batch_size < 1:
             bad("epochs, batch_size and eval_batch_size must be >= 1")
         if self.time_budget is not None and self.time_budget <= 0:
@@ -121,6 +132,10 @@ class TrainConfig:
             self._resolve_steps_of(bad)
         if self.max_steps is not None and self.max_steps < 1:
             bad(f"max_steps must be >= 1, got {self.max_steps}")
+        if self.budget_batch and self.max_steps is None:
+            bad("budget_batch sizes the batch to spend --max-steps (or --steps-of) in --epochs epochs: give one")
+        if self.schedule == "truncated" and self.max_steps is None:
+            bad("schedule 'truncated' cuts the epochs' cosine at --max-steps (or --steps-of): give one")
         if self.max_steps is not None and (self.rule in DATA_RULES or self.rule == "stale_sb"):
             bad(f"max_steps (a step-matched baseline) with rule {self.rule!r}: its epochs shrink with the data it "
                 f"drops and its schedule follows the data, not a step count; step-match a dense run instead")

@@ -33,14 +33,30 @@ from .model import build_model, check_pretrained, find_head, loss_fn
 
 
 def lr_at(cfg: TrainConfig, progress: float) -> float:
-    """Linear warm-up to ``lr`` over warmup_epochs/epochs of progress, then cosine to ``min_lr``."""
+    """Linear warm-up to ``lr`` over warmup_epochs/epochs of progress, then (``cfg.schedule``) cosine to
+    ``min_lr`` (also "truncated": its progress runs over the full epochs, see RunState), or constant until
+    the last ``decay_frac`` of progress and linear to ``min_lr`` over it ("linear")."""
     p = min(max(progress, 0.0), 1.0)
     w = min(cfg.warmup_epochs / cfg.epochs, 1.0)
     if p < w:
         return cfg.lr * p / w
     if w >= 1.0:
         return cfg.lr
+    if cfg.schedule == "linear":
+        start = max(w, 1.0 - cfg.decay_frac)
+        if p <= start:
+            return cfg.lr
+        return cfg.lr + (cfg.min_lr - cfg.lr) * (p - start) / (1.0 - start)
     return cfg.min_lr + 0.5 * (cfg.lr - cfg.min_lr) * (1 + math.cos(math.pi * (p - w) / (1 - w)))
+
+
+def budget_batch_size(n_train: int, epochs: int, max_steps: int) -> int:
+    """The largest batch whose ``epochs`` epochs (incomplete last batches dropped) hold ``max_steps`` steps:
+    a run of max_steps steps then spans about ``epochs`` epochs, its last one cut short."""
+    for b in range(max(1, n_train * epochs // max_steps), 0, -1):
+        if epochs * (n_train // b) >= max_steps:
+            return b
+    return 1
 
 
 def _finite(x: Any) -> Any:
@@ -171,12 +187,14 @@ class RunState:
         if ck is not None:
             self._resume(ck)
         self.tol_limit = self.cfg.budget + self.cfg.check_tol
-        self.lr = lr_at(self.cfg, self.counters.step / self.total_steps)
+        self.lr = lr_at(self.cfg, self.counters.step / self.schedule_steps)
 
     def _build(self, cfg: TrainConfig, init_sd: Optional[dict], pretrained: bool) -> None:
         """Data, model, loaders, the compiled model and the optimizer; the resolved config in ``out``."""
         device = self.device
         data, cfg = load_data(cfg, device)
+        if cfg.budget_batch:
+            cfg = dataclasses.replace(cfg, batch_size=budget_batch_size(len(data.train), cfg.epochs, cfg.max_steps))
         model, cfg = build_model(cfg, data.num_classes, pretrained=pretrained)
         cfg = dataclasses.replace(cfg, label=report.run_label(dataclasses.asdict(cfg)),
                                   out=cfg.out or f"runs/{cfg.dataset}-{cfg.rule}-s{cfg.seed}")
@@ -203,9 +221,12 @@ class RunState:
         self.steps_per_epoch = len(self.train_loader)  # under Stale-SB an upper bound: dropped rows shorten epochs
         self.total_steps = cfg.epochs * self.steps_per_epoch
         self.n_epochs = cfg.epochs  # epochs to iterate; a step-matched run takes as many as its steps need
+        self.schedule_steps = self.total_steps  # the steps the learning-rate schedule spans
         if cfg.max_steps:
             self.total_steps = cfg.max_steps
             self.n_epochs = max(1, -(-cfg.max_steps // max(self.steps_per_epoch, 1)))
+            if cfg.schedule != "truncated":
+                self.schedule_steps = cfg.max_steps
         self.cm = capskip_fx.compile(model, rule=stale or model_rule(cfg), budget=cfg.budget, backend=cfg.backend,
                                      seed=cfg.seed, vcas=vcas, **({} if stale else rule_options(cfg, self.total_steps)))
         self.cm.train()
@@ -279,7 +300,7 @@ class RunState:
     def _progress(self) -> float:
         """The schedule's position at the coming step, in [0, 1]."""
         cfg, step = self.cfg, self.counters.step
-        progress = (step + 1) / self.total_steps
+        progress = (step + 1) / self.schedule_steps
         if self.stale_filter is not None:  # epochs shrink as rows are dropped: progress through the data
             progress = self.stale_filter.n_seen / (cfg.epochs * len(self.data.train))
         if self.infobatch is not None:  # pruned epochs are shorter: each epoch is 1/epochs of the schedule
