@@ -166,3 +166,18 @@ def test_budget_batch_spends_the_steps_in_the_epochs(tmp_path):
     assert batch == 48, f"96 rows, 2 epochs, 4 steps: batch 48 (2 steps an epoch), got {batch}"
     with open(out / "summary.csv", newline="") as f:
         assert len(list(csv.DictReader(f))) == 2, "4 steps of 2 per epoch: 2 epochs"
+
+
+def test_random_replays_a_runs_per_step_kept_counts(tmp_path):
+    """--keep-counts-of RUN: random keeps exactly RUN's per-step counts (at least 1), normalised as asked."""
+    ref = tmp_path / "capskip"
+    train.run([*TINY, "--rule", "capskip", "--budget", "0.5", "--epochs", "2", "--out", str(ref)])
+    out = tmp_path / "random"
+    train.run([*TINY, "--rule", "random", "--keep-counts-of", str(ref), "--rule-opt", "normalize=kept", "--epochs", "2",
+               "--out", str(out)])
+    want = [max(1, json.loads(l)["kept"]) for l in (ref / "steps.jsonl").read_text().splitlines()]
+    got = [json.loads(l)["kept"] for l in (out / "steps.jsonl").read_text().splitlines()]
+    assert got == want, f"random must keep capskip's per-step counts {want}, kept {got}"
+    assert len(set(want)) > 1 or want[0] < 32, f"the reference should skip some rows for the test to mean much: {want}"
+    with pytest.raises(ValueError, match="keep_counts_of"):
+        train.TrainConfig(rule="sb", keep_counts_of=str(ref))

@@ -83,7 +83,10 @@ def build_parser() -> argparse.ArgumentParser:
                        "InfoBatch prunes samples at the sampler; 'capskip+infobatch': both)", choices=RULE_NAMES)
     add("--budget", float, "relative last-layer gradient budget b")
     add("--keep", _optional(float), "keep fraction (forced, random, sb)")
-    add("--match", _optional(str), "rule whose per-step kept counts to match (random)")
+    add("--match", _optional(str), "rule whose per-step kept counts to match (random): that rule runs on this run's "
+                                   "own batches and model")
+    add("--keep-counts-of", _optional(str), "a finished run's directory (rule random): keep exactly as many rows as "
+                                            "that run kept at the same step (its steps.jsonl; at least 1)")
     g.add_argument("--rule-opt", dest="rule_opt", type=_key_value, action="append",
                    help="extra rule option KEY=VALUE (YAML value), repeatable")
     g.add_argument("--vcas-opt", dest="vcas_opt", type=_key_value, action="append",

@@ -59,6 +59,7 @@ class TrainConfig:
     budget: float = 0.1
     keep: Optional[float] = None
     match: Optional[str] = None
+    keep_counts_of: Optional[str] = None  # rule random: keep, step by step, as many rows as that run's steps.jsonl
     rule_options: dict = field(default_factory=dict)
     vcas_options: Optional[dict] = None  # VCAS inside the backward (rule "vcas", or with another rule)
     infobatch_ratio: float = 0.5  # InfoBatch's r: share of the below-mean-loss samples pruned per epoch
@@ -130,6 +131,11 @@ class TrainConfig:
                 f"{self.infobatch_delta} (the reference's defaults: 0.5, 0.875)")
         if self.steps_of is not None:
             self._resolve_steps_of(bad)
+        if self.keep_counts_of is not None:
+            if self.rule != "random" or self.match is not None:
+                bad("keep_counts_of replays a run's per-step kept counts with rule random (no --match)")
+            if not (Path(self.keep_counts_of) / "steps.jsonl").is_file():
+                bad(f"keep_counts_of {self.keep_counts_of!r}: no steps.jsonl there (name a finished run's directory)")
         if self.max_steps is not None and self.max_steps < 1:
             bad(f"max_steps must be >= 1, got {self.max_steps}")
         if self.budget_batch and self.max_steps is None:

@@ -234,6 +234,10 @@ class RunState:
 
         self.opt = create_optimizer_v2(model, "adamw", lr=cfg.lr, weight_decay=cfg.weight_decay)
         self.log_every = cfg.log_every or max(1, self.steps_per_epoch // 10)
+        self.keep_counts = None
+        if cfg.keep_counts_of:  # random at another run's per-step counts (same seed: same batches)
+            with open(Path(cfg.keep_counts_of) / "steps.jsonl") as f:
+                self.keep_counts = [json.loads(line)["kept"] for line in f]
 
     def _resume(self, ck: dict[str, Any]) -> None:
         cfg = self.cfg
@@ -322,6 +326,11 @@ class RunState:
         rng = (torch.get_rng_state(), torch.cuda.get_rng_state(device) if device.type == "cuda" else None) \
             if do_check else None
         self.opt.zero_grad(set_to_none=True)
+        if self.keep_counts is not None:
+            if c.step >= len(self.keep_counts):
+                raise SystemExit(f"--keep-counts-of {cfg.keep_counts_of}: it logged {len(self.keep_counts)} steps, "
+                                 f"this run is at step {c.step + 1}")
+            self.cm.rule.keep = max(1, self.keep_counts[c.step]) / x.shape[0]
         # InfoBatch's weights and scores live on the host: index them with the loader's CPU indices
         weights = self.infobatch.weights_for(batch[2]).to(device) if self.infobatch is not None else None
         with self.autocast():
