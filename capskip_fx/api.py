@@ -291,8 +291,16 @@ def report(model) -> Report:
 
 
 def summary(model) -> RunSummary:
-    """The run so far: steps, kept % and rows-run % of the forwarded rows, steps by mode, and why steps were
-    not ``selected`` (reason -> steps).  ``print(capskip_fx.summary(model))`` for a readable line."""
+    """The run so far: steps, kept % and rows-run % of the forwarded rows, steps by mode, and the fallbacks
+    by kind.  ``print(capskip_fx.summary(model))`` for a readable line.  A script that reads its summary
+    gets no second copy printed at exit."""
+    state = _backend_of(model).state
+    state.print_at_exit = False
+    return state.summary()
+
+
+def _run_summary(model) -> RunSummary:
+    """:func:`summary` for the trainer callbacks: the exit line still prints (a log is not the user's read)."""
     return _backend_of(model).state.summary()
 
 

@@ -16,6 +16,7 @@ import enum
 import operator
 import os
 import re
+from collections import Counter
 from dataclasses import dataclass, field, replace
 from typing import Any, Optional
 
@@ -50,6 +51,70 @@ class RefusalKind(str, enum.Enum):
     VERIFY = "verify"  # run time: the gathered backward differed from the dense-masked one
     IN_GRAPH_GATHER = "in-graph gather"  # gather="graph" refused: the eager gather runs (not dense)
     VCAS = "vcas"  # VCAS's segmenting refused: the exact backward runs (not dense)
+    # run-time causes of a step's fallback (stats().fallback.kind; summary() counts steps by kind)
+    NON_FINITE = "non-finite"  # non-finite logits, dL/dz or head input
+    UNUSED_LOGITS = "unused logits"  # dL/dz of the logits output is zero on every row
+    NOT_SOFTMAX = "not a softmax loss"  # dL/dz reveals no labels (MSE on the logits, ...)
+    EAGER_LOGITS = "eager logits"  # the returned logits come from eager code, no compiled graph's output
+    BATCH_OF_ONE = "batch of 1"  # ran the eager model rather than recompile for N = 1
+    NO_GRAPH = "no graph"  # Dynamo handed capskip no graph (recompile_limit, untraced RNNs)
+    OTHER = "other"
+    BACKWARD = "backward not row-wise"  # passes/validate.py: the backward that runs is not proven row-wise
+    RANDOM_BACKWARD = "random in the backward"  # the backward draws or replays random numbers
+
+
+#: The one vocabulary for why a step was not ``selected``: compile-time refusals and run-time causes.
+FallbackKind = RefusalKind
+
+# refusal details seen (counted) -> kind: a step's reason built from a graph's refusal gets its kind back
+_DETAIL_KINDS: dict[str, RefusalKind] = {}
+# run-time reasons by their opening words (runtime/checks.py, runtime/forwards.py, api.py, backward.py)
+_REASON_KINDS = (
+    ("non-finite", RefusalKind.NON_FINITE),
+    ("dL/dz of the logits output is zero", RefusalKind.UNUSED_LOGITS),
+    ("dL/dz is not the gradient of a softmax loss", RefusalKind.NOT_SOFTMAX),
+    ("verify:", RefusalKind.VERIFY),
+    ("the returned logits are not the output of a compiled graph", RefusalKind.EAGER_LOGITS),
+    ("batch of size 1", RefusalKind.BATCH_OF_ONE),
+    ("torch.compile produced no graph", RefusalKind.NO_GRAPH),
+    ("Dynamo does not trace", RefusalKind.NO_GRAPH),
+    ("no graph of this backward ran the rule", RefusalKind.NO_HEAD),
+    ("no classifier head", RefusalKind.NO_HEAD),
+)
+
+
+def fallback_kind(reason: Optional[str]) -> Optional[RefusalKind]:
+    """The kind of a step's fallback reason (None for None): a typed reason's own, a refusal's detail's,
+    else by its opening words; ``OTHER`` when none matches."""
+    if reason is None:
+        return None
+    kind = getattr(reason, "kind", None)
+    if kind is not None:
+        return kind
+    for text, k in _REASON_KINDS:
+        if reason.startswith(text):
+            return k
+    for detail, k in _DETAIL_KINDS.items():
+        if detail and detail in reason:
+            return k
+    if ": no rule runs" in reason:  # a body graph's "<why it has no head>: no rule runs, dense backward"
+        return RefusalKind.NO_HEAD
+    return RefusalKind.OTHER
+
+
+class Fallback(str):
+    """A step's fallback: the reason text (a ``str``, as before) with its ``kind``."""
+
+    kind: RefusalKind
+
+    def __new__(cls, detail: str, kind: Optional[RefusalKind] = None) -> "Fallback":
+        self = super().__new__(cls, detail)
+        self.kind = RefusalKind(kind) if kind is not None else fallback_kind(str(detail))
+        return self
+
+    @property
+    def detail(self) -> str:
+        return str.__str__(self)
 
 
 @dataclass(frozen=True)
@@ -174,6 +239,36 @@ class GraphRecord:
     host_reads: int = 0  # body backwards that read their rows from the device (their own nonzero rows)
     rows_reused: int = 0  # body backwards that ran on the rows of the gathered backward that fed them (no read)
     prefix_rows: int = 0  # backwards whose in-graph loss's backward ran on the kept rows only (chosen first)
+    modes: Counter = field(default_factory=Counter)  # step mode (selected, dense-masked, dense) -> backwards run
+    last_mode: Optional[str] = None  # the mode of this graph's latest backward
+    step_reason: Optional[str] = None  # why its latest backward that was not ``selected`` ran all rows
+
+    def ran(self, mode: str, reason: Optional[str] = None) -> None:
+        """One backward of this graph ran in ``mode`` (a step mode); ``reason``: why, when not selected."""
+        self.modes[mode] += 1
+        self.last_mode = mode
+        if mode != "selected" and reason:
+            self.step_reason = str(reason)
+
+    def ran_all_rows(self, k: int, n: int, gather_below: float, stats: Any, step: Any) -> Optional[str]:
+        """A backward that ran all ``n`` rows, ``k`` of them weighted: counted under its mode.  A kept share
+        above ``gather_below`` is a mode label, no fallback: its note goes on the forward's ``stats``
+        (``step``: the step in progress, for a graph that ran no rule) and is returned."""
+        own = stats if stats is not None else step
+        if own is not None and own.mode == "dense":  # no rule applied this step: the step's reason
+            self.ran("dense", own.fallback)
+            return None
+        if self.backward != BackwardMode.SELECTED:  # this graph runs dense-masked: its own reason
+            self.ran("dense-masked", self.reason)
+            return None
+        if k >= n:
+            self.ran("dense-masked", "every row kept")
+            return None
+        note = ALL_ROWS_NOTE.format(gather_below=gather_below)
+        self.ran("dense-masked", note)
+        if stats is not None:
+            stats.note = note
+        return note
 
     def settle(self, **fields: Any) -> Optional[Refusal]:
         """Replace compile fields (a pipeline result).  A ``refusal`` is kept only if the graph had none
@@ -238,7 +333,9 @@ class GraphRecord:
                 "host_reads": self.host_reads, "rows_reused": self.rows_reused, "prefix_rows": self.prefix_rows,
                 "loss_backward": None if c.plan is None or c.plan.prefix is None else
                 "all rows: " + c.plan.prefix.whole_rows if c.plan.prefix.whole_rows else "row-wise: kept rows when the rule reads no dL/dz",
-                "gather": c.gather if c.gather_refused is None else f"eager ({c.gather_refused})"}
+                "gather": c.gather if c.gather_refused is None else f"eager ({c.gather_refused})",
+                "steps": {m: self.modes[m] for m in STEP_MODES if self.modes[m]}, "last": self.last_mode,
+                "step_reason": self.step_reason}
 
 
 # the other compile fields read through: record.plan, record.gather, ... (read-only)
@@ -248,15 +345,23 @@ for _name in CompileRecord.__dataclass_fields__:
 del _name
 
 
+#: the modes a step (or one graph's backward in it) runs in, in reporting order
+STEP_MODES = ("selected", "dense-masked", "dense")
+ALL_ROWS_NOTE = ("kept share above gather_below={gather_below}: all rows ran, skipped rows weighted 0 (by design: "
+                 "gathering would cost more than it saves)")
+
+
 def _count(refusal: Refusal) -> None:
     counters()["refused: " + refusal.kind.value] += 1
+    if len(_DETAIL_KINDS) < 1000:  # details are per cause, not per step: bounded in practice
+        _DETAIL_KINDS.setdefault(refusal.detail, refusal.kind)
 
 
 class Report(list):
     """``capskip_fx.report(model)``: one dict per graph (a list, as before; ``.rows`` for code) that prints
     as a table."""
 
-    COLUMNS = ("graph", "role", "backward", "gathered_inputs", "row_counts", "verified", "reason")
+    COLUMNS = ("graph", "role", "backward", "steps", "last", "gathered_inputs", "row_counts", "verified", "reason")
 
     @property
     def rows(self) -> list[dict]:
@@ -264,11 +369,13 @@ class Report(list):
 
     LEGEND = (
         "role: head (runs the rule on its logits) | body (uses its forward's head selection) | - (neither)",
-        "backward: selected rows (kept rows gathered) | dense-masked (all rows, skipped ones weighted 0: the "
-        "rule's gradient, no speed-up) | dense (rule not applied)",
+        "backward: what the graph's backward is built to run: selected rows (kept rows gathered) | dense-masked "
+        "(all rows, skipped ones weighted 0: the rule's gradient, no speed-up) | dense (rule not applied)",
+        "steps: this graph's backwards by the mode they ran in; last: the latest one's mode",
         "gathered_inputs: saved tensors gathered per step; row_counts: gathered row counts seen",
-        "verified: yes = a gathered step matched the dense-masked backward; not yet = no informative step "
-        "(some rows kept, some dropped) has run; - = nothing to verify (not a gathered backward)",
+        "verified: yes = a gathered step matched the dense-masked backward; never: no informative step (some "
+        "rows kept, some dropped) has run yet; - = nothing to verify (not a gathered backward)",
+        "reason: why the graph is refused, else why its latest step that was not selected ran all rows",
     )
 
     def __str__(self) -> str:
@@ -282,10 +389,14 @@ class Report(list):
 
 
 def _display(row: dict, column: str) -> str:
-    if column == "verified":  # a bool for code; for readers, "not yet" is no failure
+    if column == "verified":  # a bool for code; for readers, "never" is said in words, not as a failure
         if row.get("backward") != str(BackwardMode.SELECTED):
             return "-"
-        return "yes" if row.get("verified") else "not yet"
+        return "yes" if row.get("verified") else "never (no informative step)"
+    if column == "steps":
+        return ", ".join(f"{m} {c}" for m, c in (row.get("steps") or {}).items()) or "-"
+    if column == "reason":
+        return _cell(row.get("reason") or row.get("step_reason"))
     return _cell(row.get(column))
 
 

@@ -671,7 +671,7 @@ def test_lightning_in_place_compile_with_the_callback(monkeypatch, tmp_path):
     assert (st.mode, st.n, st.kept, st.rows) == ("selected", 8, 4, 4), st
     assert logged, logged[-1:]
     assert logged[-1]["capskip/kept_pct"] == 50.0, logged[-1:]
-    assert logged[-1]["capskip/steps"] == 3, logged[-1:]
+    assert logged[-1]["capskip/steps_selected"] == 3, logged[-1:]
     ckpt = tmp_path / "lit.ckpt"
     trainer.save_checkpoint(ckpt)
     keys = sorted(torch.load(ckpt, weights_only=False)["state_dict"])

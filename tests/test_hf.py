@@ -112,7 +112,7 @@ def test_trainer_with_the_model_compiled_in_place(monkeypatch, tmp_path):
     logged = [h for h in trainer.state.log_history if "capskip/kept_pct" in h]
     assert logged, f"no capskip fields in the logs: {trainer.state.log_history}"
     assert logged[-1]["capskip/kept_pct"] == 50.0, f"the callback should log keep=0.5 as 50%: {logged[-1]}"
-    assert logged[-1]["capskip/steps"] == 3, f"the callback should count the 3 training steps: {logged[-1]}"
+    assert logged[-1]["capskip/steps_selected"] == 3, f"the callback should count the 3 training steps: {logged[-1]}"
     assert "eval_loss" in trainer.evaluate(), "no eval_loss: Trainer did not find the labels (model signature lost)"
     trainer.save_model(str(tmp_path / "saved"))
     fresh = type(model).from_pretrained(str(tmp_path / "saved"))

@@ -44,23 +44,23 @@ def test_stats_repr_and_report_table():
         f"the table's first row should be graph 0, the head, got {lines[1]!r}")
 
 
-def test_report_says_not_yet_verified_and_explains_its_columns():
-    """A gathered graph no informative step has checked reads "not yet", not as a failure; "yes" once one
-    has; the table ends with what its columns mean."""
+def test_report_says_never_verified_in_words_and_explains_its_columns():
+    """A gathered graph no informative step has checked says why in words, not as a failure; "yes" once
+    one has; the table ends with what its columns mean."""
     cm = capskip_fx.compile(_model(), rule="forced", keep=1.0, backend="aot_eager")
-    _step(cm)  # every row kept: nothing to compare, so not verified yet
+    _step(cm)  # every row kept: nothing to compare, so never verified
     rep = capskip_fx.report(cm)
     assert rep[0]["backward"] == "selected rows", rep.rows
     assert rep[0]["verified"] is False, rep.rows
     text = str(rep)
-    assert "not yet" in text.splitlines()[1], text
+    assert "never (no informative step)" in text.splitlines()[1], text
     assert "verified: yes = a gathered step matched" in text, text
     assert "dense-masked (all rows" in text, text
     cm2 = capskip_fx.compile(_model(), rule="forced", keep=0.5, backend="aot_eager")
     _step(cm2)
     line = str(capskip_fx.report(cm2)).splitlines()[1]
     assert " yes " in line, line
-    assert "not yet" not in line, line
+    assert "never" not in line, line
 
 
 def test_info_line_rate_limited(caplog, monkeypatch):
@@ -183,3 +183,132 @@ def test_refusal_warns_once_per_graph():
     assert len(warned) == 2, f"two refused graphs, {len(warned)} warnings: {warned}"
     assert "in a.1 (BatchNorm1d)" in warned[0], warned
     assert "in b.0 (BatchNorm1d)" in warned[1], warned
+
+
+# -- one vocabulary: a step's mode, and a fallback (with its kind) only when something prevented the rule
+
+
+def test_kept_share_above_gather_below_is_a_mode_not_a_fallback():
+    """A healthy step that keeps 95 % of the rows runs all rows by design: mode dense-masked, no fallback,
+    the note says why; summary() says so in one line; report() counts the graph's steps by mode."""
+    cm = capskip_fx.compile(_model(), rule="forced", keep=0.95, backend="aot_eager")
+    for s in range(3):
+        _step(cm, n=20, seed=s)
+    st = capskip_fx.stats(cm)
+    assert (st.mode, st.kept, st.rows) == ("dense-masked", 19, 20), st
+    assert st.fallback is None, f"running all rows above gather_below is by design, not a fallback: {st.fallback!r}"
+    assert st.note and "gather_below=0.9" in st.note, st.note
+    run = capskip_fx.summary(cm)
+    assert dict(run.modes) == {"dense-masked": 3} and not run.fallbacks, run
+    text = str(run)
+    assert len(text.splitlines()) == 2 and "by design (no fallback)" in text.splitlines()[1], text
+    rep = capskip_fx.report(cm)
+    assert rep[0]["steps"] == {"dense-masked": 3} and rep[0]["last"] == "dense-masked", rep.rows
+    line = str(rep).splitlines()[1]
+    assert "dense-masked 3" in line and "gather_below" in line, line
+
+
+def test_report_counts_each_mode_a_graph_ran_in():
+    """report() says what ran: 2 selected steps then 3 above gather_below, per graph, with the last mode."""
+    cm = capskip_fx.compile(_model(), rule="forced", keep=0.5, backend="aot_eager")
+    for s in range(2):
+        _step(cm, n=20, seed=s)
+    cm.rule = capskip_fx.make_rule("forced", keep=0.95)
+    for s in range(3):
+        _step(cm, n=20, seed=10 + s)
+    row = capskip_fx.report(cm)[0]
+    assert row["steps"] == {"selected": 2, "dense-masked": 3}, row
+    assert row["last"] == "dense-masked", row
+    assert "selected 2, dense-masked 3" in str(capskip_fx.report(cm)).splitlines()[1]
+    assert dict(capskip_fx.summary(cm).modes) == {"selected": 2, "dense-masked": 3}
+
+
+def test_one_cause_is_one_summary_line_with_its_kind():
+    """Non-finite steps with different kept counts are one cause: one line, counted by kind."""
+    cm = capskip_fx.compile(_model(), rule="capskip", budget=0.3, backend="aot_eager")
+    import warnings
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for s, n in enumerate((8, 9, 10)):
+            g = torch.Generator().manual_seed(s)
+            x = torch.randn(n, 6, generator=g)
+            x[0, 0] = float("nan")
+            F.cross_entropy(cm(x), torch.randint(0, 3, (n,), generator=g)).backward()
+    st = capskip_fx.stats(cm)
+    assert st.mode == "dense" and st.fallback.kind.value == "non-finite", st
+    assert isinstance(st.fallback, str) and st.fallback.startswith("non-finite"), st
+    run = capskip_fx.summary(cm)
+    assert dict(run.fallbacks) == {"non-finite": 3}, run.fallbacks
+    fell = [ln for ln in str(run).splitlines() if "fell back" in ln]
+    assert len(fell) == 1 and fell[0].startswith("  3 steps fell back (non-finite)"), str(run)
+    assert len([w for w in caught if "non-finite" in str(w.message)]) == 1, [str(w.message) for w in caught]
+
+
+def test_every_runtime_reason_has_a_kind():
+    """The reasons the runtime writes map to a kind, never to "other"."""
+    from capskip_fx.api import _N1_REASON, _NO_GRAPH_REASON
+    from capskip_fx.records import fallback_kind
+    from capskip_fx.runtime.backward import VERIFY
+    from capskip_fx.runtime.checks import fallback_reason
+    from capskip_fx.runtime.forwards import NO_HEAD_REASON, UNBOUND_REASON
+
+    reasons = {_N1_REASON: "batch of 1", _NO_GRAPH_REASON: "no graph", VERIFY: "verify", NO_HEAD_REASON: "no head",
+               UNBOUND_REASON: "eager logits"}
+    for deferred in (False, True):
+        reasons[fallback_reason({"finite": 0}, deferred)] = "non-finite"
+        reasons[fallback_reason({"finite": 1, "zero": 1}, deferred)] = "unused logits"
+        reasons[fallback_reason({"finite": 1, "not_softmax": 1}, deferred)] = "not a softmax loss"
+    got = {r: fallback_kind(r).value for r in reasons}
+    assert got == reasons, got
+
+
+def test_summary_prints_once_at_exit(tmp_path):
+    """A script that prints its summary does not get a second copy at exit; one that never reads it gets
+    one."""
+    code = textwrap.dedent("""
+        import sys, torch, torch.nn as nn, torch.nn.functional as F, capskip_fx
+        m = torch.compile(nn.Sequential(nn.Linear(6, 8), nn.GELU(), nn.Linear(8, 3)), backend="capskip",
+                          options={"rule": "forced", "keep": 0.5, "backend": "aot_eager"})
+        for _ in range(2):
+            F.cross_entropy(m(torch.randn(8, 6)), torch.randint(0, 3, (8,))).backward()
+        if sys.argv[1] == "print":
+            print(capskip_fx.summary(m), file=sys.stderr)
+    """)
+    for arg in ("print", "silent"):
+        out = subprocess.run([sys.executable, "-c", code, arg], capture_output=True, text=True, timeout=300)
+        assert out.returncode == 0, out.stderr[-2000:]
+        assert out.stderr.count("capskip_fx: 2 steps") == 1, (arg, out.stderr[-2000:])
+
+
+test_summary_prints_once_at_exit = pytest.mark.subprocess(test_summary_prints_once_at_exit)
+
+
+class _Checkpointed(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.block, self.head = nn.Sequential(nn.Linear(6, 16), nn.GELU()), nn.Linear(16, 3)
+
+    def forward(self, x):
+        from torch.utils.checkpoint import checkpoint
+
+        return self.head(checkpoint(self.block, x, use_reentrant=True))
+
+
+def test_reentrant_checkpoint_backward_folds_into_the_training_step(monkeypatch):
+    """checkpoint(use_reentrant=True) runs a nested backward inside the step's: 3 steps count as 3, and
+    stats() after backward() describes the training step (its head's selection)."""
+    monkeypatch.setenv("CAPSKIP_RULE", "forced")
+    monkeypatch.setenv("CAPSKIP_OPTIONS", "keep=0.5,backend=aot_eager")
+    torch.manual_seed(0)
+    m = _Checkpointed()
+    m.block.compile(backend="capskip")
+    m.head.compile(backend="capskip")
+    for s in range(3):
+        g = torch.Generator().manual_seed(s)
+        x = torch.randn(8, 6, generator=g, requires_grad=True)
+        F.cross_entropy(m(x), torch.randint(0, 3, (8,), generator=g)).backward()
+        st = capskip_fx.stats(m)
+        assert (st.step, st.mode, st.n, st.kept, st.rows, st.fallback) == (s, "selected", 8, 4, 4, None), st
+    run = capskip_fx.summary(m)
+    assert (run.steps, run.kept_pct) == (3, 50.0), run

@@ -1,6 +1,9 @@
-"""Lightning: the run summary logged with the LightningModule's own logger.
+"""Lightning: the run summary logged with the LightningModule's own logger, the same fixed key set as the
+Hugging Face callback (``capskip/kept_pct``, ``rows_pct``, ``steps_selected``, ``steps_dense_masked``,
+``steps_dense``, ``fallbacks``).
 
-    trainer = L.Trainer(callbacks=[CapskipCallback()])   # the module's model compiled with backend="capskip"
+    self.net.compile(backend="capskip")                  # in the LightningModule: in place, keys stay net.*
+    trainer = L.Trainer(callbacks=[CapskipCallback()])
 """
 from __future__ import annotations
 
@@ -9,20 +12,21 @@ try:
 except ImportError:  # the older package name
     from pytorch_lightning.callbacks import Callback
 
-from ..api import summary
+from ..api import _run_summary
 
 
 class CapskipCallback(Callback):
-    """Logs ``capskip_fx.summary(...).as_dict()`` at each training batch end (``on_step``), for the
-    module passed in or, by default, the LightningModule itself (its compiled submodules are found through
-    their parameters)."""
+    """Logs ``capskip_fx.summary(...).as_dict()`` at each training batch end (``on_step``; training only),
+    for the module passed in or, by default, the LightningModule itself (its compiled submodules are found
+    through their parameters)."""
 
     def __init__(self, model=None):
         self.model = model
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         try:
-            fields = summary(self.model if self.model is not None else pl_module).as_dict()
+            fields = _run_summary(self.model if self.model is not None else pl_module).as_dict()
         except TypeError:  # not compiled with capskip (yet)
             return
-        pl_module.log_dict(fields, on_step=True, on_epoch=False, prog_bar=False, logger=True)
+        pl_module.log_dict({k: float(v) for k, v in fields.items()}, on_step=True, on_epoch=False, prog_bar=False,
+                           logger=True)

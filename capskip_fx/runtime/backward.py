@@ -137,8 +137,9 @@ class SelectedRowBackward:
             self.compiled.live_rows = k
         kb = self.config.bucket(k, n)
         if kb > self.config.gather_below * n or self.dense_only:
-            state.set_rows(stats, n, rec.reason if self.dense_only else
-                           f"kept {k} of {n} rows, above gather_below={self.config.gather_below}: all rows ran")
+            # a kept share above gather_below is a mode label (stats().note), not a fallback
+            state.set_rows(stats, n, rec.reason if self.dense_only else None)
+            rec.ran_all_rows(k, n, self.config.gather_below, stats, state.last)
             if full is not None:
                 args = self._prefix_on(full)
                 full.clear()
@@ -187,6 +188,7 @@ class SelectedRowBackward:
                 res = self._verify(full_args, weight, outs, stats)
                 if res is not outs:
                     return res
+        rec.ran("selected")
         state.published.publish(outs, p.out_specs, idx, n)
         return outs
 
@@ -233,6 +235,7 @@ class SelectedRowBackward:
                     self.record.refuse(Refusal(RefusalKind.VERIFY, VERIFY), BackwardMode.DENSE_MASKED)
                     self.state.dense_backward(stats, VERIFY)
                     self.state.set_rows(stats, weight.shape[0])
+                    self.record.ran("dense-masked", VERIFY)
                     return ref
         self.record.checks += 1
         self.record.verified = self.record.verified or informative

@@ -15,6 +15,8 @@ from typing import Callable, Optional
 
 from torch import Tensor
 
+from ..records import STEP_MODES, Fallback, fallback_kind
+
 log = logging.getLogger("capskip_fx")
 LOG_EVERY_S = 60.0  # the INFO line for scripts that never call stats(): at most once a minute
 
@@ -33,23 +35,35 @@ class StepStats:
     forwards: list = field(default_factory=list, repr=False)  # per-forward StepStats when a step had several
     dense: bool = False  # no rule applied this step (every row ran with weight 1)
     provisional: bool = False  # a dense record a head selection of the same backward replaces
+    _note: Optional[str] = field(default=None, repr=False)  # see the ``note`` property
     _bound: Optional[Tensor] = field(default=None, repr=False)
     _pending: Optional[Callable[[], Optional[str]]] = field(default=None, repr=False)  # reads the device
 
     @property
-    def fallback(self) -> Optional[str]:
-        """Why the step (or part of it) did not run the rule's selection as usual; None if it did.
-        After a fixed-count step this reads the device once (its checks were not read at the step)."""
+    def fallback(self) -> Optional[Fallback]:
+        """Why something prevented the rule's intent this step (a ``str`` with a ``.kind``,
+        ``capskip_fx.records.RefusalKind``); None if nothing did.  A kept share above ``gather_below`` is
+        no fallback (see ``note``).  After a fixed-count step this reads the device once (its checks
+        were not read at the step)."""
         if self._pending is not None:
             pending, self._pending = self._pending, None
             self._fallback = self._fallback or pending()
-        if self._fallback is not None:
-            return self._fallback
-        return next((f.fallback for f in self.forwards if f.fallback), None)
+        reason = self._fallback if self._fallback is not None else next(
+            (f.fallback for f in self.forwards if f.fallback), None)
+        return reason if reason is None or isinstance(reason, Fallback) else Fallback(reason)
 
     @fallback.setter
     def fallback(self, reason: Optional[str]) -> None:
         self._fallback = reason
+
+    @property
+    def note(self) -> Optional[str]:
+        """Why all rows ran with no fallback (the kept share above ``gather_below``: by design)."""
+        return self._note or next((f.note for f in self.forwards if f.note), None)
+
+    @note.setter
+    def note(self, text: Optional[str]) -> None:
+        self._note = text
 
     def add(self, fwd: "StepStats") -> None:
         """Fold one forward's stats into this step's (n, kept, rows add up; weight/bound per forward)."""
@@ -89,32 +103,40 @@ class StepStats:
         parts = [f"step={self.step}", f"mode={self.mode}", f"n={self.n}", f"kept={self.kept}", f"rows={self.rows}"]
         if self._bound is not None:
             parts.append(f"bound={self.bound:.4g}")
-        parts += [f"fallback={self.fallback!r}", f"variants={self.variants}"]
+        parts += [f"fallback={_plain(self.fallback)!r}", f"variants={self.variants}"]
         if len(self.forwards) > 1:
             parts.append(f"forwards={len(self.forwards)}")
         return f"StepStats({', '.join(parts)})"
 
     def as_dict(self) -> dict:
+        fb = self.fallback
         d = {"step": self.step, "mode": self.mode, "n": self.n, "kept": self.kept, "rows": self.rows,
-             "bound": self.bound, "fallback": self.fallback, "variants": self.variants,
-             "selection_ms": self.selection_ms}
+             "bound": self.bound, "fallback": _plain(fb), "fallback_kind": fb.kind.value if fb else None,
+             "note": self.note, "variants": self.variants, "selection_ms": self.selection_ms}
         if len(self.forwards) > 1:
             d["forwards"] = [f.as_dict() for f in self.forwards]
         return d
 
 
+def _plain(reason: Optional[str]) -> Optional[str]:
+    return None if reason is None else str.__str__(reason)
+
+
 @dataclass
 class RunSummary:
     """The run so far, step by step (``capskip_fx.summary(model)``): how many rows were forwarded, kept
-    and run by the backward, the steps by mode, and why steps were not ``selected`` (no device read:
-    a fixed-count step's deferred non-finite check counts only once ``stats().fallback`` read it)."""
+    and run by the backward, the steps by mode, and the fallbacks by kind (every kind; the first detail of
+    each; per graph in ``report()``).  No device read: a fixed-count step's deferred non-finite check
+    counts only once ``stats().fallback`` read it."""
 
     steps: int = 0
     n: int = 0  # rows forwarded (with a backward)
     kept: int = 0  # rows the rule kept
     rows: int = 0  # rows the backward ran on
-    modes: Counter = field(default_factory=Counter)
-    fallbacks: Counter = field(default_factory=Counter)  # reason -> steps
+    modes: Counter = field(default_factory=Counter)  # selected / dense-masked / dense -> steps
+    fallbacks: Counter = field(default_factory=Counter)  # fallback kind (RefusalKind value) -> steps
+    details: dict = field(default_factory=dict)  # fallback kind -> the first step's reason text
+    all_rows_by_design: int = 0  # dense-masked steps whose kept share was above gather_below (no fallback)
 
     def add(self, st: "StepStats") -> None:
         if not st.n:
@@ -124,11 +146,16 @@ class RunSummary:
         self.modes[st.mode] += 1
         reason = st._fallback or next((f._fallback for f in st.forwards if f._fallback), None)
         if reason is not None:
-            self.fallbacks[reason] += 1
+            kind = fallback_kind(reason).value
+            self.fallbacks[kind] += 1
+            self.details.setdefault(kind, _plain(reason))
+        elif st.mode == "dense-masked" and st.note:
+            self.all_rows_by_design += 1
 
     def __add__(self, other: "RunSummary") -> "RunSummary":
         return RunSummary(self.steps + other.steps, self.n + other.n, self.kept + other.kept, self.rows + other.rows,
-                          self.modes + other.modes, self.fallbacks + other.fallbacks)
+                          self.modes + other.modes, self.fallbacks + other.fallbacks,
+                          {**other.details, **self.details}, self.all_rows_by_design + other.all_rows_by_design)
 
     @property
     def kept_pct(self) -> float:
@@ -138,18 +165,25 @@ class RunSummary:
     def rows_pct(self) -> float:
         return 100.0 * self.rows / self.n if self.n else math.nan
 
+    #: the fields a trainer's logger gets, always these (a fixed key set)
+    LOG_KEYS = ("capskip/kept_pct", "capskip/rows_pct", "capskip/steps_selected", "capskip/steps_dense_masked",
+                "capskip/steps_dense", "capskip/fallbacks")
+
     def as_dict(self) -> dict:
-        """Flat, for a trainer's logger."""
-        d = {"capskip/steps": self.steps, "capskip/kept_pct": self.kept_pct, "capskip/rows_pct": self.rows_pct}
-        d.update({f"capskip/steps_{m.replace('-', '_')}": c for m, c in sorted(self.modes.items())})
-        return d
+        """Flat, for a trainer's logger: :attr:`LOG_KEYS`, whatever ran."""
+        return {"capskip/kept_pct": self.kept_pct, "capskip/rows_pct": self.rows_pct,
+                **{f"capskip/steps_{m.replace('-', '_')}": self.modes[m] for m in STEP_MODES},
+                "capskip/fallbacks": sum(self.fallbacks.values())}
 
     def __str__(self) -> str:
-        modes = ", ".join(f"{m} {c}" for m, c in self.modes.most_common())
+        modes = ", ".join(f"{m} {self.modes[m]}" for m in STEP_MODES if self.modes[m])
         out = (f"capskip_fx: {self.steps} steps, kept {self.kept_pct:.1f}% of {self.n} rows, backward ran on "
                f"{self.rows_pct:.1f}% ({modes or 'no steps'})")
-        for reason, c in self.fallbacks.most_common(3):
-            out += f"\n  {c} steps: {reason}"
+        if self.all_rows_by_design:
+            out += (f"\n  {self.all_rows_by_design} steps kept more than gather_below of the rows: all rows ran, "
+                    f"by design (no fallback)")
+        for kind, c in sorted(self.fallbacks.items(), key=lambda kc: (-kc[1], kc[0])):
+            out += f"\n  {c} steps fell back ({kind}): {self.details.get(kind)}"
         return out
 
 
