@@ -672,6 +672,9 @@ def test_lightning_in_place_compile_with_the_callback(monkeypatch, tmp_path):
     assert logged, logged[-1:]
     assert logged[-1]["capskip/kept_pct"] == 50.0, logged[-1:]
     assert logged[-1]["capskip/steps_selected"] == 3, logged[-1:]
+    from capskip_fx.runtime.stats import RunSummary
+
+    assert all(set(f) == set(RunSummary.LOG_KEYS) for f in logged), logged  # the HF callback's key set, always
     ckpt = tmp_path / "lit.ckpt"
     trainer.save_checkpoint(ckpt)
     keys = sorted(torch.load(ckpt, weights_only=False)["state_dict"])

@@ -120,6 +120,61 @@ def test_trainer_with_the_model_compiled_in_place(monkeypatch, tmp_path):
         assert torch.equal(a, b), f"{k} did not reload as saved"
 
 
+def test_callback_logs_a_fixed_key_set_on_training_logs_only(monkeypatch, tmp_path):
+    """Training logs carry exactly the fixed capskip/* keys (every mode, also one that never ran); the
+    metrics dict evaluate() returns carries none."""
+    from capskip_fx.integrations.hf import add_callback
+    from capskip_fx.runtime.stats import RunSummary
+
+    monkeypatch.setenv("CAPSKIP_RULE", "forced")
+    monkeypatch.setenv("CAPSKIP_OPTIONS", "keep=0.5,backend=aot_eager")
+    torch.manual_seed(0)
+    model, sample = _bert()
+    model.compile(backend="capskip")
+    args = transformers.TrainingArguments(output_dir=str(tmp_path), per_device_train_batch_size=8, max_steps=2,
+                                          logging_steps=1, report_to=[], use_cpu=True, save_strategy="no",
+                                          dataloader_drop_last=True, disable_tqdm=True,
+                                          per_device_eval_batch_size=8)
+    trainer = transformers.Trainer(model=model, args=args, train_dataset=_Data(sample), eval_dataset=_Data(sample))
+    add_callback(trainer)
+    trainer.train()
+    metrics = trainer.evaluate()
+    assert not [k for k in metrics if k.startswith("capskip/")], f"evaluate() must return no capskip fields: {metrics}"
+    keys = {k for h in trainer.state.log_history for k in h if k.startswith("capskip/")}
+    assert keys == set(RunSummary.LOG_KEYS), keys
+    assert RunSummary.LOG_KEYS == ("capskip/kept_pct", "capskip/rows_pct", "capskip/steps_selected",
+                                   "capskip/steps_dense_masked", "capskip/steps_dense", "capskip/fallbacks")
+    train_logs = [h for h in trainer.state.log_history if "loss" in h]
+    assert train_logs and all(set(RunSummary.LOG_KEYS) <= set(h) for h in train_logs), trainer.state.log_history
+    assert train_logs[-1]["capskip/steps_dense"] == 0 and train_logs[-1]["capskip/fallbacks"] == 0, train_logs[-1]
+    evals = [h for h in trainer.state.log_history if "eval_loss" in h]
+    assert evals and not any(k.startswith("capskip/") for h in evals for k in h), evals
+
+
+def test_add_callback_warns_on_a_torch_compile_wrapper(monkeypatch, tmp_path):
+    """A wrapper's saved keys reload as random weights: add_callback (and the callback passed to Trainer)
+    says so at construction, naming the in-place compile."""
+    from capskip_fx.integrations.hf import CapskipCallback, add_callback
+
+    monkeypatch.setenv("CAPSKIP_OPTIONS", "backend=aot_eager")
+    model, sample = _bert()
+    args = transformers.TrainingArguments(output_dir=str(tmp_path), report_to=[], use_cpu=True,
+                                          remove_unused_columns=False)
+    trainer = transformers.Trainer(model=torch.compile(model, backend="capskip"), args=args,
+                                   train_dataset=_Data(sample))
+    with pytest.warns(UserWarning, match=r"model\.compile\(backend=\"capskip\"\)"):
+        add_callback(trainer)
+    with pytest.warns(UserWarning, match="random weights"):
+        transformers.Trainer(model=torch.compile(model, backend="capskip"), args=args, train_dataset=_Data(sample),
+                             callbacks=[CapskipCallback()])
+    model.compile(backend="capskip")
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        add_callback(transformers.Trainer(model=model, args=args, train_dataset=_Data(sample)))
+
+
 # ------------------------------------------------------------------------------------------
 # decoder classifiers: the logits are logits[arange(N), last_non_pad_token], a per-row gather
 
