@@ -175,6 +175,36 @@ def test_add_callback_warns_on_a_torch_compile_wrapper(monkeypatch, tmp_path):
         add_callback(transformers.Trainer(model=model, args=args, train_dataset=_Data(sample)))
 
 
+def test_add_callback_keeps_gpt2s_loss_in_one_graph(monkeypatch, tmp_path):
+    """GPT2LMHeadModel looks its unrecognised loss_type up through a logged warning (a graph break before
+    the loss, which capskip warns about as a graph with no head). add_callback sets the loss transformers
+    falls back to anyway: one graph, selected rows, no capskip warning."""
+    import warnings
+
+    from capskip_fx.integrations.hf import add_callback
+
+    monkeypatch.setenv("CAPSKIP_RULE", "forced")
+    monkeypatch.setenv("CAPSKIP_OPTIONS", "keep=0.5,backend=aot_eager")
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel(transformers.GPT2Config(vocab_size=50, n_positions=16, n_embd=16,
+                                                                 n_layer=1, n_head=2))
+    assert model.loss_type is None, "GPT-2's loss_type is no longer unset: this test checks nothing"
+    model.compile(backend="capskip")
+    data = [{"input_ids": torch.randint(0, 50, (8,)), "labels": torch.randint(0, 50, (8,))} for _ in range(16)]
+    args = transformers.TrainingArguments(output_dir=str(tmp_path), per_device_train_batch_size=8, max_steps=2,
+                                          report_to=[], use_cpu=True, save_strategy="no", disable_tqdm=True)
+    trainer = transformers.Trainer(model=model, args=args, train_dataset=data)
+    add_callback(trainer)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer.train()
+    ours = [str(w.message) for w in caught if str(w.message).startswith("capskip_fx")]
+    assert not ours, ours
+    rep = capskip_fx.report(model)
+    assert [(r["role"], r["steps"]) for r in rep] == [("head", {"selected": 2})], str(rep)
+    assert model.loss_type == "ForCausalLM"
+
+
 # ------------------------------------------------------------------------------------------
 # decoder classifiers: the logits are logits[arange(N), last_non_pad_token], a per-row gather
 

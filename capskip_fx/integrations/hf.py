@@ -27,6 +27,22 @@ def _warn_if_wrapped(model) -> None:
         warnings.warn(WRAPPED, stacklevel=3)
 
 
+def set_loss_type(model) -> bool:
+    """Give a model whose ``loss_type`` transformers does not recognise (GPT-2's ``GPT2LMHeadModel``) the
+    loss it falls back to anyway, ``"ForCausalLM"``: the lookup would log a warning, which breaks the
+    compiled graph before the loss (rows are still selected, through a second graph that capskip warns
+    about).  The same loss, one graph.  True if it was set."""
+    try:
+        from transformers.loss.loss_utils import LOSS_MAPPING
+    except ImportError:
+        return False
+    inner = getattr(model, "_orig_mod", model)
+    if not hasattr(inner, "loss_type") or "_loss_function" in vars(inner) or inner.loss_type in LOSS_MAPPING:
+        return False
+    inner.loss_type = "ForCausalLM"
+    return True
+
+
 def _training_log(logs: dict) -> bool:
     """A training step's log (``loss``) or the end of training (``train_loss``); not an evaluation's
     (``eval_loss``, its metrics dict: the one ``trainer.evaluate()`` returns)."""
@@ -43,6 +59,7 @@ class CapskipCallback(TrainerCallback):
 
     def on_init_end(self, args, state, control, model=None, **kwargs):
         _warn_if_wrapped(self.model if self.model is not None else model)
+        set_loss_type(self.model if self.model is not None else model)
 
     def on_log(self, args, state, control, logs: Optional[dict] = None, model=None, **kwargs):
         target = self.model if self.model is not None else model
@@ -60,8 +77,10 @@ class CapskipCallback(TrainerCallback):
 
 def add_callback(trainer, model=None) -> CapskipCallback:
     """Install :class:`CapskipCallback` ahead of the trainer's reporters; returns it.  Warns when
-    ``trainer.model`` is a ``torch.compile`` wrapper (its saved keys reload as random weights)."""
+    ``trainer.model`` is a ``torch.compile`` wrapper (its saved keys reload as random weights); sets an
+    unrecognised ``loss_type`` to the loss transformers would use (:func:`set_loss_type`)."""
     _warn_if_wrapped(trainer.model)
+    set_loss_type(model if model is not None else trainer.model)
     cb = CapskipCallback(model)
     trainer.callback_handler.callbacks.insert(0, cb)
     return cb
