@@ -21,7 +21,7 @@ def test_intervals_paired_differences_and_time_to_accuracy(tmp_path):
         _run(tmp_path, f"tm-s{s}", s, [(6, 80.0), (12, finals["tm"][s])], rule="dense", time_budget=12)
         # capskip reaches 91 (dense's mean final) half-way through its second epoch on seeds 0 and 2
         _run(tmp_path, f"capskip-s{s}", s, [(5, 81.0), (11, finals["capskip"][s])], rule="capskip", budget=0.3)
-    table = report.compare_table(report.find_runs([tmp_path]))
+    table = report.compare_table(report.find_runs([tmp_path]), wide=True)
     rows = {line.split("|")[1].strip(): [c.strip() for c in line.split("|")[2:-1]]
             for line in table.splitlines()[2:]}
     half = T975_DF2 * 1.0 / math.sqrt(3)  # dense: sd 1
@@ -99,7 +99,7 @@ def test_table_marks_missed_budgets_and_loaded_machines(tmp_path, capsys):
     assert report.load_drift(runs[0], None) != report.load_drift(runs[0], None), (  # NaN without dense
         "with no dense run to compare with, the load drift is NaN (unequal to itself), "
         f"got {report.load_drift(runs[0], None)}")
-    table = cli.compare([tmp_path], tmp_path / "cmp")
+    table = cli.compare([tmp_path], tmp_path / "cmp", wide=True)
     rows = {line.split("|")[1].strip(): [c.strip() for c in line.split("|")[2:-1]]
             for line in table.splitlines()[2:] if line.startswith("| ")}
     assert "dense time-matched †" in rows, (  # the row itself
@@ -136,7 +136,7 @@ def test_table_marks_missed_budgets_and_loaded_machines(tmp_path, capsys):
         (tmp_path / "cmp" / "compare.md").read_text()), (
         "compare.md must say how its wall-clock is measured (distortion checks left out, among others)")
     # a looser threshold takes the load mark off; nothing is marked on clean runs
-    assert "‡" not in report.compare_table(runs, drift=0.5).split("\n\n")[0], (
+    assert "‡" not in report.compare_table(runs, drift=0.5, wide=True).split("\n\n")[0], (
         "a looser drift threshold (50%) must take the ‡ mark off the table")
     clean = [r for r in runs if r.seed == 1 and r.config.get("rule") != "capskip"]
     assert not report.table_warnings(clean), (
@@ -153,3 +153,27 @@ def test_rows_by_epoch_is_each_epoch_share_of_its_own_rows():
         f"per-epoch shares should be 80/100, 50/100, 20/80, got {plots.rows_by_epoch(run)}")
     old = report.Run(path=None, config={}, summary=[{"epoch": 1, "eval_top1": 50.0}])
     assert plots.rows_by_epoch(old) == [], "a summary without row counts has no per-epoch shares to plot"
+
+
+def test_default_table_is_narrow_and_counts_the_rows_the_backward_ran_on(tmp_path):
+    """Without --wide: at most 8 columns, none reading n/a on every row, and "backward rows" is the rows the
+    backward ran on (stats().rows: kept plus padding), not the kept rows."""
+    import json
+
+    for s in range(2):
+        _run(tmp_path, f"dense-s{s}", s, [(10, 80.0), (20, 90.0)], rule="dense")
+        d = _run(tmp_path, f"capskip-s{s}", s, [(8, 81.0), (15, 90.5)], backward_rows=3, rule="capskip", budget=0.3)
+        with open(d / "steps.jsonl", "w") as f:  # 3 kept rows padded to 4 on each of 2 steps
+            for i in range(2):
+                f.write(json.dumps({"step": i, "kept": 3 if i else 0, "rows_run": 4, "n": 10}) + "\n")
+    table = report.compare_table(report.find_runs([tmp_path]))
+    header = [c.strip() for c in table.splitlines()[0].split("|")[1:-1]]
+    assert len(header) <= 8, f"the default table has at most 8 columns, got {len(header)}: {header}"
+    assert "Δ vs own step-matched dense (pp, paired) [95% CI]" not in header, (
+        f"no step-matched runs here: that column reads n/a on every row and is left out; header {header}")
+    rows = {line.split("|")[1].strip(): dict(zip(header, (c.strip() for c in line.split("|")[1:-1])))
+            for line in table.splitlines()[2:] if line.startswith("| ")}
+    assert rows["capskip b=0.3"]["backward rows"] == "8", (
+        f"backward rows: the rows the backward ran on (4 + 4), not the kept rows (3); got {rows['capskip b=0.3']}")
+    wide = report.compare_table(report.find_runs([tmp_path]), wide=True)
+    assert len(wide.splitlines()[0].split("|")) - 2 == len(report.COLUMNS), "--wide shows every column"

@@ -88,7 +88,7 @@ def test_compare_pairs_each_rule_with_its_own_step_matched_dense(tmp_path):
     assert sum(r.is_dense_reference for r in runs) == 3, (  # step-matched runs are not the dense reference
         "only the 3 plain dense runs are the dense reference, not the step-matched ones; counted "
         f"{sum(r.is_dense_reference for r in runs)}")
-    table = report.compare_table(runs)
+    table = report.compare_table(runs, wide=True)
     rows = {line.split("|")[1].strip(): [c.strip() for c in line.split("|")[2:-1]]
             for line in table.splitlines()[2:] if line.startswith("| ")}
     assert (set(rows) == {"dense", "capskip b=0.3", "kabena", "dense step-matched ×0.74 to capskip b=0.3",

@@ -251,7 +251,7 @@ def test_compare_renders_table_and_plots(tmp_path):
     _fake_run(runs / "dense-tm-s0", "dense", 0, [70, 75], [5, 10], 1.0, time_budget=10.0)
     out = tmp_path / "cmp"
     table = train.run(["compare", str(runs / "cap-s0"), str(runs / "cap-s1"), str(runs / "dense-s0"),
-                       str(runs / "dense-s1"), str(runs / "dense-tm-s0"), "--out", str(out)])
+                       str(runs / "dense-s1"), str(runs / "dense-tm-s0"), "--out", str(out), "--wide"])
     lines = table.strip().splitlines()
     # dense first; no step-matched run, so its step-time column is n/a
     assert lines[2].startswith("| dense | 2 | 86.00 [73.29, 98.71] | n/a | n/a | +10.00 | 20.0 ± 0.0 | 1.00 [1.00, 1.00] |"), (
@@ -268,7 +268,7 @@ def test_compare_renders_table_and_plots(tmp_path):
     for p in plots.PLOTS:
         assert (out / p).stat().st_size > 0, f"compare wrote an empty plot {p}"
     # a parent folder is searched for run directories
-    assert train.run(["compare", str(runs), "--out", str(tmp_path / "cmp2")]) == table, (
+    assert train.run(["compare", str(runs), "--out", str(tmp_path / "cmp2"), "--wide"]) == table, (
         "compare on the parent folder must find the same runs, and render the same table, as naming each run")
 
 
@@ -280,7 +280,7 @@ def test_compare_pairs_step_matched_dense_by_seed(tmp_path):
     _fake_run(runs / "cap-s1", "capskip", 1, [80, 84], [5, 10], 0.4)
     _fake_run(runs / "sm-s0", "dense", 0, [78, 83], [5, 10], 1.0, steps_of=str(runs / "cap-s0"), ratio=0.6)
     _fake_run(runs / "sm-s1", "dense", 1, [79, 82], [5, 10], 1.0, steps_of=str(runs / "cap-s1"), ratio=0.6)
-    table = train.run(["compare", str(runs), "--out", str(tmp_path / "cmp")])
+    table = train.run(["compare", str(runs), "--out", str(tmp_path / "cmp"), "--wide"])
     cap = next(l for l in table.splitlines() if l.startswith("| capskip b=0.1 "))
     cells = [c.strip() for c in cap.split("|")[1:-1]]
     # seed 0: 86 - 83 = +3, seed 1: 84 - 82 = +2 -> mean +2.50 over n=2
@@ -293,7 +293,7 @@ def test_compare_pairs_step_matched_dense_by_seed(tmp_path):
     moved = tmp_path / "moved"
     shutil.copytree(runs, moved)
     shutil.rmtree(runs)
-    table = train.run(["compare", str(moved), "--out", str(tmp_path / "cmp")])
+    table = train.run(["compare", str(moved), "--out", str(tmp_path / "cmp"), "--wide"])
     cap = next(l for l in table.splitlines() if l.startswith("| capskip b=0.1 "))
     cell = [c.strip() for c in cap.split("|")[1:-1]][3]
     assert cell.startswith("+2.50"), f"moved runs should still pair with their step-matched dense; the cell reads {cell!r}"
@@ -304,7 +304,7 @@ def test_compare_pairs_step_matched_dense_by_seed(tmp_path):
         {"arm": "dense", "vs_dense": 1.0, "vs_dense_lo": 1.0, "vs_dense_hi": 1.0},
         {"arm": "forced:keep=0.300", "vs_dense": 0.5996, "vs_dense_lo": 0.50, "vs_dense_hi": 0.70},  # same r, other rows
         {"arm": "forced:keep=0.400", "vs_dense": 0.6004, "vs_dense_lo": 0.55, "vs_dense_hi": 0.65}]}))
-    table = train.run(["compare", str(runs), "--out", str(tmp_path / "cmp"), "--speed", str(speed)])
+    table = train.run(["compare", str(runs), "--out", str(tmp_path / "cmp"), "--speed", str(speed), "--wide"])
     cap = next(l for l in table.splitlines() if l.startswith("| capskip b=0.1 "))
     cell = [c.strip() for c in cap.split("|")[1:-1]][4]
     assert cell == "0.6 [0.550, 0.650]", (

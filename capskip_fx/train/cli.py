@@ -135,6 +135,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="mark a wall-clock ratio when a run's median data-loading time per step differs from "
                         "dense's by more than this fraction (the machine's load changed; default: 0.2)")
     c.add_argument("--speed", default=None, help="benchmarks/interleaved.py's JSON: the step-time ratios' intervals")
+    c.add_argument("--wide", action="store_true", help="every column (default: at most 8, none that is n/a throughout)")
     b = sub.add_parser("choose-budget", help="pick capskip's b from validation runs; prints it, writes the table")
     b.add_argument("select_dir", help="folder with dense-s{SEED} and capskip-b{B}-s{SEED} runs (--val-split)")
     b.add_argument("--seeds", nargs="+", required=True, help="selection seeds (not comparison seeds)")
@@ -192,7 +193,7 @@ def run(argv: Optional[Sequence[str]] = None) -> Any:
         argv.insert(0, "train")
     ns = parser.parse_args(argv)
     if ns.command == "compare":
-        table = compare(ns.runs, ns.out, drift=ns.load_drift, speed=ns.speed)
+        table = compare(ns.runs, ns.out, drift=ns.load_drift, speed=ns.speed, wide=ns.wide)
         print(table + f"\nwritten to {ns.out}/compare.md")
         return table
     if ns.command == "choose-budget":
@@ -209,7 +210,7 @@ def run(argv: Optional[Sequence[str]] = None) -> Any:
 
 
 def compare(paths: Sequence[str | Path], out_dir: str | Path, drift: Optional[float] = None,
-            speed: Optional[str | Path] = None) -> str:
+            speed: Optional[str | Path] = None, wide: bool = False) -> str:
     """``capskip-train compare``: the figures and ``compare.md`` for the runs under ``paths``; returns the
     Markdown table.  What the table marks (time budget not reached, machine load changed) is also
     printed to stderr as warnings."""
@@ -219,7 +220,7 @@ def compare(paths: Sequence[str | Path], out_dir: str | Path, drift: Optional[fl
     out_dir = Path(out_dir)
     plots.plot_runs(runs, out_dir)
     rows = json.loads(Path(speed).read_text())["rows"] if speed else ()
-    table = report.compare_table(runs, report.LOAD_DRIFT if drift is None else drift, rows)
+    table = report.compare_table(runs, report.LOAD_DRIFT if drift is None else drift, rows, wide=wide)
     for line in table.splitlines():
         if line.startswith((report.MISSED, report.LOADED)):
             print(f"warning: {line}", file=sys.stderr)

@@ -96,14 +96,15 @@ def evaluate(model: nn.Module, loader, device, autocast, loss=F.cross_entropy) -
 
 SUMMARY_FIELDS = ("epoch", "steps", "train_loss", "eval_top1", "eval_loss", "wall_clock_s", "compile_s",
                   "backward_rows", "rows", "rows_seen", "mean_kept_frac", "lr", "checks", "violations", "fallbacks",
-                  "time_budget_hit")
+                  "time_budget_hit", "rows_run")
 
 
 @dataclasses.dataclass
 class Counters:
     """The run's running totals; a checkpoint carries them (under ``counters``)."""
     step: int = 0
-    backward_rows: int = 0
+    backward_rows: int = 0  # kept rows (nonzero weight)
+    rows_run: int = 0  # rows the backward ran on: kept plus padding, or all n (stats().rows)
     rows: int = 0  # forwarded (every step's batch); rows_seen: drawn from the data (more under Stale-SB's filter)
     checks: int = 0
     violations: int = 0
@@ -244,7 +245,7 @@ class RunState:
         self.cm.load_state_dict(ck["model"])  # weights + the rule's state
         self.opt.load_state_dict(ck["optimizer"])
         self.clock.load_state_dict(ck["clock"])
-        self.counters = Counters(**{k: ck["counters"][k] for k in COUNTERS})
+        self.counters = Counters(**{k: ck["counters"][k] for k in COUNTERS if k in ck["counters"]})  # older: no rows_run
         if self.stale_filter is not None:
             self.stale_filter.load_state_dict(ck["stale_filter"])
         if self.infobatch is not None:
@@ -367,6 +368,7 @@ class RunState:
         fallback = st.fallback
         c.fallbacks += fallback is not None
         c.backward_rows += kept
+        c.rows_run += int(st.rows) if st.rows is not None else n
         c.rows += n
         ep.loss += loss_v
         ep.kept_frac += kept / max(n, 1)
@@ -425,7 +427,7 @@ class RunState:
         self.summary.append({
             "epoch": epoch, "steps": c.step, "train_loss": ep.loss / max(ep.steps, 1), "eval_top1": top1,
             "eval_loss": eval_loss, "wall_clock_s": clock.wall_s, "compile_s": clock.compile_s,
-            "backward_rows": c.backward_rows, "rows": c.rows, "rows_seen": self.rows_seen,
+            "backward_rows": c.backward_rows, "rows_run": c.rows_run, "rows": c.rows, "rows_seen": self.rows_seen,
             "mean_kept_frac": ep.kept_frac / max(ep.steps, 1),
             "lr": self.lr, "checks": c.checks, "violations": c.violations, "fallbacks": c.fallbacks,
             "time_budget_hit": int(self.hit_budget)})
@@ -465,7 +467,7 @@ class RunState:
         cfg, c, out = self.cfg, self.counters, self.out
         result = {"out": str(out), "label": cfg.label, "seed": cfg.seed, "final_top1": self.summary[-1]["eval_top1"],
                   "wall_clock_s": self.clock.wall_s, "compile_s": self.clock.compile_s, "steps": c.step,
-                  "kept_frac": c.backward_rows / max(c.rows, 1), "backward_rows": c.backward_rows,
+                  "kept_frac": c.backward_rows / max(c.rows, 1), "backward_rows": c.backward_rows, "rows_run": c.rows_run,
                   "forward_frac": c.rows / max(self.rows_seen, 1), "checks": c.checks,
                   "violations": c.violations, "fallbacks": c.fallbacks, "time_budget_hit": self.hit_budget,
                   "max_steps": cfg.max_steps, "steps_of": cfg.steps_of, "ratio": cfg.ratio,

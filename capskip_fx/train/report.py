@@ -332,22 +332,45 @@ def table_warnings(runs: Sequence[Run], drift: float = LOAD_DRIFT) -> list[str]:
     return out
 
 
-def compare_table(runs: Sequence[Run], drift: float = LOAD_DRIFT, speed: Sequence[dict] = ()) -> str:
+def compare_table(runs: Sequence[Run], drift: float = LOAD_DRIFT, speed: Sequence[dict] = (), wide: bool = False) -> str:
     """Markdown table, one row per label: final top-1 mean ± std (sample std over seeds), etc.
     Runs on different datasets (or subsets) are never compared in one table: one table each.
     Marks (†, ‡) and their notes below each table: :func:`table_warnings`.  ``speed``: the rows of
-    benchmarks/interleaved.py's JSON, for the step-time ratios' intervals."""
+    benchmarks/interleaved.py's JSON, for the step-time ratios' intervals.  By default at most
+    :data:`DEFAULT_COLUMNS` (8), leaving out those that read n/a on every row; ``wide``: every column."""
     by_data: dict[str, list[Run]] = {}
     for r in runs:
         c = r.config
         key = f"{c.get('dataset')} (train subset {c.get('train_subset')}, eval subset {c.get('eval_subset')})"
         by_data.setdefault(key, []).append(r)
     if len(by_data) > 1:
-        return "\n".join(f"### {key}\n\n{_table(members, drift, speed)}" for key, members in by_data.items())
-    return _table(runs, drift, speed)
+        return "\n".join(f"### {key}\n\n{_table(members, drift, speed, wide)}" for key, members in by_data.items())
+    return _table(runs, drift, speed, wide)
 
 
-def _table(runs: Sequence[Run], drift: float = LOAD_DRIFT, speed: Sequence[dict] = ()) -> str:
+#: every column of the comparison table, in order
+COLUMNS = ("run", "seeds", "final top-1 (%) [95% CI]", "Δ vs own step-matched dense (pp, paired) [95% CI]",
+           "step-time r (interleaved) [95% CI]", "Δ vs time-matched dense (pp, paired) [95% CI]", "wall-clock (s)",
+           "× dense wall-clock (paired) [95% CI]", "time to dense's final top-1 (× dense)", "to 99% of it", "mean kept",
+           "forwarded", "backward rows", "check violations", "data ms/step")
+#: the columns shown without --wide (those reading n/a on every row left out too)
+DEFAULT_COLUMNS = ("run", "seeds", "final top-1 (%) [95% CI]", "Δ vs own step-matched dense (pp, paired) [95% CI]",
+                   "Δ vs time-matched dense (pp, paired) [95% CI]", "× dense wall-clock (paired) [95% CI]",
+                   "mean kept", "backward rows")
+
+
+def rows_run(r: Run) -> float:
+    """Rows the backward ran on (``stats().rows`` summed: kept plus padding, or every row of a step that ran
+    them all); from the summary, else the step log; NaN when neither has it."""
+    v = r.final.get("rows_run")
+    if v not in (None, ""):
+        return float(v)
+    if r.steps and all("rows_run" in s for s in r.steps):
+        return float(sum(s["rows_run"] if s["rows_run"] is not None else s.get("n", 0) for s in r.steps))
+    return math.nan
+
+
+def _table(runs: Sequence[Run], drift: float = LOAD_DRIFT, speed: Sequence[dict] = (), wide: bool = False) -> str:
     groups = group_runs(runs)
     dense = next((g for g in groups.values() if all(r.is_dense_reference for r in g)), None)
     matched = next((g for g in groups.values()
@@ -355,14 +378,8 @@ def _table(runs: Sequence[Run], drift: float = LOAD_DRIFT, speed: Sequence[dict]
     dense_wall = _mean([r.final.get("wall_clock_s") for r in dense]) if dense else math.nan
     target = _mean([r.final.get("eval_top1") for r in dense]) if dense else math.nan
     by_seed = lambda g: {r.seed: r.final.get("eval_top1") for r in g}  # noqa: E731
-    lines = [
-        "| run | seeds | final top-1 (%) [95% CI] | Δ vs own step-matched dense (pp, paired) [95% CI] "
-        "| step-time r (interleaved) [95% CI] | Δ vs time-matched dense (pp, paired) [95% CI] "
-        "| wall-clock (s) | × dense wall-clock (paired) [95% CI] | time to dense's final top-1 (× dense) | to 99% of it "
-        "| mean kept | forwarded | backward rows | check violations | data ms/step |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
-    ]
     matched_missed = matched is not None and any(r.budget_missed for r in matched)
+    table: list[list[str]] = []
     for label, members in groups.items():
         wall = _mean([r.final.get("wall_clock_s") for r in members])
         ratio = f"{wall / dense_wall:.2f}" if dense_wall and not math.isnan(dense_wall) and not math.isnan(wall) else "n/a"
@@ -374,7 +391,7 @@ def _table(runs: Sequence[Run], drift: float = LOAD_DRIFT, speed: Sequence[dict]
         if any(not math.isnan(d) and abs(d) > drift for d in drifts):
             ratio += f" {LOADED}"
         missed = any(r.budget_missed for r in members)
-        rows = _mean([r.final.get("backward_rows") for r in members])
+        rows = _mean([rows_run(r) for r in members])
         viol = sum(int(r.final.get("violations") or 0) for r in members)
         diff = "n/a"
         if matched is not None and members is not matched:
@@ -385,16 +402,23 @@ def _table(runs: Sequence[Run], drift: float = LOAD_DRIFT, speed: Sequence[dict]
                 diff += f" {MISSED}"
         reach = (_ratio_to(members, dense, target), _ratio_to(members, dense, 0.99 * target)) \
             if dense and not math.isnan(target) else ("n/a", "n/a")
-        data_ms = _mean_std([1e3 * r.data_s for r in members], ".1f")
-        lines.append(
-            f"| {label}{f' {MISSED}' if missed else ''} | {len(members)} | {fmt_interval([r.final.get('eval_top1') for r in members])} "
-            f"| {_step_matched_diff(members, runs)} | {_step_ratio(members, runs, speed)} | {diff} "
-            f"| {_mean_std([r.final.get('wall_clock_s') for r in members], '.1f')} | {ratio} "
-            f"| {reach[0]} | {reach[1]} | {_mean_std([r.kept_frac for r in members], '.3f')} "
-            f"| {_mean_std([r.forward_frac for r in members], '.3f')} "
-            f"| {'n/a' if math.isnan(rows) else f'{rows:.0f}'} | {viol} | {data_ms} |"
-        )
+        table.append([
+            f"{label}{f' {MISSED}' if missed else ''}", str(len(members)),
+            fmt_interval([r.final.get("eval_top1") for r in members]), _step_matched_diff(members, runs),
+            _step_ratio(members, runs, speed), diff, _mean_std([r.final.get("wall_clock_s") for r in members], ".1f"),
+            ratio, reach[0], reach[1], _mean_std([r.kept_frac for r in members], ".3f"),
+            _mean_std([r.forward_frac for r in members], ".3f"), "n/a" if math.isnan(rows) else f"{rows:.0f}",
+            str(viol), _mean_std([1e3 * r.data_s for r in members], ".1f")])
+    cols = list(range(len(COLUMNS)))
+    if not wide:
+        cols = [i for i in cols if COLUMNS[i] in DEFAULT_COLUMNS and (i < 3 or any(row[i] != "n/a" for row in table))]
+    lines = ["| " + " | ".join(COLUMNS[i] for i in cols) + " |", "|" + "---|" * len(cols)]
+    lines += ["| " + " | ".join(row[i] for i in cols) + " |" for row in table]
     notes = table_warnings(runs, drift)
+    if not wide and any(int(r.final.get("violations") or 0) for r in runs):
+        notes.append("check violations: " + ", ".join(f"{label} {n}" for label, members in groups.items()
+                                                     if (n := sum(int(r.final.get('violations') or 0) for r in members)))
+                     + " (the exact check found the rule's bound exceeded; --wide shows the column)")
     return "\n".join(lines) + "\n" + "".join(f"\n{n}\n" for n in notes)
 
 
@@ -463,7 +487,10 @@ def compare_page(runs: Sequence[Run], table: str, figures: Sequence[str]) -> str
             "median, with the number of seeds that reached it. Wall-clock ± is the sample std; × dense "
             "wall-clock is each seed's ratio to the same seed's dense run, mean [95% t interval]. Forwarded: rows "
             "forwarded / rows drawn from the data (below 1 only under Stale-SB's data-side filter or InfoBatch's sampler); mean kept is "
-            "of the forwarded rows.\n\n"
+            "of the forwarded rows. Backward rows: the rows the backward ran on, summed over the run (`stats().rows`: "
+            "the kept rows plus padding, or every row of a step whose backward ran on all of them), mean over seeds. "
+            "Columns that read n/a on every row are left out; `capskip-train compare --wide` shows every column "
+            "(step-time r, wall-clock, time to accuracy, forwarded, check violations, data ms/step).\n\n"
             + "".join(f"![{p}]({p})\n" for p in figures) + "\nRuns:\n" + dirs + "\n")
 
 
