@@ -44,6 +44,7 @@ def test_compare_pairs_each_arm_with_its_tuned_dense(tmp_path):
     # capskip - tuned: +1.0, 0.0, +1.0 -> mean +0.67
     assert "+0.67 [" in row and "(n = 3)" in row, f"capskip's Δ vs the tuned dense, paired over 3 seeds: {row}"
     assert "30.0 %" in row, f"rows back-propagated: 3 of 10, got {row}"
+    assert "| 0.65 |" in row, f"compute: (10 forwarded + 3 back) / dense's (10 + 10) = 0.65, got {row}"
     tuned_row = next(l for l in page.splitlines() if l.startswith("| dense tuned at capskip's budget |"))
     assert "linear, lr 0.002, batch 193" in tuned_row, f"the tuned configuration is shown: {tuned_row}"
     sm_row = next(l for l in page.splitlines() if l.startswith("| dense re-annealed at capskip's budget |"))

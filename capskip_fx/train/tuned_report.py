@@ -88,7 +88,19 @@ def _tta(members: dict[int, Run], dense: dict[int, Run], target: float, x: str) 
 
 def _batch(r: Run) -> str:
     c = r.config
-    return f"{c.get('schedule', 'cosine')}, lr {c.get('lr'):g}, batch {c.get('batch_size')}"
+    return f"{c.get('schedule', 'cosine')}, lr {c.get('lr'):g}, batch {c.get('batch_size')}, {r.result.get('steps')} steps"
+
+
+def back_frac(r: Run) -> float:
+    """Rows the backward ran on / rows forwarded (``rows_run``; the kept rows for runs that predate it)."""
+    f = r.final
+    back = f.get("rows_run") if f.get("rows_run") not in (None, "") else f.get("backward_rows")
+    return float(back) / float(f["rows"])
+
+
+def compute(r: Run) -> float:
+    """Rows forwarded plus rows the backward ran on, over the run."""
+    return float(r.final["rows"]) * (1 + back_frac(r))
 
 
 def compare(runs_dir: str | Path, out_dir: str | Path, r_json: Optional[str | Path] = None,
@@ -108,8 +120,9 @@ def compare(runs_dir: str | Path, out_dir: str | Path, r_json: Optional[str | Pa
         lines += [f"r (`r.md`; {rinfo['blocks']} blocks, {rinfo['threads']} thread(s)): " + "; ".join(
             f"{k} {v['r']:.3f} [{v['lo']:.3f}, {v['hi']:.3f}] at {100 * v['k']:.0f} % of rows"
             for k, v in rinfo["rules"].items()) + ".", ""]
-    head = ["arm", "n", "top-1 (%)", "Δ vs tuned matched dense (pp)", "rows back-propagated", "normalisation",
-            "steps", "schedule, lr, batch"]
+    dense_compute = statistics.fmean(compute(r) for r in dense.values()) if dense else math.nan
+    head = ["arm", "n", "top-1 (%)", "Δ vs tuned matched dense (pp)", "rows back-propagated", "compute (× dense)",
+            "normalisation", "schedule, lr, batch, steps"]
     lines += ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for arm, name, base, _rule, norm in ARMS:
         members = g.get(arm)
@@ -120,13 +133,16 @@ def compare(runs_dir: str | Path, out_dir: str | Path, r_json: Optional[str | Pa
         if base and g.get(base):
             d, n = paired(members, g[base])
             delta = f"{fmt_interval(d, signed=True)} (n = {n})" if n else ""
-        rows = statistics.fmean(r.kept_frac for r in rs)
-        steps = sorted({int(r.result.get("steps", 0)) for r in rs})
+        rows = statistics.fmean(back_frac(r) for r in rs)
+        comp = statistics.fmean(compute(r) for r in rs) / dense_compute
         lines.append(f"| {name.format(B=budget)} | {len(rs)} | {fmt_interval([top1(r) for r in rs])} | {delta} | "
-                     f"{100 * rows:.1f} % | {norm} | {'/'.join(map(str, steps))} | {_batch(rs[0])} |")
+                     f"{100 * rows:.1f} % | {comp:.2f} | {norm} | {_batch(rs[0])} |")
     lines += ["", "Re-annealed: a full warm-up and cosine over the matched steps at lr 1e-3, batch 128 (run_finetune_long's "
               "step-matched dense); truncated: the 16-epoch cosine stopped at the matched steps. Their Δ is against the "
-              "tuned dense too (negative: the tuned grid found better)."]
+              "tuned dense too (negative: the tuned grid found better). Budgets are in steps (round(r × the rule run's "
+              "steps)): a dense run whose chosen batch is above 128 (the batch that spends the budget in 16 epochs) "
+              "forwards and back-propagates more rows per step, so its compute column is above its r. Compute: rows "
+              "forwarded plus rows the backward ran on, over dense's (16 epochs)."]
     # the rules against every dense baseline of their budget
     lines += ["", "## Each rule against each dense baseline of its budget (pp, paired by seed)", "",
               "| arm | vs tuned | vs re-annealed | vs truncated |", "|---|---|---|---|"]
