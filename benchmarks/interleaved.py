@@ -16,7 +16,11 @@ The data loading is timed once per round and reported apart: it is the same for 
 
 Rounds are grouped into blocks; the first ``--warmup`` rounds (compiles) are left out.  Per block,
 each arm's median step time over the reference's is one ratio; r is the mean of the blocks' ratios
-with a 95% Student-t interval over blocks (and their median).  The reference is ``torch.compile`` of
+with a 95% Student-t interval over blocks (and their median).  r vs dense likewise: the mean of the
+per-block ratios to dense's median in the same block, its interval over the same values.  ``--threads``
+(before ``--`` or among the capskip-train flags after it) sets torch's threads; the JSON records the
+count used.  ``--at ARM=K`` also reports ARM's r at a share K of rows run: its own per-block ratio (its
+selection cost included) moved along the forced:keep arms' per-block slope in the share of rows run.  The reference is ``torch.compile`` of
 the plain model with the mean loss; ``dense`` is the harness's dense baseline (``capskip_fx.compile``,
 rule dense), so the difference between the two is capskip_fx's own overhead.
 
