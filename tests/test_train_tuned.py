@@ -28,6 +28,11 @@ def test_select_picks_the_best_mean_and_lists_every_configuration(tmp_path):
     assert "| linear-lr2e-3-bfit | 91.50 | 91.00 | 91.25 | **chosen** |" in text, text
     with pytest.raises(SystemExit, match="no result.json"):
         tuned.select(tmp_path, "dense-at-capskip", ["cosine-lr9e-3-b128"], ["100"], out)
+    assert tuned.select(tmp_path, "dense-at-capskip", [*scores, "cosine-lr9e-3-b128"], ["100", "101"], out,
+                        partial=True) == "", "a partial grid chooses nothing"
+    text = out.read_text()
+    assert "PARTIAL" in text and "| cosine-lr9e-3-b128 | — | — | — |  |" in text, text
+    assert "**chosen**" not in text, "nothing is marked chosen in a partial table"
 
 
 def test_compare_pairs_each_arm_with_its_tuned_dense(tmp_path):
