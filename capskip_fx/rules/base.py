@@ -206,13 +206,44 @@ def normalize_weight(weight: Tensor, mode: str) -> Tensor:
     return torch.where(tot > 0, weight * scale, weight)
 
 
+class Journal:
+    """What one step changed in a rule's state, so that a step that falls back can be undone: O(what the step
+    wrote), never a copy of the whole state.  A rule notes each change BEFORE making it: ``attr`` before it
+    rebinds an attribute (the old object is kept: rebind, never modify that object in place afterwards),
+    ``rows`` before it writes rows of a tensor in place (their old values are kept)."""
+
+    def __init__(self) -> None:
+        self._undo: list = []
+        self.drawn: list = []  # generators whose state is already noted
+
+    def attr(self, obj: Any, name: str) -> None:
+        old = getattr(obj, name)
+        self._undo.append(lambda: setattr(obj, name, old))
+
+    def rows(self, t: Tensor, index: Tensor) -> None:
+        """``t[index]`` is about to be written in place (any index ``t[index] = v`` accepts)."""
+        old = t[index].clone()
+        self._undo.append(lambda: t.__setitem__(index, old))
+
+    def call(self, undo) -> None:
+        """Run ``undo()`` when the step is undone (after the later changes' undos)."""
+        self._undo.append(undo)
+
+    def undo(self) -> None:
+        while self._undo:
+            self._undo.pop()()
+
+
 class Rule:
     """Base class: subclasses set ``name`` and ``needs_labels`` and implement :meth:`select`.
 
     Rules with state (histories, controllers, counters) keep it in plain attributes listed
     in ``_state_keys`` so that ``state_dict()`` round-trips it.  The runtime also runs ``select``
-    before it reads whether the step falls back (NaN, unusable dL/dz, bad labels), and undoes such a
-    step through ``state_dict()``/``load_state_dict()``: state kept elsewhere would see it.
+    before it reads whether the step falls back (NaN, unusable dL/dz, bad labels), so a step is a
+    transaction: :meth:`begin_step` before ``select``, then :meth:`commit_step` or :meth:`undo_step`.  A rule
+    that sets ``journaled = True`` notes each change of its state in ``self.journal`` (a :class:`Journal`, None
+    outside a step) before making it, so undoing costs what the step touched; any other rule is undone from a
+    copy of its ``state_dict()`` taken at :meth:`begin_step` (state kept elsewhere would see the step).
     """
 
     name: str = "rule"
@@ -225,6 +256,9 @@ class Rule:
     # with an in-graph loss the runtime may choose before that loss's backward and run it on the kept rows
     # (passes/prefix_rows.py); ``view.delta`` is None then.
     reads_gradient: bool = True
+    # notes its own state changes in ``self.journal`` (begin_step); False: undone from a state_dict() copy
+    journaled: bool = False
+    journal: Optional[Journal] = None
 
     def finish(self, sel: Selection) -> Selection:
         """Apply ``self.normalize`` to ``sel.weight`` (every rule returns through this)."""
@@ -233,6 +267,35 @@ class Rule:
 
     def select(self, view: HeadView) -> Selection:  # pragma: no cover - interface
         raise NotImplementedError
+
+    # -- a step as a transaction ------------------------------------------------------------
+    def begin_step(self) -> None:
+        """Open the step's transaction (the runtime calls it before ``select``)."""
+        j = Journal()
+        if not self.journaled:
+            saved = self.state_dict()
+            j.call(lambda: self.load_state_dict(saved))
+        self.journal = j
+
+    def commit_step(self) -> None:
+        """Keep the step's changes."""
+        self.journal = None
+
+    def undo_step(self) -> None:
+        """Put the state back as it was at :meth:`begin_step`."""
+        j, self.journal = self.journal, None
+        if j is not None:
+            j.undo()
+
+    def note_attr(self, name: str) -> None:
+        """``self.<name>`` is about to be rebound (in a step: noted for the undo)."""
+        if self.journal is not None:
+            self.journal.attr(self, name)
+
+    def note_rows(self, t: Tensor, index: Tensor) -> None:
+        """Rows ``index`` of the state tensor ``t`` are about to be written in place."""
+        if self.journal is not None:
+            self.journal.rows(t, index)
 
     def state_dict(self) -> dict[str, Any]:
         out = {}
@@ -264,9 +327,14 @@ class SeededRule(Rule):
         dev = view.z.device
         g = self._generator
         if g is None or g.device.type != dev.type:
+            self.note_attr("_generator")
             g = torch.Generator(device=dev)
             g.manual_seed(self.seed)
             self._generator = g
+        elif self.journal is not None and not any(x is g for x in self.journal.drawn):
+            self.journal.drawn.append(g)  # its state before the step's first draw (small: the copy may stay)
+            state = g.get_state()
+            self.journal.call(lambda: g.set_state(state))
         return g
 
     def uniform(self, view: HeadView, n: int, dtype: torch.dtype) -> Tensor:

@@ -83,6 +83,7 @@ class KABENA(SeededRule):
     name = "kabena"
     needs_labels = True  # per-example CE
     _state_keys = ("generator_state",)
+    journaled = True  # its one state, the generator, is noted where it draws (SeededRule.generator)
 
     def __init__(self, tau: float = 0.1, pi_min: float = 0.1, bias: bool = True, seed: int = 0,
                  normalize: str = "batch"):

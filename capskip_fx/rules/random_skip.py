@@ -68,6 +68,23 @@ class RandomSkip(SeededRule):
         """Likewise dL/dz: a fixed fraction reads none."""
         return self.match is not None and self.match.reads_gradient
 
+    journaled = True  # its generator is noted where it draws; the matched rule keeps its own transaction
+
+    def begin_step(self) -> None:
+        super().begin_step()
+        if self.match is not None:
+            self.match.begin_step()
+
+    def commit_step(self) -> None:
+        super().commit_step()
+        if self.match is not None:
+            self.match.commit_step()
+
+    def undo_step(self) -> None:
+        if self.match is not None:
+            self.match.undo_step()
+        super().undo_step()
+
     @property
     def match_state(self) -> Optional[dict[str, Any]]:
         return None if self.match is None else self.match.state_dict()

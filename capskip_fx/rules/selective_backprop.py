@@ -102,6 +102,7 @@ class SelectiveBackprop(SeededRule):
     name = "sb"
     needs_labels = True  # per-example CE
     _state_keys = ("history", "hist_pos", "generator_state", "epoch_start")
+    journaled = True  # a step notes the slots it writes: undone in O(N), whatever R
 
     def __init__(self, beta: float = 3.0, history: int = 1024, keep: Optional[float] = None,
                  p_min: float = 0.0, sample: Optional[bool] = None, prime_epochs: int = 1, seed: int = 0,
@@ -144,8 +145,10 @@ class SelectiveBackprop(SeededRule):
 
     def _history(self, like: Tensor) -> Tensor:
         if self.history is None:
+            self.note_attr("history")
             self.history = torch.full((self.R,), math.nan, dtype=like.dtype, device=like.device)
         elif self.history.dtype != like.dtype or self.history.device != like.device:
+            self.note_attr("history")
             self.history = self.history.to(device=like.device, dtype=like.dtype)
         return self.history
 
@@ -156,7 +159,9 @@ class SelectiveBackprop(SeededRule):
         if m == 0:
             return
         pos = (self.hist_pos + torch.arange(m, device=hist.device)) % self.R
+        self.note_rows(hist, pos)
         hist.index_copy_(0, pos, loss[loss.shape[0] - m:].to(hist.dtype))
+        self.note_attr("hist_pos")
         self.hist_pos = (self.hist_pos + m) % self.R
 
     def keep_prob(self, loss: Tensor) -> Tensor:
@@ -176,6 +181,7 @@ class SelectiveBackprop(SeededRule):
 
     def batch_in_epoch(self, view: HeadView) -> int:
         if self.epoch_start is None or self.epoch_start[0] != view.epoch:
+            self.note_attr("epoch_start")
             self.epoch_start = (view.epoch, view.step)
         return view.step - self.epoch_start[1]
 

@@ -67,6 +67,7 @@ class StaleSB(SelectiveBackprop):
     name = "stale_sb"
     _state_keys = ("history", "hist_pos", "generator_state", "cache_loss", "cache_epoch", "presel",
                    "data_epoch")
+    journaled = True  # a step notes the cache rows of its batch: undone in O(N), whatever the dataset's size
 
     def __init__(self, beta: float = 3.0, history: int = 1024, staleness: int = 2,
                  num_examples: Optional[int] = None, p_min: float = 0.0, prime_epochs: int = 1,
@@ -84,8 +85,13 @@ class StaleSB(SelectiveBackprop):
         self._warned_no_index = False
 
     # -- cache ------------------------------------------------------------------------------
+    def _rebind_cache(self) -> None:
+        for name in ("cache_loss", "cache_epoch", "presel"):
+            self.note_attr(name)
+
     def _ensure_cache(self, idx: Tensor, like: Tensor) -> None:
         if self.cache_loss is None:
+            self._rebind_cache()
             if self.num_examples is not None:
                 size = self.num_examples
             else:
@@ -94,6 +100,7 @@ class StaleSB(SelectiveBackprop):
             self.cache_epoch = torch.full((size,), NEVER, dtype=torch.long, device=like.device)
             self.presel = torch.zeros(size, dtype=torch.bool, device=like.device)
         elif self.cache_loss.device != like.device or self.cache_loss.dtype != like.dtype:
+            self._rebind_cache()
             self.cache_loss = self.cache_loss.to(device=like.device, dtype=like.dtype)
             self.cache_epoch = self.cache_epoch.to(like.device)
             self.presel = self.presel.to(like.device)
@@ -102,6 +109,7 @@ class StaleSB(SelectiveBackprop):
             size = self.cache_loss.shape[0]
             if need > size:
                 extra = max(need, 2 * size) - size  # doubling: amortised O(1) growth
+                self._rebind_cache()
                 self.cache_loss = torch.cat([self.cache_loss, self.cache_loss.new_full((extra,), math.nan)])
                 self.cache_epoch = torch.cat([self.cache_epoch, self.cache_epoch.new_full((extra,), NEVER)])
                 self.presel = torch.cat([self.presel, self.presel.new_zeros(extra)])
@@ -183,6 +191,8 @@ class StaleSB(SelectiveBackprop):
             p = torch.where(pre, torch.ones_like(loss), self.keep_prob(loss))
         u = self.uniform(view, n, dt)
         seen = ~torch.isnan(loss)
+        for t in (self.cache_loss, self.cache_epoch, self.presel):
+            self.note_rows(t, idx)
         self.cache_loss[idx] = torch.where(seen, loss.to(self.cache_loss.dtype), self.cache_loss[idx])
         # the clock restarts on selection forwards only (not on a pre-selected row's training forward)
         scored = seen & ~pre

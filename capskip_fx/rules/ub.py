@@ -99,6 +99,7 @@ class UpperBoundIS(SeededRule):
     name = "ub"
     needs_labels = True  # reads no label, but its scores need a real dL/dz: the runtime's zero / softmax checks
     _state_keys = ("tau_ema", "generator_state")
+    journaled = True
 
     def __init__(self, b: Union[None, int, float] = None, tau_th: Optional[float] = 2.0,
                  momentum: float = 0.9, smooth: float = 0.0, seed: int = 0, off: str = "uniform",
@@ -158,6 +159,7 @@ class UpperBoundIS(SeededRule):
             w_off = torch.ones_like(p)
             tau_off = vr_tau(s)
         tau = torch.where(on, vr_tau(p), tau_off)  # on: the presample's (smoothed) scores
+        self.note_attr("tau_ema")
         self.tau_ema = self.momentum * ema + (1 - self.momentum) * tau
         w = torch.where(on, ub_weights(p, counts, b), w_off)
         counts = torch.where(on, counts, counts_off)

@@ -145,13 +145,19 @@ class RuntimeState:
         names, flags, safe_targets = head_checks(h, z, g, targets, self.rule.needs_labels)
         # The rule runs before the checks are read, so that one read serves both.  A step that falls back
         # (or raises) puts the rule's state back: stateful rules (SB's history, UB's EMA, the generators
-        # KABENA and the others draw from) never keep an update from a NaN or unusable step.
+        # KABENA and the others draw from) never keep an update from a NaN or unusable step.  The step is a
+        # transaction of the rule's (Rule.begin_step): undoing costs what the step wrote, not the state's size.
         gen = self.generator(z.device)
-        saved = self.rule.state_dict(), gen.get_state()
+        gen_state = gen.get_state()  # a generator's state is small
+        self.rule.begin_step()
         # selection math in float32 whatever the autocast dtype (bf16 Grams/losses are too coarse)
         head = HeadView(delta=_f32(g), h=_f32(h), z=_f32(z), targets=safe_targets, index=view.index,
                         step=self.clock.peek(), epoch=self.epoch, generator=gen, head_bias=self.head_bias)
-        sel: Selection = self.rule.select(head) if z.shape[0] > 0 else Selection(weight=z.new_ones(0), count=0)
+        try:
+            sel: Selection = self.rule.select(head) if z.shape[0] > 0 else Selection(weight=z.new_ones(0), count=0)
+        except BaseException:
+            self.rule.commit_step()  # as before transactions: a raising rule keeps what it changed
+            raise
         weight = view.local_rows(sel.weight.to((g if g is not None else z).dtype), n)  # every rank decided over the global batch
         fallback, pending = None, None
         if sel.count is not None and view.lo is None and "bad_targets" not in names:
@@ -166,14 +172,15 @@ class RuntimeState:
             checks = dict(zip(names, vals))
             fallback = fallback_reason(checks)
             if fallback is not None or checks.get("bad_targets"):
-                self.rule.load_state_dict(saved[0])
-                gen.set_state(saved[1])
+                self.rule.undo_step()
+                gen.set_state(gen_state)
             if checks.get("bad_targets"):
                 raise bad_targets_error(targets.to(z.device), z.shape[-1])
             if fallback is not None:
                 self.warn_once(fallback)
                 sel = Selection(weight=weight.new_ones(n))  # no bound either
                 weight, k = sel.weight, n
+        self.rule.commit_step()  # accepted (a step undone above has nothing left to commit)
         step = self.clock.begin(self.variants)
         fwd.stats = StepStats(step=step, n=n, kept=int(k), rows=n, _fallback=fallback, dense=fallback is not None,
                               variants=self.variants, weight=weight.detach(), _bound=sel.bound, _pending=pending,
