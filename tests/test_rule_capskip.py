@@ -9,6 +9,7 @@ from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from capskip_fx.rules import CAPSkip, HeadView
+from capskip_fx.rules.base import prefix_route, prefix_sq_norms
 from capskip_fx.rules.capskip import capskip_weights
 from capskip_fx.rules.labels import correct_mask, infer_targets
 from helpers.examples import examples
@@ -80,12 +81,17 @@ def reference_check(delta, h, correct, b, weight):
     return k
 
 
+ROUTES = [(None, None), ("gram", None), ("running", 1), ("running", 2), ("running", 3), ("running", 5)]
+
+
 @settings(max_examples=examples(300), deadline=None)
-@given(batches())
-def test_capskip_matches_bruteforce(batch):
+@given(batches(), st.sampled_from(ROUTES))
+def test_capskip_matches_bruteforce(batch, route):
+    """Every prefix-norm route (the Gram; running sums over blocks of 1, 2, 3, 5 rows, so several blocks and a
+    padded last one) against the explicit per-example gradients."""
     delta, h, z, y, b = batch
     correct = correct_mask(delta, z, y)
-    w, bound, n_skip = capskip_weights(delta, h, correct, b)
+    w, bound, n_skip = capskip_weights(delta, h, correct, b, route=route[0], block=route[1])
     assert torch.isfinite(w).all(), f"CAPSkip's weights should be finite, got {w.tolist()}"
     assert set(w.unique().tolist()) <= {0.0, 1.0}, f"CAPSkip weights rows 0 (skipped) or 1 only, got {w.unique().tolist()}"
     k = reference_check(delta, h, correct, b, w)
@@ -179,10 +185,11 @@ def test_budget_out_of_range(b):
         CAPSkip(budget=b)
 
 
-def test_compiled_selection_equals_eager():
+@pytest.mark.parametrize("route", [None, "running"])
+def test_compiled_selection_equals_eager(route):
     """compile=True: the selection runs as one Inductor graph (dynamic N) with the same decisions."""
-    eager, comp = CAPSkip(budget=0.3, compile=False), CAPSkip(budget=0.3, compile=True)
-    for n in (8, 13, 32):
+    eager, comp = CAPSkip(budget=0.3, compile=False, route=route), CAPSkip(budget=0.3, compile=True, route=route)
+    for n in ((8, 13, 32) if route is None else (40, 70)):  # running: two blocks of 32, the last padded
         g = torch.Generator().manual_seed(n)
         z = torch.randn(n, 5, generator=g)
         y = z.argmax(1)
@@ -192,3 +199,87 @@ def test_compiled_selection_equals_eager():
         a, b = eager.select(view), comp.select(view)
         assert torch.equal(a.weight, b.weight), f"batch {n}: the compiled selection should skip the same rows as eager ({a.weight.tolist()} vs {b.weight.tolist()})"
         assert torch.allclose(a.bound, b.bound, rtol=1e-5), f"batch {n}: the compiled bound {b.bound!r} should match eager's {a.bound!r}"
+
+
+@settings(max_examples=examples(200), deadline=None)
+@given(st.integers(1, 40), st.integers(1, 9), st.integers(1, 9), st.integers(1, 12), st.integers(0, 2**31 - 1),
+       st.booleans())
+def test_prefix_norms_every_route_equals_bruteforce(n, c, e, block, seed, cancel):
+    """||S_k||^2 for every k, both routes, against the cumulative sum of the explicit rank-one rows (float64);
+    cancelling rows make some prefixes (near) zero, where the running route's three terms cancel."""
+    g = torch.Generator().manual_seed(seed)
+    d = torch.randn(n, c, generator=g, dtype=torch.float64)
+    x = torch.randn(n, e, generator=g, dtype=torch.float64)
+    if cancel and n >= 2:
+        d[1::2], x[1::2] = -d[0:n - 1:2], x[0:n - 1:2]
+    rows = torch.einsum("nc,ne->nce", d, x).flatten(1)
+    ref = rows.cumsum(0).square().sum(1)
+    scale = rows.abs().sum(0).square().sum() + 1e-300  # the size of the terms any route adds
+    for route, blk in (("gram", None), ("running", block), (None, None)):
+        got, used = prefix_sq_norms(d, x, route, blk)
+        assert used in ("gram", "running"), f"prefix_sq_norms should name the route it used, got {used!r}"
+        err = (got - ref).abs().max().item()
+        assert err <= 1e-12 * scale.item(), (
+            f"route {route!r} (block {blk}, used {used!r}): ||S_k||^2 differs from the brute force by {err!r} "
+            f"(n={n}, C={c}, e={e})")
+
+
+def test_routes_give_the_same_selection_on_a_large_batch():
+    """Auto picks the running sums here (N = 600 against C e / (C + e) ~ 7), over several blocks and a padded
+    last one; its kept set is the Gram's and the brute force's, ties and misclassified rows included."""
+    n, c, d = 600, 10, 20
+    assert prefix_route(n, c, d + 1)[0] == "running", "the cost model should pick running sums at N = 600, C = 10, d = 20"
+    assert prefix_route(64, 1000, 769)[0] == "gram", "the cost model should pick the Gram at N = 64, C = 1000, d = 768"
+    g = torch.Generator().manual_seed(3)
+    z = torch.randn(n, c, generator=g, dtype=torch.float64) * 3
+    y = z.argmax(1)
+    y[::7] = (y[::7] + 1) % c  # misclassified rows, never skipped
+    delta = (z.softmax(1) - torch.nn.functional.one_hot(y, c).double()) / n
+    h = torch.randn(n, d, generator=g, dtype=torch.float64)
+    delta[5], h[5] = delta[4], h[4]  # an exact tie
+    delta[9], h[9] = -delta[8], h[8]  # a cancelling pair
+    correct = correct_mask(delta, z, y)
+    G = per_example_grads(delta, h)
+    norms = G.norm(dim=1)
+    order = sorted(torch.nonzero(correct).flatten().tolist(), key=lambda i: (norms[i].item(), i))
+    prefix = torch.cat([G.new_zeros(1), G[order].cumsum(0).norm(dim=1)])  # ||S_j||, j = 0..m
+    total = G.sum(0).norm()
+    for b in (0.05, 0.3):
+        fits = prefix <= b * total
+        k = int(torch.nonzero(fits).max())
+        margin = ((prefix - b * total).abs() / (b * total)).min().item()
+        assert 0 < k < n and margin > 1e-9, f"budget {b}: the test wants an unambiguous skip of some rows (k={k}, margin {margin})"
+        for route, block in ((None, None), ("gram", None), ("running", 32), ("running", 7)):
+            w, bound, _ = capskip_weights(delta, h, correct, b, route=route, block=block)
+            skipped = torch.nonzero(w == 0).flatten().tolist()
+            assert sorted(skipped) == sorted(order[:k]), (
+                f"budget {b}, route {route} (block {block}): skipped {len(skipped)} rows, the brute force's prefix "
+                f"has {k}; they differ in {sorted(set(skipped) ^ set(order[:k]))[:10]}")
+            assert math.isclose(bound.item(), (prefix[k] / total).item(), rel_tol=1e-9), (
+                f"budget {b}, route {route}: bound {bound.item()!r} vs the brute force's {(prefix[k] / total).item()!r}")
+
+
+def test_sketch_on_a_classifier_head_stays_near_the_budget():
+    """sketch=k on (N, C) logits: delta P in the prefix norms (P drawn from the view's generator; the order stays
+    exact).  Only correct rows are skipped, the same generator state gives the same rows, and the true
+    ||S_k|| / ||G|| of the skipped rows stays within 5 of the sketch's relative standard deviations of b."""
+    n, c, d, k, b = 200, 400, 6, 256, 0.3
+    g = torch.Generator().manual_seed(5)
+    z = torch.randn(n, c, generator=g, dtype=torch.float64) * 4
+    y = z.argmax(1)
+    y[::5] = (y[::5] + 1) % c
+    delta = (z.softmax(1) - torch.nn.functional.one_hot(y, c).double()) / n
+    h = torch.randn(n, d, generator=g, dtype=torch.float64)
+    correct = correct_mask(delta, z, y)
+    G = per_example_grads(delta, h)
+    rule = CAPSkip(budget=b, sketch=k)
+    for seed in range(8):
+        view = HeadView(delta=delta, h=h, z=z, targets=y, generator=torch.Generator().manual_seed(seed))
+        w = rule.select(view).weight
+        again = rule.select(HeadView(delta=delta, h=h, z=z, targets=y, generator=torch.Generator().manual_seed(seed))).weight
+        assert torch.equal(w, again), f"draw {seed}: the same generator state should skip the same rows"
+        skipped = w == 0
+        assert not (skipped & ~correct).any(), f"draw {seed}: the sketch skipped a misclassified row"
+        assert skipped.any(), f"draw {seed}: the test wants rows skipped"
+        true = (G[skipped].sum(0).norm() / G.sum(0).norm()).item()
+        assert true <= b * (1 + 5 * math.sqrt(2 / k)), f"draw {seed}: true bound {true!r} far above b = {b} (k = {k})"

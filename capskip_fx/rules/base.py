@@ -173,6 +173,67 @@ def sequence_gram_exact(d: Tensor, x: Tensor, route: str) -> Tensor:
     return ((df @ df.T) * (xf @ xf.T)).view(n, t, n, t).sum((1, 3))
 
 
+#: CAPSkip's prefix-norm routes over rank-one rows (prefix_sq_norms)
+PREFIX_ROUTES = ("gram", "running")
+#: the running-sum route's smallest block: batched matmuls of fewer rows run far below the machine's rate
+MIN_PREFIX_BLOCK = 32
+#: the running-sum route's extra ops (about ten) priced in multiply-adds (~50 us on one CPU thread)
+RUNNING_FIXED_COST = 1 << 21
+
+
+def prefix_block(c: int, e: int) -> int:
+    """Rows per block of the running-sum route (a power of two): per row it costs ``2 C e`` (the block
+    sums, the products with the running sum) plus ``B (C + e)`` (its block's Gram), and ``C e / B`` for the
+    running sums themselves (their memory), which B near ``C e / (C + e)`` balances."""
+    return max(MIN_PREFIX_BLOCK, 1 << max(0, round(math.log2(max(1.0, c * e / (c + e))))))
+
+
+def prefix_route(n: int, c: int, e: int) -> tuple[str, int]:
+    """``(route, block)`` of least cost for N rank-one rows ``d_i (x) x_i`` (C by e), in multiply-adds: the
+    Gram ``N^2 (C + e)`` while N is small against ``C e / (C + e)``, else running sums
+    ``N (2 C e + B (C + e)) + (N / B) C e`` plus their fixed cost (RUNNING_FIXED_COST)."""
+    b = prefix_block(c, e)
+    gram = n * n * (c + e)
+    running = n * (2 * c * e + b * (c + e)) + -(-n // b) * c * e + RUNNING_FIXED_COST
+    return ("gram", n) if gram <= running else ("running", b)
+
+
+def prefix_sq_norms(d: Tensor, x: Tensor, route: Optional[str] = None, block: Optional[int] = None
+                    ) -> tuple[Tensor, str]:
+    """``(||S_k||^2 for k = 1..N, route)`` with ``S_k = sum_{i<=k} d_i (x) x_i``: rows already in prefix order,
+    ``d`` (N, C), ``x`` (N, e) (a bias column already in x).  Both routes are exact (float rounding apart):
+      * ``"gram"``: ``K = (D D^T) * (X X^T)``, the diagonal of its 2-D cumulative sum (N^2 numbers);
+      * ``"running"``: blocks of B rows; before block b the running sum ``S_b`` (C x e) of the earlier blocks,
+        and for row j of the block ``||S_b + P_j||^2 = ||S_b||^2 + 2 <S_b, P_j> + ||P_j||^2`` with ``P_j`` the
+        block's own prefix: ``<S_b, g_i> = d_i^T S_b x_i`` and the block's B x B Gram.  All blocks at once
+        (batched matmuls, no Python loop); O(N C e + N B (C + e)) multiply-adds, O(N (C + e)) memory.
+    ``route`` None: prefix_route's choice; ``block`` None: prefix_block's."""
+    n, c = d.shape
+    e = x.shape[1]
+    if route is None:
+        route, auto_block = prefix_route(n, c, e)
+        block = block or auto_block
+    if route not in PREFIX_ROUTES:
+        raise ValueError(f"prefix route must be one of {PREFIX_ROUTES} or None, got {route!r}")
+    if route == "gram" or n == 0:
+        K = (d @ d.T) * (x @ x.T)
+        return K.cumsum(0).cumsum(1).diagonal(), "gram"
+    bs = max(1, int(block or prefix_block(c, e)))
+    nb = -(-n // bs)
+    pad = nb * bs - n  # zero rows at the end: they add nothing, and their prefixes are dropped
+    if pad:
+        d, x = torch.cat([d, d.new_zeros(pad, c)]), torch.cat([x, x.new_zeros(pad, e)])
+    db, xb = d.reshape(nb, bs, c), x.reshape(nb, bs, e)
+    u = db.transpose(1, 2) @ xb  # (nb, C, e): each block's summed gradient
+    s = torch.cat([u.new_zeros(1, c, e), u[:-1].cumsum(0)])  # running sum before each block
+    cross = ((db @ s) * xb).sum(2)  # <S_b, g_i>
+    kb = (db @ db.transpose(1, 2)) * (xb @ xb.transpose(1, 2))
+    own = kb.cumsum(1).cumsum(2).diagonal(dim1=1, dim2=2)  # ||P_j||^2
+    sf = s.reshape(nb, c * e)
+    out = (sf * sf).sum(1)[:, None] + 2 * cross.cumsum(1) + own
+    return out.reshape(-1)[:n], "running"
+
+
 @dataclass
 class Selection:
     """A rule's decision: ``weight[i] == 0`` skips row i."""

@@ -5,8 +5,9 @@ LONGEST prefix P_k whose summed last-layer gradient satisfies ``||S_k|| <= b * |
 (G = sum over all rows).  Per-example last-layer gradients are rank one,
 ``g_i = delta_i (x) [h_i; 1]``, so ``<g_i, g_j> = (delta_i . delta_j)(h_i . h_j + 1)``: the Gram
 ``K = (D D^T) * (H H^T + 1)`` gives every prefix norm as the leading blocks of the permuted K,
-i.e. the diagonal of its 2-D cumulative sum.  All prefixes are scanned because ``||S_k||`` is
-not monotone in k (off-diagonal K entries can be negative).
+i.e. the diagonal of its 2-D cumulative sum (N^2 (C + d)); running sums of the rows' gradients give the
+same numbers in O(N C d) (base.prefix_sq_norms), and the cheaper route runs (base.prefix_route).  All
+prefixes are scanned because ``||S_k||`` is not monotone in k (off-diagonal K entries can be negative).
 
 Invariants (tested in tests/test_rule_capskip.py against explicit per-example gradients):
   * the skip set is a prefix of the correct rows in increasing-norm order (ties: batch order);
@@ -24,32 +25,55 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from .base import HeadView, Rule, Selection, check_normalize, head_gram, selection_dtype
+from .base import (PREFIX_ROUTES, HeadView, Rule, Selection, check_normalize, head_gram, is_cosine, prefix_route,
+                   prefix_sq_norms,
+                   selection_dtype)
 from .labels import correct_mask
 
 
 def capskip_weights(delta: Tensor, h: Tensor, correct: Tensor, budget: float, bias: bool = True,
-                    sketch: Optional[int] = None, generator: Optional[torch.Generator] = None):
+                    sketch: Optional[int] = None, generator: Optional[torch.Generator] = None,
+                    route: Optional[str] = None, block: Optional[int] = None):
     """Pure tensor core of CAPSkip (no host sync).  Returns ``(weight, bound, n_skip)``.
 
     ``weight``: (N,) 1 for kept rows, 0 for skipped.  ``bound``: ``||S_k|| / ||G||`` of the
     chosen prefix (0 when nothing is skipped; 0 when G = 0).  ``n_skip``: 0-dim int64.
+    (N, C) rows: the prefix norms by ``route`` (base.prefix_sq_norms: ``"gram"`` or ``"running"``, both
+    exact; None: the cheaper), ``block`` rows per block of the running sums (None: base.prefix_block);
+    ``sketch=k`` replaces delta by ``delta P`` (P: C x k, i.i.d. N(0, 1/k), drawn from ``generator``) in the
+    prefix norms, the sort key staying exact.  A cosine head's features: its Gram (base.cosine_gram).
     Token-shaped delta (N, T, C) and h (N, T, d): rows are sequences, the Gram is the sequences'
     (exact, or sketched with ``sketch`` columns: base.head_gram).
     """
     dt = selection_dtype(delta)
     n = delta.shape[0]
-    # the sort key from row-wise sums, not diag(K): GEMM may round equal rows differently, and
-    # exactly tied rows (duplicates, cancelling pairs) must keep batch order
-    K, diag, _ = head_gram(delta, h, bias, sketch, generator)
     d = delta
-    # correct rows first, by increasing ||g_i||^2; stable sort keeps batch order for ties
-    key = torch.where(correct, diag, torch.full_like(diag, math.inf))
-    order = torch.argsort(key, stable=True)
-    Ks = K.index_select(0, order).index_select(1, order)
-    prefix_sq = Ks.cumsum(0).cumsum(1).diagonal().clamp_min(0)  # ||S_k||^2, k = 1..N
+    if d.dim() == 2 and not is_cosine(d, h):
+        dd, x = d.to(dt), h.to(dt)
+        one = 1 if bias else 0
+        # the sort key from row-wise sums: exactly tied rows (duplicates, cancelling pairs) keep batch order
+        diag = (dd * dd).sum(1) * ((x * x).sum(1) + one)
+        if sketch:
+            dev = generator.device if generator is not None else dd.device
+            p = torch.randn(dd.shape[1], sketch, generator=generator, device=dev, dtype=dt).to(dd.device)
+            dd = dd @ (p / math.sqrt(sketch))
+        if bias:
+            x = torch.cat([x, torch.ones_like(x[:, :1])], 1)
+        key = torch.where(correct, diag, torch.full_like(diag, math.inf))
+        order = torch.argsort(key, stable=True)
+        prefix_sq, _ = prefix_sq_norms(dd.index_select(0, order), x.index_select(0, order), route, block)
+    else:
+        # the sort key from row-wise sums, not diag(K): GEMM may round equal rows differently, and
+        # exactly tied rows (duplicates, cancelling pairs) must keep batch order
+        K, diag, _ = head_gram(delta, h, bias, sketch, generator)
+        key = torch.where(correct, diag, torch.full_like(diag, math.inf))
+        order = torch.argsort(key, stable=True)
+        Ks = K.index_select(0, order).index_select(1, order)
+        prefix_sq = Ks.cumsum(0).cumsum(1).diagonal()
+    # correct rows first, by increasing ||g_i||^2 (stable: batch order for ties)
+    prefix_sq = prefix_sq.clamp_min(0)  # ||S_k||^2, k = 1..N
     # ||G||^2 as the full prefix, so S_N == G exactly when every row is a candidate
-    total = prefix_sq[-1] if n > 0 else K.sum()
+    total = prefix_sq[-1] if n > 0 else prefix_sq.new_zeros(())
     ks = torch.arange(1, n + 1, device=d.device)
     m = correct.sum()
     if budget == 0:
@@ -69,9 +93,9 @@ def capskip_weights(delta: Tensor, h: Tensor, correct: Tensor, budget: float, bi
     return weight, bound, n_skip
 
 
-def _select_eager(delta, h, z, targets, budget: float, bias: bool, sketch=None, generator=None):
+def _select_eager(delta, h, z, targets, budget: float, bias: bool, sketch=None, generator=None, route=None):
     correct = correct_mask(delta, z, targets)
-    weight, bound, _ = capskip_weights(delta, h, correct, budget, bias, sketch, generator)
+    weight, bound, _ = capskip_weights(delta, h, correct, budget, bias, sketch, generator, route)
     return weight, bound, correct
 
 
@@ -90,13 +114,16 @@ class CAPSkip(Rule):
     Token-shaped logits (N, T, C): a row is a sequence, every sequence is a candidate, and the Gram is the
     sequences' head gradients ``G_i = sum_t delta_it (x) [h_it; 1]``: exact while it is small, else a
     random sketch of width ``sketch`` (None: auto; 0: always exact), base.head_gram.
+    (N, C) logits: the prefix norms from the Gram or from running sums, whichever costs fewer multiply-adds
+    (``route=None``; ``"gram"`` or ``"running"`` to force one: the same selection up to rounding), sketched
+    only when asked (``sketch=k``).
     """
 
     name = "capskip"
     needs_labels = True  # skips among the correctly classified rows
 
     def __init__(self, budget: float = 0.1, bias: bool = True, compile: Optional[bool] = None,
-                 normalize: str = "batch", sketch: Optional[int] = None):
+                 normalize: str = "batch", sketch: Optional[int] = None, route: Optional[str] = None):
         budget = float(budget)
         if not (0.0 <= budget <= 1.0):  # also rejects NaN
             raise ValueError(f"capskip budget must be in [0, 1], got {budget!r}; "
@@ -107,6 +134,9 @@ class CAPSkip(Rule):
         if sketch is not None and (int(sketch) != sketch or sketch < 0):
             raise ValueError(f"capskip sketch must be None (auto), 0 (exact) or a width k >= 1, got {sketch!r}")
         self.sketch = None if sketch is None else int(sketch)
+        if route is not None and route not in PREFIX_ROUTES:
+            raise ValueError(f"capskip route must be None (auto) or one of {PREFIX_ROUTES}, got {route!r}")
+        self.route = route
         self.compile = compile
         self._compiled = None
 
@@ -119,17 +149,23 @@ class CAPSkip(Rule):
 
     def select(self, view: HeadView) -> Selection:
         bias = self.bias and view.head_bias
-        if view.tokens:  # per sequence (eager: the sketch draws from a generator)
+        if view.tokens or self.sketch:  # eager: the sketch draws from a generator
             weight, bound, correct = _select_eager(view.delta, view.h, view.z, view.targets, self.budget, bias,
-                                                   self.sketch, view.generator)
+                                                   self.sketch, view.generator, self.route)
             return self.finish(Selection(weight=weight, bound=bound, info={"n_correct": correct.sum()}))
-        weight, bound, correct = self._fn(view.delta.device)(
-            view.delta, view.h, view.z, view.targets, self.budget, bias)
+        route = self.route
+        if route is None and not is_cosine(view.delta, view.h):
+            route = prefix_route(view.n, view.delta.shape[1], view.h.shape[1] + int(bias))[0]
+        # the running sums stay eager: a handful of batched matmuls, and Inductor takes minutes over their
+        # padded blocks under a dynamic N
+        fn = _select_eager if route == "running" else self._fn(view.delta.device)
+        weight, bound, correct = fn(view.delta, view.h, view.z, view.targets, self.budget, bias, route=route)
         return self.finish(Selection(weight=weight, bound=bound, info={"n_correct": correct.sum()}))
 
     def __repr__(self) -> str:
         norm = "" if self.normalize == "batch" else f", normalize={self.normalize!r}"
-        return f"CAPSkip(budget={self.budget}, bias={self.bias}{norm})"
+        route = "" if self.route is None else f", route={self.route!r}"
+        return f"CAPSkip(budget={self.budget}, bias={self.bias}{norm}{route})"
 
     def __getstate__(self):  # the compiled function is rebuilt on demand
         return {**self.__dict__, "_compiled": None}
