@@ -84,7 +84,8 @@ from .records import RefusalKind
 from .symbolic import (ONE, ZERO, exact_quotient, expr_of, product, same_size, shape_exprs, symbol_dims,
                        tangent_nodes, uses_symbol)
 
-__all__ = ["Layout", "LayoutAnalysis", "analyze", "backward_nodes", "reshape_layout"]
+__all__ = ["Layout", "LayoutAnalysis", "analyze", "analyze_backward", "analyze_rowwise", "backward_nodes",
+           "reshape_layout", "spec_layout"]
 
 aten = torch.ops.aten
 prims = torch.ops.prims
@@ -94,7 +95,7 @@ prims = torch.ops.prims
 class Layout:
     """Where the batch lies in one tensor value."""
 
-    kind: str  # "free" (no batch dependence), "batch", or "unknown"
+    kind: str  # "free" (no batch dependence), "batch", "sum" (a sum over the rows run), or "unknown"
     dim: int = 0  # batch: the dim that holds the batch index
     outer: sympy.Expr = ONE  # batch: that dim's size is outer * s * inner, index = (o*s + b)*inner + r
     inner: sympy.Expr = ONE
@@ -114,12 +115,23 @@ class Layout:
         return self.kind == "free" or (self.kind == "batch" and self.outer == 1)
 
     def __str__(self) -> str:
+        if self.kind == "sum":
+            return "sum over rows"
         if self.kind == "batch":
             return f"batch(dim={self.dim}, outer={self.outer}, inner={self.inner})"
         return f"unknown({self.why})" if self.kind == "unknown" else "free"
 
 
 FREE = Layout("free")
+
+
+def spec_layout(spec: Any) -> Layout:
+    """The layout a backward input's gather (or an output's scatter) assumes: the batch in ``spec.dim``,
+    ``spec.outer`` slabs (token-major when > 1) of ``spec.factor`` rows per example (symbolic.Spec)."""
+    return Layout("batch", spec.dim, sympy.Integer(spec.outer), sympy.Integer(spec.factor))
+
+
+SUM = Layout("sum")  # backward only: a sum over the rows run of per-row values that carry the cotangent
 
 
 @dataclass
@@ -209,6 +221,35 @@ NEW_OPS = _packets(aten, "new_zeros new_ones new_full new_empty new_empty_stride
 FACTORY_OPS = NEW_OPS | _packets(aten, """full zeros ones empty empty_strided empty_permuted rand randn randint
     normal scalar_tensor""") | _packets(prims, "full empty_strided empty_permuted scalar_tensor normal uniform")
 PAD_OPS = _packets(aten, "constant_pad_nd")
+# ---- backward-only ops (passes/validate.py walks the backward that runs)
+# reductions that add the rows up (a parameter gradient); the others over the batch are mixing there too
+SUM_OPS = _packets(aten, "sum nansum") | _packets(prims, "sum")
+# per-sample backwards: input gradients keep the batch in dim 0, weight gradients sum over the rows
+PER_SAMPLE_BACKWARD_OPS = _packets(aten, """convolution_backward convolution_backward_overrideable
+    max_pool2d_with_indices_backward max_pool3d_with_indices_backward avg_pool2d_backward avg_pool3d_backward
+    _adaptive_avg_pool2d_backward _adaptive_avg_pool3d_backward adaptive_max_pool2d_backward
+    adaptive_max_pool3d_backward upsample_nearest1d_backward upsample_nearest2d_backward upsample_nearest3d_backward
+    _upsample_nearest_exact1d_backward _upsample_nearest_exact2d_backward _upsample_nearest_exact3d_backward
+    upsample_linear1d_backward upsample_bilinear2d_backward upsample_bicubic2d_backward upsample_trilinear3d_backward
+    reflection_pad1d_backward reflection_pad2d_backward reflection_pad3d_backward replication_pad1d_backward
+    replication_pad2d_backward replication_pad3d_backward grid_sampler_2d_backward grid_sampler_3d_backward
+    native_group_norm_backward native_batch_norm_backward""") | _packets(prims, "_low_memory_max_pool_with_offsets")
+LAYER_NORM_BACKWARD_OPS = _packets(aten, "native_layer_norm_backward _fused_rms_norm_backward")
+SOFTMAX_BACKWARD_OPS = _packets(aten, "_softmax_backward_data _log_softmax_backward_data")
+# attention backwards: (grad_out, q, k, v, ...) -> (dq, dk, dv, ...); the fused kernels with dropout regenerate
+# their mask from a seed and offset (the batch rows 0..k-1's masks at k gathered rows)
+ATTENTION_BACKWARD_OPS = _packets(aten, """_scaled_dot_product_flash_attention_for_cpu_backward
+    _scaled_dot_product_flash_attention_backward _scaled_dot_product_efficient_attention_backward
+    _scaled_dot_product_cudnn_attention_backward _scaled_dot_product_fused_attention_overrideable_backward
+    _flash_attention_backward _efficient_attention_backward""")
+EMBEDDING_BACKWARD_OPS = _packets(aten, "embedding_dense_backward embedding_backward")
+# activation backwards torch does not tag pointwise
+ACTIVATION_BACKWARD_OPS = _packets(aten, """hardtanh_backward leaky_relu_backward elu_backward softplus_backward
+    mish_backward hardswish_backward hardsigmoid_backward log_sigmoid_backward softshrink_backward
+    hardshrink_backward rrelu_with_noise_backward""")
+# random numbers drawn from a seed the graph holds (Inductor's RNG, functionalised RNG, checkpoint's replay)
+RNG_OPS = _packets(prims, "inductor_random inductor_seeds inductor_lookup_seed inductor_randint philox_rand")
+RNG_HOPS = frozenset({"run_with_rng_state", "run_and_save_rng_state", "graphsafe_run_with_rng_state"})
 # ``arange(N)``: row b holds the value b (a row index, as HF's masks build with ``torch.arange(batch_size)``)
 ARANGE_OPS = _packets(aten, "arange") | _packets(prims, "iota")
 # ops whose output elements are copies of input elements (views, slices, copies, casts): a row index stays
@@ -299,9 +340,14 @@ Result = Union[Layout, list]  # a Layout, or one Optional[Layout] per tuple elem
 
 class _Walk:
     def __init__(self, graph: fx.Graph, sym: sympy.Symbol, exclude: frozenset = frozenset(),
-                 seeds: Optional[dict] = None):
+                 seeds: Optional[dict] = None, carriers: Optional[frozenset] = None):
         self.graph, self.sym = graph, sym
         self.seeds = seeds  # analyze_rowwise: the inputs' layouts, by name; every node is walked
+        # analyze_backward: the values computed from the cotangents (zero on rows of weight 0), which may be
+        # summed over the rows (SUM); None: no sums allowed (the forward, the loss prefix)
+        self.sums = carriers is not None
+        self.carry = _reachable(graph, carriers) if carriers is not None else set()
+        self.part = "backward" if self.sums else "forward"
         self.bwd = backward_nodes(graph) if seeds is None else set()
         self.exclude = exclude
         self.lay: dict[fx.Node, Result] = {}
@@ -360,7 +406,35 @@ class _Walk:
         return out
 
     def mixing(self, n: fx.Node, what: str) -> _Refuse:
-        return _Refuse(f"cross-example op in the forward: {_op(n)} {what}{_where(n)}", RefusalKind.CROSS_EXAMPLE, n)
+        return _Refuse(f"cross-example op in the {self.part}: {_op(n)} {what}{_where(n)}", RefusalKind.CROSS_EXAMPLE, n)
+
+    def summed(self, n: fx.Node, summands: list, what: str) -> Result:
+        """The rows of ``summands`` added up (backward only, and only values carrying the cotangent: their
+        rows of weight 0 add zero, so the rows run give the dense-masked sum); row mixing otherwise."""
+        if not self.sums or not any(a in self.carry for a in summands):
+            raise self.mixing(n, what)
+        return self.per_output(n, lambda v: SUM if not symbol_dims(shape_exprs(v), self.sym) else None,
+                               "(a sum over the rows that keeps a batch-sized dim)")
+
+    def backward_value(self, n: fx.Node) -> Optional[Result]:
+        """What every backward node is checked for first: randomness, and sums over the rows (any op of sums
+        and free values is itself a sum: the sum is the same over the rows run as over all rows)."""
+        if _random(n):
+            drop = f" (attention dropout_p={_dropout_p(n)}, regenerated from a seed)" if _packet(n) in \
+                ATTENTION_OPS | ATTENTION_BACKWARD_OPS else ""
+            raise _Refuse(f"draws or replays random numbers in the backward: {_op(n)}{drop}{_where(n)}: at the "
+                          "gathered rows it would draw other numbers than the dense backward (rows 0..k-1's)",
+                          RefusalKind.RANDOM_BACKWARD, n)
+        ins = self.tensor_inputs(n)
+        if not any(l.kind == "sum" for _, l in ins):
+            return None
+        if any(l.kind == "batch" for _, l in ins):
+            raise self.mixing(n, "combines a sum over the rows with per-row values")
+        bad = self.first_unknown(ins)
+        if bad is not None:
+            return self.per_output(n, lambda v: bad)
+        return self.per_output(n, lambda v: SUM if not symbol_dims(shape_exprs(v), self.sym) else None,
+                               "(spreads a sum over the rows back over the rows)")
 
     # ---- the walk
     def run(self) -> LayoutAnalysis:
@@ -409,11 +483,11 @@ class _Walk:
         value itself (an input whose sizes use the batch symbol oddly has no op to name)."""
         out = []
         for n, r in self.lay.items():
-            if not isinstance(r, Layout) or r.batch_major:
+            if not isinstance(r, Layout) or r.batch_major or r.kind == "sum":
                 continue
             for u in n.users:
                 if u.op == "output":
-                    role = "is an output of the forward"
+                    role = f"is an output of the {self.part}"
                 elif u in self.bwd and r.kind == "unknown":
                     role = f"is saved for the backward (read by {u.name})"
                 else:
@@ -445,6 +519,9 @@ class _Walk:
             if val is None and any(l.kind != "free" for _, l in self.tensor_inputs(n)):
                 return self.unknown(n, "(no value recorded)")
             return None  # SymInt / SymFloat / None: not a tensor
+        r = self.backward_value(n) if self.seeds is not None else None
+        if r is not None:
+            return r
         rule = _rule(n)
         r = rule(self, n) if rule is not None else self.generic(n)
         if _packet(n) in VALUE_KEEPING_OPS and n.args and n.args[0] in self.row_index and isinstance(r, Layout) \
@@ -452,7 +529,7 @@ class _Walk:
             self.row_index.add(n)
         else:
             used = [a for a in n.all_input_nodes if a in self.row_index or a in self.row_value]
-            if used and not (_packet(n) in INDEX_OPS | MASKED_INDEX_OPS and n.args[0] not in used):
+            if used and not _indexes_only(n, used):
                 self.row_value[n] = self.row_value.get(used[0], n)  # arithmetic on the row index
         return r
 
@@ -505,6 +582,18 @@ class _Walk:
                         l.dim != first.dim or not same_size(l.outer * l.inner, first.outer * first.inner)):
                     raise self.mixing(n, f"{what} batch values in different dims ({a.name}: {l}, {first})")
         return first
+
+
+def _indexes_only(n: fx.Node, used: list) -> bool:
+    """``used`` (row indices) appear only in ``n``'s list of indices (x[arange(N), j], its index_put): reading
+    rows by the index is not arithmetic on it; the index rules decide whether it is row-wise."""
+    p = _packet(n)
+    at = 1 if p in INDEX_OPS | INDEX_PUT_OPS else 2 if p in MASKED_INDEX_OPS | MASKED_INDEX_PUT_OPS else None
+    if at is None or len(n.args) <= at:
+        return False
+    indices = n.args[at]
+    return all(any(u is t for t in indices) for u in used) and not any(
+        a in used for i, a in enumerate(n.args) if i != at)
 
 
 def _detached(lay: Layout) -> Layout:
@@ -626,6 +715,8 @@ def _dim_op(w: _Walk, n: fx.Node, dims, what: str) -> Result:
         return w.per_output(n, lambda v: x)
     dl = _norm_dims(dims, _ndim(n.args[0]))
     if dl is None or x.dim in dl:
+        if _packet(n) in SUM_OPS:
+            return w.summed(n, [n.args[0]], what)
         raise w.mixing(n, what)
     if any(l.kind != "free" for a, l in w.tensor_inputs(n) if a is not n.args[0]):
         return w.generic(n)
@@ -781,12 +872,45 @@ def _index_put(w: _Walk, n: fx.Node) -> Result:
     x = w.of(n.args[0])
     masked = _packet(n) in MASKED_INDEX_PUT_OPS
     indices = n.args[2] if masked else n.args[1]
+    if w.sums:
+        r = _index_put_backward(w, n, x, list(indices), n.args[3] if masked else n.args[2])
+        if r is not None:
+            return r
     if x is not None and x.kind == "batch" and len(indices) > x.dim and indices[x.dim] is not None:
         raise w.mixing(n, "writes rows along the batch dim")
     rest = [l for a, l in w.tensor_inputs(n) if a is not n.args[0]]
     if x is None or x.kind != "batch" or any(l.kind != "free" for l in rest):
         return w.generic(n)
     return w.per_output(n, lambda v: w.track(x, v))
+
+
+def _index_put_backward(w: _Walk, n: fx.Node, x: Optional[Layout], indices: list, values: Any) -> Optional[Result]:
+    """The backward's index_put (None: the forward's rule decides).  A row index among the indices of a value
+    that does not carry the batch (a parameter per batch position, ``table[arange(N)]``) puts the kept rows'
+    gradients at their positions among the rows run, not at their rows: refused.  Into a batch value, a row
+    index in its batch dim with the other indices of the row's own (``x[arange(N), j]``) writes row b into
+    row b.  Into a free value with data indices (an embedding's), the rows' values are summed."""
+    pos = [i for i, t in enumerate(indices) if isinstance(t, fx.Node) and (t in w.row_index or t in w.row_value)]
+    vl = w.of(values) if isinstance(values, fx.Node) else None
+    if x is not None and x.kind == "free" and pos:
+        raise _Refuse(f"the row index indexes {n.args[0].name}, which does not carry the batch ({_op(n)}{_where(n)}): "
+                      "row b's gradient goes to its position among the rows the backward runs, not to row b "
+                      "(a parameter indexed by arange(N)?)", RefusalKind.ROW_INDEX_VALUE, n)
+    if x is not None and x.kind == "batch" and x.outer == 1 and x.inner == 1 and len(indices) > x.dim \
+            and indices[x.dim] in w.row_index and vl is not None and vl.kind == "batch":
+        at = indices[x.dim]
+        nd = max(_ndim(t) for t in indices if isinstance(t, fx.Node))
+        lay = _aligned(w.of(at), _ndim(at), nd)
+        others = [(i, w.of(t)) for i, t in enumerate(indices) if i != x.dim and isinstance(t, fx.Node)]
+        if all(l is not None and (l.kind == "free" or _per_row_index(w, indices[i], l, nd, lay)) for i, l in others):
+            return w.per_output(n, lambda v: w.track(x, v))
+        return None
+    accumulate = bool(n.args[-1]) if _packet(n) not in MASKED_INDEX_PUT_OPS else True
+    if x is not None and x.kind == "free" and accumulate and vl is not None and vl.kind == "batch":
+        ib = [(t, w.of(t)) for t in indices if isinstance(t, fx.Node) and w.of(t) is not None and w.of(t).kind == "batch"]
+        if ib and all(l == ib[0][1] and l.dim == vl.dim and (l.outer, l.inner) == (vl.outer, vl.inner) for _, l in ib):
+            return w.summed(n, [values], "accumulates rows into a tensor without the batch")
+    return None
 
 
 def _gather(w: _Walk, n: fx.Node) -> Result:
@@ -811,6 +935,8 @@ def _scatter(w: _Walk, n: fx.Node) -> Result:
     dim = int(n.args[1]) % max(_ndim(n.args[0]), 1)
     if x is not None and x.kind == "batch" and x.dim == dim:
         raise w.mixing(n, "scatters along the batch dim")
+    if w.sums and x is not None and x.kind == "free":
+        return _scatter_free(w, n, dim)
     if x is None or x.kind != "batch":
         return w.generic(n)
     index_like = _packet(n) in INDEX_UPDATE_OPS
@@ -821,6 +947,29 @@ def _scatter(w: _Walk, n: fx.Node) -> Result:
         if not ok:
             return w.generic(n)
     return w.per_output(n, lambda v: w.track(x, v))
+
+
+def _scatter_free(w: _Walk, n: fx.Node, dim: int) -> Result:
+    """Backward: scatter/index_add into a tensor without the batch (a gathered parameter's gradient).  Along
+    the index's batch dim, data indices place the rows' values: summed (scatter_add, index_add).  Along another
+    dim, row b of the source lands in row b of the target, a position: at the rows run, the kept rows' values
+    land at their positions among them (``torch.gather(param, 1, idx)``'s backward): refused."""
+    index_like = _packet(n) in INDEX_UPDATE_OPS
+    idx, src = n.args[2], n.args[3]
+    il, sl = w.of(idx), w.of(src)
+    if il is None or sl is None or il.kind != "batch" or sl.kind != "batch":
+        return w.generic(n)
+    if not index_like and il.dim != dim:
+        raise _Refuse(f"scatters row b of {src.name} into row b of {n.args[0].name}, which does not carry the batch "
+                      f"({_op(n)}{_where(n)}): at the rows the backward runs, a kept row's values land at its "
+                      "position among them, not at its row (torch.gather of a parameter by a per-row index?)",
+                      RefusalKind.ROW_INDEX_VALUE, n)
+    reduce = n.args[4] if len(n.args) > 4 else n.kwargs.get("reduce", "sum")
+    adds = _packet(n) in _packets(aten, "scatter_add index_add") or (
+        _packet(n) == "aten::scatter_reduce" and reduce == "sum")
+    if adds and sl.dim == dim and (il.outer, il.inner) == (sl.outer, sl.inner) and (not index_like or il.dim == 0):
+        return w.summed(n, [src], "scatters rows into a tensor without the batch")
+    raise w.mixing(n, "scatters rows into a tensor without the batch other than by adding them")
 
 
 def _slice_scatter(w: _Walk, n: fx.Node) -> Result:
@@ -840,18 +989,26 @@ def _matmul_out(w: _Walk, n: fx.Node, a: fx.Node, b: fx.Node) -> Optional[Layout
     """Layout of a @ b (both batch -> they must land on one output dim with one layout)."""
     la, lb = w.of(a), w.of(b)
     nda, ndb, nd = _ndim(a), _ndim(b), n.meta["val"].dim()
-    lands = []
+    lands, contracted = [], []
     for arg, lay, ndi, is_a in ((a, la, nda, True), (b, lb, ndb, False)):
         if lay is None or lay.kind != "batch":
             continue
-        contracted = (lay.dim == ndi - 1) if is_a else (ndi == 1 or lay.dim == ndi - 2)
-        if contracted:
-            raise w.mixing(n, f"contracts over the batch dim ({arg.name}: {lay})")
+        if (lay.dim == ndi - 1) if is_a else (ndi == 1 or lay.dim == ndi - 2):
+            contracted.append((arg, lay))
+            continue
         if is_a:
             d = nd - (1 if ndb == 1 else 2) if lay.dim == ndi - 2 else lay.dim + nd - ndi
         else:
             d = nd - 1 if lay.dim == ndi - 1 else lay.dim + nd - ndi
         lands.append((arg, replace(lay, kind="batch", dim=d)))
+    if contracted:
+        # a weight gradient: row b of one operand meets row b of the other, summed (backward only)
+        if len(contracted) == 2 and not lands and (
+                (contracted[0][1].outer, contracted[0][1].inner) == (contracted[1][1].outer, contracted[1][1].inner)
+                or any(c in w.any_layout for c, _ in contracted)):
+            return w.summed(n, [c for c, _ in contracted], f"contracts over the batch dim ({contracted[0][0].name}: "
+                                                          f"{contracted[0][1]})")
+        raise w.mixing(n, f"contracts over the batch dim ({contracted[0][0].name}: {contracted[0][1]})")
     if len(lands) == 2 and lands[0][1] != lands[1][1]:
         raise w.mixing(n, f"pairs rows of the batch ({a.name}: {la}, {b.name}: {lb}): an (N, N) product such as "
                           "a Gram matrix h @ h.T")
@@ -875,6 +1032,8 @@ def _add_matmul(w: _Walk, n: fx.Node) -> Result:
     if bad is not None:
         return w.per_output(n, lambda v: bad)
     lay = _matmul_out(w, n, n.args[1], n.args[2])
+    if not isinstance(lay, Layout) or lay.kind == "sum":
+        raise w.mixing(n, "adds a sum over the rows to a bias")
     bias = w.of(n.args[0])
     nd = n.meta["val"].dim()
     if bias is not None and bias.kind == "batch":
@@ -886,7 +1045,7 @@ def _add_matmul(w: _Walk, n: fx.Node) -> Result:
 
 
 def _tracked(w: _Walk, n: fx.Node, lay: Layout) -> Result:
-    return w.per_output(n, lambda v: lay if lay.kind == "free" else w.track(lay, v))
+    return w.per_output(n, lambda v: lay if lay.kind in ("free", "sum") else w.track(lay, v))
 
 
 def _per_sample(w: _Walk, n: fx.Node) -> Result:
@@ -900,7 +1059,9 @@ def _per_sample(w: _Walk, n: fx.Node) -> Result:
     if any(l.dim != 0 for _, l in batch):
         return w.per_output(n, lambda v: None, "(batch not in dim 0)")
     lay = w.agree(n, batch, "combines")
-    return w.per_output(n, lambda v: FREE if not symbol_dims(shape_exprs(v), w.sym) else w.track(lay, v))
+    summed = w.sums and any(a in w.carry for a, _ in batch)
+    return w.per_output(n, lambda v: (SUM if summed else FREE) if not symbol_dims(shape_exprs(v), w.sym)
+                        else w.track(lay, v))
 
 
 def _attention(w: _Walk, n: fx.Node) -> Result:
@@ -944,6 +1105,112 @@ def _batch_norm(w: _Walk, n: fx.Node) -> Result:
     if training and x is not None and x.kind == "batch":
         raise w.mixing(n, "is BatchNorm in train mode: it normalises with statistics over the batch")
     return _per_sample(w, n)
+
+
+def _batch_norm_backward(w: _Walk, n: fx.Node) -> Result:
+    train = n.args[7] if len(n.args) > 7 else n.kwargs.get("train", False)
+    x = w.of(n.args[1])
+    if _packet(n) == "aten::native_batch_norm_backward" and train and x is not None and x.kind == "batch":
+        raise w.mixing(n, "is BatchNorm's train-mode backward (statistics over the batch)")
+    return _per_sample(w, n)
+
+
+def _layer_norm_backward(w: _Walk, n: fx.Node) -> Result:
+    """native_layer_norm_backward(grad_out, input, normalized_shape, mean, rstd, weight, bias, mask) ->
+    (grad_input, grad_weight, grad_bias): per row over the normalised dims; the weight's gradients sum the rows."""
+    ins = w.tensor_inputs(n)
+    bad = w.first_unknown(ins)
+    if bad is not None:
+        return w.per_output(n, lambda v: bad)
+    batch = [(a, l) for a, l in ins if l.kind == "batch"]
+    if not batch:
+        return w.generic(n)
+    nd = _ndim(n.args[1])
+    lay = w.agree(n, [(a, _aligned(l, _ndim(a), nd)) for a, l in batch], "combines")
+    if lay.dim >= nd - len(n.args[2]):
+        raise w.mixing(n, "normalises over the batch dim")
+    summed = any(a in w.carry for a, _ in batch)
+    return w.per_output(n, lambda v: (SUM if summed else None) if not symbol_dims(shape_exprs(v), w.sym)
+                        else w.track(lay, v), "(a weight gradient without the cotangent)")
+
+
+def _softmax_backward(w: _Walk, n: fx.Node) -> Result:
+    """_softmax_backward_data(grad, output, dim, dtype): per row unless ``dim`` is the batch dim."""
+    ins = w.tensor_inputs(n)
+    bad = w.first_unknown(ins)
+    if bad is not None:
+        return w.per_output(n, lambda v: bad)
+    batch = [(a, l) for a, l in ins if l.kind == "batch"]
+    if not batch:
+        return w.generic(n)
+    lay = w.agree(n, batch, "combines")
+    if int(n.args[2]) % max(_ndim(n.args[0]), 1) == lay.dim:
+        raise w.mixing(n, "is a softmax's backward over the batch dim")
+    return w.per_output(n, lambda v: w.track(lay, v))
+
+
+def _attention_backward(w: _Walk, n: fx.Node) -> Result:
+    """The fused attention backwards (grad_out, q, k, v, out, logsumexp, ...): per sample when every batch input
+    holds the batch in one leading dim (with dropout, _random refuses them first: the mask comes from a seed)."""
+    ins = w.tensor_inputs(n)
+    bad = w.first_unknown(ins)
+    if bad is not None:
+        return w.per_output(n, lambda v: bad)
+    batch = [(a, l) for a, l in ins if l.kind == "batch"]
+    if not batch:
+        return w.generic(n)
+    if any(l.dim >= min(2, _ndim(a) - 2) for a, l in batch):  # the batch in L, S or E: not per sample
+        return w.per_output(n, lambda v: None, "(the batch is not a leading dim)")
+    lay = w.agree(n, batch, "combines")
+    return w.per_output(n, lambda t: FREE if not symbol_dims(shape_exprs(t), w.sym) else w.track(lay, t))
+
+
+def _embedding_backward(w: _Walk, n: fx.Node) -> Result:
+    """embedding_dense_backward(grad, indices, num_weights, padding_idx, scale_grad_by_freq): the rows' gradients
+    summed into the table by their indices (data, not positions); scaling by the batch's frequencies mixes rows."""
+    g, idx = w.of(n.args[0]), w.of(n.args[1])
+    scale = n.args[4] if len(n.args) > 4 else n.kwargs.get("scale_grad_by_freq", False)
+    if g is None or idx is None or "unknown" in (g.kind, idx.kind) or g.kind != "batch":
+        return w.generic(n)
+    if scale:
+        raise w.mixing(n, "scales by how often each index occurs in the batch")
+    if idx.kind != "batch" or _aligned(idx, _ndim(n.args[1]), _ndim(n.args[0]) - 1) != replace(g, why="") or g.dim == _ndim(n.args[0]) - 1:
+        return w.generic(n)
+    return w.summed(n, [n.args[0]], "sums the rows' gradients into the table")
+
+
+def _dropout_p(n: fx.Node) -> Any:
+    """An attention op's ``dropout_p`` argument (by its schema), 0.0 when it has none."""
+    schema = getattr(n.target, "_schema", None)
+    names = [a.name for a in schema.arguments] if schema is not None else []
+    if "dropout_p" not in names:
+        return 0.0
+    i = names.index("dropout_p")
+    v = n.args[i] if i < len(n.args) else n.kwargs.get("dropout_p", schema.arguments[i].default_value)
+    return v if isinstance(v, (int, float)) else 1.0  # a symbolic rate: assume it drops
+
+
+def _random(n: fx.Node) -> bool:
+    """The node draws random numbers (or replays them from a saved seed and offset).  The fused attention
+    kernels are tagged seeded whatever their rate: they draw only with ``dropout_p`` > 0."""
+    if n.op != "call_function":
+        return False
+    if _packet(n) in ATTENTION_OPS | ATTENTION_BACKWARD_OPS:
+        return _dropout_p(n) != 0
+    if torch.Tag.nondeterministic_seeded in getattr(n.target, "tags", ()) or _packet(n) in RNG_OPS:
+        return True
+    return isinstance(n.target, torch._ops.HigherOrderOperator) and n.target.name() in RNG_HOPS
+
+
+def _reachable(graph: fx.Graph, names: frozenset) -> set:
+    seen: set = set()
+    stack = [n for n in graph.nodes if n.op == "placeholder" and n.name in names]
+    while stack:
+        x = stack.pop()
+        if x not in seen:
+            seen.add(x)
+            stack.extend(x.users)
+    return seen
 
 
 def _factory(w: _Walk, n: fx.Node) -> Result:
@@ -993,7 +1260,10 @@ for _ops, _fn in (
         (SCATTER_OPS | INDEX_UPDATE_OPS, _scatter), (SCATTER_SLICE_OPS, _slice_scatter),
         (MATMUL_OPS, _matmul), (ATTENTION_OPS, _attention), (ADD_MATMUL_OPS, _add_matmul),
         (PER_SAMPLE_OPS, _per_sample), (LAYER_NORM_OPS, _layer_norm), (BATCH_NORM_OPS, _batch_norm),
-        (FACTORY_OPS, _factory), (ARANGE_OPS, _arange), (POINTWISE_EXTRA, _pointwise), (PAD_OPS, _pad), (AS_STRIDED_OPS, _as_strided)):
+        (FACTORY_OPS, _factory), (ARANGE_OPS, _arange), (POINTWISE_EXTRA, _pointwise), (PAD_OPS, _pad), (AS_STRIDED_OPS, _as_strided),
+        (PER_SAMPLE_BACKWARD_OPS, _batch_norm_backward), (LAYER_NORM_BACKWARD_OPS, _layer_norm_backward),
+        (SOFTMAX_BACKWARD_OPS, _softmax_backward), (ATTENTION_BACKWARD_OPS, _attention_backward),
+        (EMBEDDING_BACKWARD_OPS, _embedding_backward), (ACTIVATION_BACKWARD_OPS, _pointwise)):
     for _p in _ops:
         _RULES.setdefault(_p, _fn)
 
@@ -1031,3 +1301,18 @@ def analyze_rowwise(graph: fx.Graph, sym: sympy.Symbol, seeds: dict[str, Layout]
     if not isinstance(sym, sympy.Symbol):
         raise ValueError(f"the batch size must be a sympy Symbol, got {sym!r}")
     return _Walk(graph, sym, seeds=dict(seeds)).run()
+
+
+def analyze_backward(graph: fx.Graph, sym: sympy.Symbol, seeds: dict[str, Layout],
+                     carriers: frozenset) -> LayoutAnalysis:
+    """:func:`analyze_rowwise` over a backward graph that runs on gathered rows, with sums: a value computed
+    from the inputs named in ``carriers`` (the weighted cotangents: zero on every row of weight 0) may be
+    summed over its rows (a reduction or a contraction over the batch; an index_put / scatter_add / embedding
+    backward placing rows by their data), giving ``sum`` (a parameter gradient); any op of sums and free values
+    is a sum.  Refused besides: a sum combined with per-row values or spread back over the rows, a sum of
+    values that do not carry the cotangent, rows placed by their position into a tensor without the batch
+    (the row index indexing a parameter, a scatter along another dim), random numbers drawn or replayed
+    (passes/validate.py)."""
+    if not isinstance(sym, sympy.Symbol):
+        raise ValueError(f"the batch size must be a sympy Symbol, got {sym!r}")
+    return _Walk(graph, sym, seeds=dict(seeds), carriers=frozenset(carriers)).run()

@@ -14,6 +14,8 @@ backward graph (Inductor's ``inner_compile``), :func:`backward`:
   5. selected_rows.plan_backward    the selection node -> a new last input w; every gathered input
                                     checked against step 3's proof; an in-graph loss's prefix split off
      prefix_rows.prove_prefix_rows  that prefix row-wise (it may then run on the kept rows only)
+     validate.prove_backward        the rewritten backward that will run, proven row-wise on gathered rows
+                                    (refused: it runs on all rows, dense-masked)
   6. compile: VCAS (the context's ``vcas``, when set), else gather_in_graph.gather_in_graph
      (gather="graph"), else the plain graph
   7. symbolic.check_not_specialised compiling must not have fixed the batch size
@@ -43,6 +45,7 @@ from .insert_select import SELECT
 from .prefix_rows import prove_prefix_rows
 from .row_index import recompute_row_indices
 from .selected_rows import BackwardPlan, plan_backward
+from .validate import prove_backward
 
 STRIDE_SYMBOL = "a saved view has a symbolic stride (gathered as a contiguous copy, eagerly)"
 VCAS_TOKEN_MAJOR = ("VCAS: a forward value holds the batch token-major ((outer, N, inner)); VCAS reads the "
@@ -226,12 +229,17 @@ def backward(gm: fx.GraphModule, example_inputs, joint_result: Optional[JointRes
                                                   pre_kwargs)
     inputs = list(example_inputs) + [w_val]
     compiled, vcas_note, gather_refused = None, None, None
-    if ctx.vcas is not None and _token_major(layouts):  # its segments' specs come from sizes: batch-major only
+    refusal, mode = None, BackwardMode.SELECTED
+    try:
+        prove_backward(gm, plan)
+    except Refused as e:  # at N rows the rewritten graph is the dense-masked backward: still exact
+        refusal, mode = e.refusal, BackwardMode.DENSE_MASKED
+    if refusal is None and ctx.vcas is not None and _token_major(layouts):  # its segments' specs: batch-major only
         vcas_note = VCAS_TOKEN_MAJOR
-    elif ctx.vcas is not None:  # VCAS's backward, or None: the exact one below
+    elif refusal is None and ctx.vcas is not None:  # VCAS's backward, or None: the exact one below
         compiled, vcas_note = ctx.vcas(gm, inputs, plan.sym, compile_graph, kwargs)
     segmented = compiled is not None
-    if compiled is None and ctx.gather == "graph":
+    if compiled is None and ctx.gather == "graph" and refusal is None:
         if plan.stride_syms:
             gather_refused = STRIDE_SYMBOL
         else:
@@ -240,11 +248,11 @@ def backward(gm: fx.GraphModule, example_inputs, joint_result: Optional[JointRes
     in_graph = compiled is not None and not segmented
     if compiled is None:
         compiled = compile_graph(gm, inputs, **kwargs)
-    refusal, mode = None, BackwardMode.SELECTED
-    try:
-        check_not_specialised(example_inputs, plan.sym, plan.stride_syms)
-    except Refused as e:  # the rewritten graph at N rows is the dense-masked backward: still exact
-        refusal, mode = e.refusal, BackwardMode.DENSE_MASKED
+    if refusal is None:
+        try:
+            check_not_specialised(example_inputs, plan.sym, plan.stride_syms)
+        except Refused as e:  # the rewritten graph at N rows is the dense-masked backward: still exact
+            refusal, mode = e.refusal, BackwardMode.DENSE_MASKED
     return BackwardResult(compiled, mode, plan, prefix, refusal, in_graph=in_graph, gather_refused=gather_refused,
                           vcas=vcas_note, segmented=segmented, graph=gm, prefix_gathered=prefix_gathered)
 

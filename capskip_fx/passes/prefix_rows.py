@@ -26,7 +26,7 @@ from typing import Optional
 import sympy
 from torch import fx
 
-from ..layout import Layout, analyze_rowwise
+from ..layout import analyze_rowwise, spec_layout
 from ..records import RefusalKind, Refused
 from ..symbolic import Spec, spec_of
 
@@ -37,7 +37,7 @@ def prove_prefix_rows(gm: fx.GraphModule, examples: list, sym: sympy.Symbol,
     ``out_specs``: the rest's spec of each prefix output (None: not a batch tensor)."""
     specs = [spec_of(v, sym) for v in examples]
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
-    seeds = {node.name: _batch_major(spec) for node, spec in zip(placeholders, specs) if spec.kind == "batch"}
+    seeds = {node.name: spec_layout(spec) for node, spec in zip(placeholders, specs) if spec.kind == "batch"}
     result = analyze_rowwise(gm.graph, sym, seeds)
     if result.refusal is not None:
         raise Refused(f"the in-graph loss's backward is not row-wise ({result.refusal})", RefusalKind.IN_GRAPH_LOSS,
@@ -50,13 +50,9 @@ def prove_prefix_rows(gm: fx.GraphModule, examples: list, sym: sympy.Symbol,
                 raise Refused(f"the in-graph loss's backward returns {o.name} ({lay}) where the rest reads no batch",
                               RefusalKind.IN_GRAPH_LOSS)
             continue
-        want = _batch_major(spec)
+        want = spec_layout(spec)
         if lay != want:
             raise Refused(f"the in-graph loss's backward returns {o.name} as {lay}; the rest gathers it as {want}",
                           RefusalKind.IN_GRAPH_LOSS)
     return specs
 
-
-def _batch_major(spec: Spec) -> Layout:
-    """The layout a spec's gather assumes: the batch in ``spec.dim``, ``spec.factor`` rows per example."""
-    return Layout("batch", spec.dim, sympy.Integer(1), sympy.Integer(spec.factor))
