@@ -16,6 +16,7 @@ from .backend import CapskipBackend, backend_of, capskip_backend, load_pending_s
 from .config import CapskipConfig, split_options
 from .records import Report
 from .rules import Rule, build_rule, make_rule
+from .runtime.published import has_backward_hooks
 from .runtime.state import UNBOUND_REASON, ForwardContext, RunSummary, RuntimeState, StepStats, logits_of
 
 _RULE_STATE_KEY = "_capskip"
@@ -92,6 +93,7 @@ class CapskipModule(nn.Module):
                                  f"or (N, T) for token-shaped logits (N, T, C); got {tuple(capskip_targets.shape)} "
                                  f"for logits of shape {tuple(z.shape)}")
         if train:
+            self._state.published.module_hooks = has_backward_hooks(self.model)
             bound = self._state.end_forward(fwd, logits_of(out, self._backend.logits_index))
             if not self._backend.records:
                 # Dynamo ran the model without handing us a graph (e.g. its recompile_limit was reached

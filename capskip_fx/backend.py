@@ -27,6 +27,7 @@ from .records import BackwardMode, CompileRecord, GraphRecord, Refusal, RefusalK
 from .functions import undeclared_function
 from .rules import build_rule
 from .runtime.backward import SelectedRowBackward
+from .runtime.published import has_backward_hooks
 from .runtime.state import UNBOUND_REASON, ForwardContext, RuntimeState, logits_of
 from .vcas import build_backward as vcas_backward
 
@@ -70,11 +71,12 @@ class _Forward:
     static and the head graph could not drop rows.  The tag is what ``maybe_mark_dynamic`` sets.
     """
 
-    def __init__(self, compiled, out_idx: list[int], training: bool):
+    def __init__(self, compiled, out_idx: list[int], training: bool, published=None):
         self._boxed_call = True
         self.compiled = compiled
         self.out_idx = out_idx
         self.training = training
+        self.published = published  # runtime/published.py: watches the outputs for hooks (reuse of rows)
 
     def __call__(self, args):
         if self.training:
@@ -84,6 +86,8 @@ class _Forward:
             o = outs[i]
             if isinstance(o, torch.Tensor) and o.dim() > 0 and o.shape[0] > 1:
                 torch._dynamo.maybe_mark_dynamic(o, 0)
+        if self.training and self.published is not None:
+            self.published.watch(id(self), [outs[i] for i in self.out_idx])
         return outs
 
     def __getattr__(self, name):
@@ -307,7 +311,7 @@ class CapskipBackend:
 
     def _wrap(self, rec: GraphRecord, built: Built, compiled):
         if built.kind == "forward":
-            wrapper = _Forward(compiled, built.out_idx, built.training)
+            wrapper = _Forward(compiled, built.out_idx, built.training, self.state.published)
         elif built.kind == "dense":
             wrapper = _DenseBackward(compiled, self.state, rec.reason, built.batch_arg) if rec.reason else compiled
         else:
@@ -420,6 +424,7 @@ class _BindLogits:
         backend = self.backend()
         if backend is None or not torch.is_grad_enabled() or module is not self.owner():
             return  # a deep copy of the model (an EMA, a reference) carries this hook too: not ours
+        backend.state.published.module_hooks = has_backward_hooks(module)
         logits = logits_of(out, backend.logits_index)
         if not isinstance(logits, torch.Tensor) or not logits.requires_grad or logits.dim() != 2:
             return  # nothing to bind (token-shaped outputs): each graph records its own reason

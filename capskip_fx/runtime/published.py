@@ -1,22 +1,30 @@
 """Input gradients a gathered backward returned, each zero outside the rows it ran on.
 
 A gathered backward scatters its input gradients back to N rows: every row outside its index ``idx``
-is exactly zero.  When a body graph's incoming gradient (tangent) *is* one of those tensors, the same
-object at the same version, nothing between the two graphs added to it or changed it: the body's
-nonzero rows lie within ``idx``, so it can run on those rows without reading the device for them.
-Regional compile chains graphs this way (``blocks[i+1](blocks[i](x))``).  Anything else between the
-graphs (an eager op, a second consumer, a hook) makes autograd hand over another tensor: the body then
-finds its rows from its own tangent (one host read), exact whatever that code was.
+is exactly zero.  When a body graph's incoming gradient (tangent) *is* one of those tensors, unchanged,
+the body's nonzero rows lie within ``idx``, so it can run on those rows without reading the device for
+them.  Regional compile chains graphs this way (``blocks[i+1](blocks[i](x))``).  Anything that could have
+written the skipped rows between the two graphs makes the body find its rows from its own tangent (one
+host read), exact whatever that code was.
 
-Why identity is a proof: we hold a reference to each published tensor, so autograd never accumulates
-a second contribution into it in place (it does so only for a buffer nobody else holds); a sum arrives
-as a new tensor.  An in-place change by a hook bumps the version counter.
+What "unchanged" is shown by, all of it (``rows_of``):
+  - identity: autograd hands over the very tensor (we hold a reference to it, so autograd never
+    accumulates a second contribution into it in place; a sum arrives as a new tensor);
+  - the version counter: an in-place change (a node hook's ``g.add_``) bumps it;
+  - no code that may write through ``.data`` (which bumps nothing) ran on it: every batch output of the
+    body graph (``watch``, at its forward) has no tensor hook and no ``retain_grad``, and no module of the
+    model has a backward hook (``module_hooks``, set at each forward).  The outputs are held from the
+    graph's forward until the end of the backward (a tensor hook outlives the Python tensor it was set on,
+    so a freed output would hide it); a graph's next forward replaces them, so a forward whose outputs were
+    replaced (two forwards, one backward) finds its rows itself.
+Not seen: a hook registered on an autograd node itself (``grad_fn.register_hook``/``register_prehook``)
+that writes through ``.data``; docs/limits.md says so.
 Invariant: ``rows_of`` returns an index only if every batch-shaped tangent is zero outside it.
 The list lives for one backward: an engine callback clears it when the backward ends.
 """
 from __future__ import annotations
 
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 from torch import Tensor
@@ -25,6 +33,15 @@ from torch import Tensor
 class PublishedRows:
     def __init__(self) -> None:
         self._items: list[tuple[Tensor, int, Tensor, int]] = []  # (gradient, its version, idx, n)
+        self._outputs: dict[int, list[Tensor]] = {}  # compiled forward -> its last batch outputs (watch)
+        # a module of the model has a backward hook: set at each forward by the model's forward hook; None
+        # until one ran (a string backend's first step, before its hook existed): not shown, so assumed
+        self.module_hooks: Optional[bool] = None
+
+    def watch(self, graph: int, outs: list) -> None:
+        """A compiled forward's (``graph``: its id) batch outputs, for a body graph's later check that nothing
+        hooks them.  Called inside the autograd Function's forward (they get their grad_fn after)."""
+        self._outputs[graph] = [o for o in outs if isinstance(o, Tensor)]
 
     def publish(self, outs: list, specs: list, idx: Tensor, n: int) -> None:
         """``outs``: a gathered backward's outputs at N rows; ``specs``: their batch specs (None: not batch)."""
@@ -36,10 +53,11 @@ class PublishedRows:
             # leave the list uncleared for good
             torch.autograd.Variable._execution_engine.queue_callback(self.clear)
 
-    def rows_of(self, tangents: list[Tensor], n: int) -> Optional[Tensor]:
-        """The index every tangent is zero outside, if each one is a published gradient of one index.
-        A match is dropped from the list (autograd hands a gradient to one node): its memory is freed
-        as soon as the body's backward is done with it, not at the end of the whole backward."""
+    def rows_of(self, tangents: list[Tensor], n: int, node: Any = None) -> Optional[Tensor]:
+        """The index every tangent is zero outside, if each one is a published gradient of one index and
+        nothing between the graphs can have written it (see the module docstring).  ``node``: the autograd
+        node whose backward runs (the body graph's).  A match is dropped from the list (autograd hands a
+        gradient to one node): its memory is freed as soon as the body's backward is done with it."""
         idx, hits = None, []
         for t in tangents:
             hit = next((it for it in self._items if it[0] is t), None)
@@ -47,11 +65,31 @@ class PublishedRows:
                 return None
             idx = hit[2]
             hits.append(hit)
+        if not self._unhooked(node, len(tangents)):
+            return None
         self._items = [it for it in self._items if not any(it is h for h in hits)]
         return idx
 
+    def _unhooked(self, node: Any, count: int) -> bool:
+        """Every watched output of ``node`` is alive (``count`` of them at least) with no tensor hook, no
+        retained grad, and no module backward hook is set."""
+        if node is None or self.module_hooks is not False:
+            return False
+        outs = [o for lst in self._outputs.values() for o in lst if o.grad_fn is node]
+        return len(outs) >= count and not any(o._backward_hooks or o.retains_grad for o in outs)
+
     def clear(self) -> None:
         self._items = []
+        self._outputs.clear()
 
     def __len__(self) -> int:
         return len(self._items)
+
+
+def has_backward_hooks(model: torch.nn.Module) -> bool:
+    """A module (or the global registry) has a full backward (pre-)hook: it may write a gradient's ``.data``."""
+    from torch.nn.modules import module as module_mod
+
+    if module_mod._global_backward_hooks or module_mod._global_backward_pre_hooks:
+        return True
+    return any(m._backward_hooks or m._backward_pre_hooks for m in model.modules())
