@@ -400,7 +400,13 @@ def capskip_backend(gm: fx.GraphModule, example_inputs, options: Optional[dict] 
         backend.options_key = key
     if owner is not None and key not in _BY_OWNER.get(owner, {}):
         _BY_OWNER.setdefault(owner, {})[key] = backend
-        owner.register_forward_hook(_BindLogits(backend, owner))
+        bind = _BindLogits(backend, owner)
+        if getattr(owner, "_compiled_call_impl", None) is not None:
+            # compiled in place (m.compile()): Dynamo traced its _call_impl, hooks included, and does not guard
+            # on hooks added later; the compiled call itself is wrapped so that the binding runs eagerly
+            owner._compiled_call_impl = _BoundCall(owner._compiled_call_impl, bind)
+        else:
+            owner.register_forward_hook(bind)
         for m in (owner, getattr(owner, "_orig_mod", None), getattr(owner, "module", None)):
             pending = _PENDING_STATE.pop(m, None) if m is not None else None
             if pending is not None:  # capskip_fx.load_state_dict before the first step: restore now
@@ -432,6 +438,20 @@ class _BindLogits:
         if not state.end_forward(ForwardContext(), logits, by_hook=True):
             state.warn_once(UNBOUND_REASON)
             state.record_dense_step(int(logits.shape[0]), UNBOUND_REASON, at_forward=True)
+
+
+class _BoundCall:
+    """An in-place compiled module's compiled call, then the forward's binding (``_BindLogits``), eagerly."""
+
+    def __init__(self, call, bind: _BindLogits):
+        self.call, self.bind = call, bind
+
+    def __call__(self, *args, **kwargs):
+        out = self.call(*args, **kwargs)
+        owner = self.bind.owner()
+        if owner is not None:
+            self.bind(owner, args, out)
+        return out
 
 
 def _pin_to_module(gm: fx.GraphModule) -> None:

@@ -51,6 +51,22 @@ def running_forward() -> Optional[ForwardContext]:
     return getattr(current, _ATTR, None) if current is not None else None
 
 
+def upstream_graphs(node: Any) -> set:
+    """ids of the compiled functions' autograd nodes upstream of ``node`` (the graphs whose outputs fed the
+    graph of ``node``, through eager code or not): a Linear compiled on its own inside the model, the
+    blocks of a regional compile.  Walks the autograd graph, which the running backward still holds."""
+    seen, found, stack = set(), set(), [f for f, _ in getattr(node, "next_functions", ())]
+    while stack:
+        f = stack.pop()
+        if f is None or id(f) in seen:
+            continue
+        seen.add(id(f))
+        if "CompiledFunction" in type(f).__name__:
+            found.add(id(f))
+        stack.extend(g for g, _ in f.next_functions)
+    return found
+
+
 def logits_of(out: Any, index: Optional[int]) -> Optional[Tensor]:
     """The logits among a model's outputs: the tensor itself, the ``index``-th value of a tuple/list/dict,
     else a dict's ``logits`` (a Hugging Face ModelOutput), else the first 2-D tensor, else the first

@@ -31,7 +31,7 @@ from torch import Tensor
 from ..rules.base import HeadView, Rule, Selection
 from . import forwards
 from .checks import bad_targets_error, check_not_compiled_autograd, deferred_reason, fallback_reason, head_checks
-from .clock import StepClock
+from .clock import StepClock, graph_task
 from .forwards import NO_HEAD_REASON, UNBOUND_REASON, ForwardContext, logits_of
 from .published import PublishedRows
 from .stats import RunSummary, StepStats
@@ -81,6 +81,7 @@ class RuntimeState:
         _LIVE.add(self)
         self._pending_runners: list = []  # their states from a checkpoint loaded before they compiled
         self.published = PublishedRows()  # this backward's gathered input gradients, for the body graphs
+        self._upstream: tuple = (None, set())  # (graph task, compiled nodes upstream of its selecting heads)
 
     # the clock's numbers and the step in progress, where the API, the backwards and checkpoints read them
     step = property(lambda self: self.clock.step, lambda self, v: setattr(self.clock, "step", v))
@@ -101,18 +102,29 @@ class RuntimeState:
     def running_forward(self) -> tuple[bool, Optional[ForwardContext]]:
         """(is this backward the rule's head?, its forward) for the head graph's running backward.
 
-        Bound forwards (CapskipModule): the head is the node a forward bound; a head graph whose node
-        is unbound (a Linear output that is not the returned logits) is not.  The string backend binds
-        through a forward hook on the module that owns its graphs (from its second forward on)."""
+        Decided per forward, at its backward.  A node a forward bound (CapskipModule, the string backend's
+        hook on the model) is a head.  An unbound one is a head of its own (its own selection) unless it lies
+        upstream of a head that already selected in this backward: then it is a Linear output inside that
+        forward (per-layer compile), a body graph.  Unbound heads are the forwards that ran before the
+        model's binding existed (a string backend's first forward: several forwards before the first
+        backward each get their own selection) and extra compiled heads (an auxiliary classifier).  Autograd
+        runs a node's backward before those of the nodes upstream of it, so the set is complete when read.
+        A forward whose logits came from eager code (recorded dense at the forward) selects nothing."""
         fwd = forwards.running_forward()
-        if fwd is not None:
-            return True, fwd
-        if self.bound_forwards or self.hook_bound:
+        node = torch._C._current_autograd_node()
+        upstream = self._upstream_of_heads()
+        if fwd is None and (id(node) in upstream or (self.clock.in_step() and self.last.dense
+                                                     and self.last.fallback == UNBOUND_REASON)):
             return False, None
-        # nothing bound yet (a compiled function, or the first forward of a hooked model): the first head
-        # graph of a backward is the logits' (every other compiled graph lies upstream of it), the rest are
-        # Linear outputs inside the model: one rule run per backward
-        return not (self.clock.in_step() and bool(self.last.forwards)), None
+        upstream.update(forwards.upstream_graphs(node))
+        return True, fwd
+
+    def _upstream_of_heads(self) -> set:
+        """The running backward's set of compiled nodes upstream of a head that selected (running_forward)."""
+        task = graph_task()
+        if self._upstream[0] != task:
+            self._upstream = (task, set())
+        return self._upstream[1]
 
     def generator(self, device: torch.device) -> torch.Generator:
         if self._generator is None or self._generator.device != device:

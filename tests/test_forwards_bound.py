@@ -1,0 +1,145 @@
+"""Every forward bound, under every idiom: several forwards before one backward (two augmented views, a
+siamese or consistency loss) and several compiled heads (an auxiliary classifier) each get their own
+selection, from the first step on, with ``verify=False`` (nothing but the binding keeps them exact).
+
+Idioms: ``capskip_fx.compile``, ``torch.compile(backend="capskip")``, in-place ``m.compile()`` of an
+``nn.Sequential`` and of a custom module (Dynamo traces an in-place module's hooks into its frame and does
+not guard on hooks added later: the binding wraps the compiled call instead), per-layer and regional compile.
+Each step is checked against a float64 reference of the summed losses, each forward weighted by its own
+selection, and ``stats()`` must count every forward.
+"""
+from __future__ import annotations
+
+import copy
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import capskip_fx
+from helpers.models import Tokens
+from helpers.torch_features import needs_dynamic_sources
+
+N = 8
+OPTS = {"rule": "random", "keep": 0.5, "backend": "aot_eager", "verify": False}
+
+
+class _Custom(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.head = nn.Linear(6, 16), nn.Linear(16, 3)
+
+    def forward(self, x):
+        return self.head(self.a(x).relu())
+
+
+def _seq():
+    return nn.Sequential(nn.Linear(6, 16), nn.ReLU(), nn.Linear(16, 3))
+
+
+def _in_place(make):
+    def build():
+        m = make().double()
+        m.compile(backend="capskip", options=OPTS)
+        return m, m
+    return build
+
+
+def _string():
+    m = _Custom().double()
+    return m, torch.compile(m, backend="capskip", options=OPTS)
+
+
+def _capskip_compile():
+    m = _Custom().double()
+    return m, capskip_fx.compile(m, **OPTS)
+
+
+def _per_layer():
+    m = _seq().double()
+    for layer in m:
+        if isinstance(layer, nn.Linear):
+            layer.compile(backend="capskip", options=OPTS)
+    return m, m
+
+
+def _regional():
+    m = Tokens().double()
+    for b in m.blocks:
+        b.compile(backend="capskip", options=OPTS)
+    m.head.compile(backend="capskip", options=OPTS)
+    return m, m
+
+
+IDIOMS = {"capskip_compile": (_capskip_compile, (N, 6)), "string": (_string, (N, 6)),
+          "in_place_sequential": (_in_place(_seq), (N, 6)), "in_place_custom": (_in_place(_Custom), (N, 6)),
+          "per_layer": (_per_layer, (N, 6)), "regional": (_regional, (N, 5, 4))}
+
+
+def _check(model, cm, losses_of, n_forwards, steps=3, backward_order=True):
+    """``losses_of(module, x1, x2) -> per-forward per-row losses``; each step against the reference.
+    ``st.forwards`` lists the heads in the order their backwards ran: autograd runs the later-created node
+    first, so the last forward first (``backward_order``), or as listed when one forward's heads are
+    created in the order of the losses' list reversed (the aux head before the main one)."""
+    ref = copy.deepcopy(model)
+    for step in range(steps):
+        torch.manual_seed(step)
+        xs = [torch.randn(*SHAPE[0], dtype=torch.float64) for _ in range(2)]
+        y = torch.randint(0, 3, (N,))
+        model.zero_grad()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            sum(l.mean() for l in losses_of(cm, *xs, y)).backward()
+        st = capskip_fx.stats(cm)
+        assert len(st.forwards) == n_forwards and st.n == n_forwards * N, \
+            f"step {step}: stats count {len(st.forwards)} forwards of {st.n} rows, expected {n_forwards} of {N}: {st}"
+        assert all(f.mode == "selected" and f.kept == N // 2 for f in st.forwards), [f for f in st.forwards]
+        ws = [f.weight.double() for f in (reversed(st.forwards) if backward_order else st.forwards)]
+        ref.load_state_dict(model.state_dict())
+        ref.zero_grad()
+        sum((l * w).sum() / N for l, w in zip(losses_of(ref, *xs, y), ws)).backward()
+        for (name, a), b in zip(ref.named_parameters(), model.parameters()):
+            err = float((a.grad - b.grad).norm() / a.grad.norm().clamp_min(1e-30))
+            assert err < 1e-10, f"step {step}, {name}: off by {err:.3g} ({st})"
+
+
+SHAPE = [None]
+
+
+@needs_dynamic_sources
+@pytest.mark.parametrize("idiom", sorted(IDIOMS))
+def test_two_forwards_one_backward_each_selected(idiom):
+    make, shape = IDIOMS[idiom]
+    SHAPE[0] = shape
+    torch.manual_seed(0)
+    model, cm = make()
+    _check(model, cm, lambda m, x1, x2, y: [F.cross_entropy(m(x), y, reduction="none") for x in (x1, x2)], 2)
+
+
+class _TokensAux(Tokens):
+    """Tokens with an auxiliary classifier on the first block's pooled output."""
+
+    def __init__(self):
+        super().__init__()
+        self.aux_head = nn.Linear(8, 3)
+
+    def forward(self, x):
+        h0 = self.blocks[0](self.embed(x))
+        self.aux = self.aux_head(h0.mean(1))
+        return self.head(self.blocks[1](h0).mean(1))
+
+
+@needs_dynamic_sources
+def test_an_auxiliary_head_compiled_beside_the_main_one_gets_its_own_selection():
+    torch.manual_seed(0)
+    SHAPE[0] = (N, 5, 4)
+    model = _TokensAux().double()
+    capskip_fx.compile_regions(model, rule="random", keep=0.5, backend="aot_eager", verify=False, head=model.head)
+    model.aux_head.compile(backend="capskip", options=dict(OPTS, budget=0.1))  # compile_regions's settings
+
+    def losses(m, x1, x2, y):  # one forward, two heads: the main logits, then the aux ones (set in forward)
+        main = F.cross_entropy(m(x1), y, reduction="none")
+        return [main, F.cross_entropy(m.aux, y, reduction="none")]
+    _check(model, model, losses, 2, backward_order=False)
