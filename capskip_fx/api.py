@@ -292,18 +292,15 @@ def report(model) -> Report:
     return Report(r.as_dict() for r in _backend_of(model).records)
 
 
-def summary(model) -> RunSummary:
+def summary(model, *, logged: bool = False) -> RunSummary:
     """The run so far: steps, kept % and rows-run % of the forwarded rows, steps by mode, and the fallbacks
     by kind.  ``print(capskip_fx.summary(model))`` for a readable line.  A script that reads its summary
-    gets no second copy printed at exit."""
+    gets no second copy printed at exit; ``logged=True`` (a trainer callback's log, not the user's read)
+    leaves the exit line on."""
     state = _backend_of(model).state
-    state.print_at_exit = False
+    if not logged:
+        state.print_at_exit = False
     return state.summary()
-
-
-def _run_summary(model) -> RunSummary:
-    """:func:`summary` for the trainer callbacks: the exit line still prints (a log is not the user's read)."""
-    return _backend_of(model).state.summary()
 
 
 def state_dict(model) -> dict:

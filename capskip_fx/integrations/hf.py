@@ -12,7 +12,7 @@ from typing import Optional
 
 from transformers import TrainerCallback
 
-from ..api import _run_summary
+from ..api import summary
 
 WRAPPED = ("capskip_fx: trainer.model is a torch.compile wrapper (OptimizedModule): Trainer.save_model() writes "
            "'_orig_mod.*' keys that from_pretrained() silently loads as random weights, and evaluate() finds no "
@@ -66,7 +66,7 @@ class CapskipCallback(TrainerCallback):
         if logs is None or target is None or not _training_log(logs):
             return
         try:
-            fields = _run_summary(target).as_dict()
+            fields = summary(target, logged=True).as_dict()
         except TypeError:  # not compiled with capskip (yet): nothing to add
             return
         last = state.log_history[-1] if state.log_history else None

@@ -12,7 +12,7 @@ try:
 except ImportError:  # the older package name
     from pytorch_lightning.callbacks import Callback
 
-from ..api import _run_summary
+from ..api import summary
 
 
 class CapskipCallback(Callback):
@@ -25,7 +25,7 @@ class CapskipCallback(Callback):
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         try:
-            fields = _run_summary(self.model if self.model is not None else pl_module).as_dict()
+            fields = summary(self.model if self.model is not None else pl_module, logged=True).as_dict()
         except TypeError:  # not compiled with capskip (yet)
             return
         pl_module.log_dict({k: float(v) for k, v in fields.items()}, on_step=True, on_epoch=False, prog_bar=False,
