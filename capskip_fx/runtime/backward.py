@@ -29,6 +29,7 @@ import torch
 from ..records import BackwardMode, Refusal, RefusalKind
 from ..rows import gather_all, scatter_rows
 from ..symbolic import evaluate
+from .forwards import current_node
 
 VERIFY = "verify: the gathered backward differs from the dense-masked one; running dense-masked"
 
@@ -109,7 +110,7 @@ class SelectedRowBackward:
         n = g.shape[0]
         state.body_backward(n, self.record.no_head)
         tangents = [args[i] for i in p.tangent_args]
-        idx = state.published.rows_of(tangents, n, torch._C._current_autograd_node()) if tangents else None
+        idx = state.published.rows_of(tangents, n, current_node()) if tangents else None
         if idx is not None:  # the consumer's rows, on the device
             self.record.rows_reused += 1
             return torch.zeros(n, dtype=g.dtype, device=g.device).index_fill_(0, idx, 1), idx.numel(), None, idx

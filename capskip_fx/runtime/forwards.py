@@ -45,9 +45,14 @@ def bind(fwd: ForwardContext, logits: Any) -> bool:
     return True
 
 
+def current_node() -> Any:
+    """The autograd node whose backward is running (None outside a backward)."""
+    return torch._C._current_autograd_node()  # a required internal (compat.py checks it at import)
+
+
 def running_forward() -> Optional[ForwardContext]:
     """The forward bound to the autograd node whose backward is running, if any."""
-    current = getattr(torch._C, "_current_autograd_node", lambda: None)()
+    current = current_node()
     return getattr(current, _ATTR, None) if current is not None else None
 
 

@@ -111,7 +111,7 @@ class RuntimeState:
         runs a node's backward before those of the nodes upstream of it, so the set is complete when read.
         A forward whose logits came from eager code (recorded dense at the forward) selects nothing."""
         fwd = forwards.running_forward()
-        node = torch._C._current_autograd_node()
+        node = forwards.current_node()
         upstream = self._upstream_of_heads()
         if fwd is None and (id(node) in upstream or (self.clock.in_step() and self.last.dense
                                                      and self.last.fallback == UNBOUND_REASON)):
