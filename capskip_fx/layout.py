@@ -65,9 +65,16 @@ SymFloat / None values have no key.
 
 The known ops are data (sets of qualified op names such as ``"aten::mm"``): ``MOVE_OPS``, ``RESHAPE_OPS``,
 ``REDUCE_OPS``, ``ALONG_OPS``, ``SLICE_OPS``, ``MATMUL_OPS``, ``ATTENTION_OPS``, ``PER_SAMPLE_OPS``,
-``FACTORY_OPS``, ... below; ``torch.Tag.pointwise`` marks the pointwise ops.  Anything else is
-``unknown`` when a batch value flows in (and so is a node a rule fails on: the analysis never raises
-on a graph).
+``FACTORY_OPS``, the backward's ``*_BACKWARD_OPS``, ... below; each table is registered to its rule with
+``@rule(...)`` (one rule per op; ``op_table_markdown()`` prints the registry for docs/design.md), and
+``torch.Tag.pointwise`` marks the pointwise ops.  Anything else is ``unknown`` when a batch value flows in
+(and so is a node a rule fails on: the analysis never raises on a graph).
+
+The lattice value is the ``Layout``: where the batch lies (``free`` / ``batch`` dim, outer, inner / ``sum``
+over the rows, backward only / ``unknown``) and three facts about the rows' values: ``fits`` (constant or
+i.i.d. rows: a factory, or moves, pointwise ops and cats of such values), ``index`` (a row index) and
+``from_index`` (computed from one by arithmetic).  A rule is a function of its node and its inputs'
+layouts; the walk keeps the layouts and derives the row-index facts for every rule alike (``_Walk.facts``).
 """
 from __future__ import annotations
 
@@ -103,6 +110,11 @@ class Layout:
     #                                                (token-major batch: the op that made it so)
     origin: Optional[fx.Node] = field(default=None, compare=False, repr=False)  # the node ``why`` names
     #                                               (during the walk only: LayoutAnalysis.layouts have none)
+    # facts about the rows' values, not their place (equal layouts may differ in them):
+    fits: bool = field(default=False, compare=False)  # rows constant or i.i.d. random: fit any layout
+    index: bool = field(default=False, compare=False)  # a row index: row b holds the value b (arange(N))
+    from_index: Optional[fx.Node] = field(default=None, compare=False, repr=False)  # computed from a row index
+    #                                               by arithmetic: the op that used it (during the walk only)
 
     @property
     def gatherable(self) -> bool:
@@ -233,7 +245,7 @@ PER_SAMPLE_BACKWARD_OPS = _packets(aten, """convolution_backward convolution_bac
     upsample_linear1d_backward upsample_bilinear2d_backward upsample_bicubic2d_backward upsample_trilinear3d_backward
     reflection_pad1d_backward reflection_pad2d_backward reflection_pad3d_backward replication_pad1d_backward
     replication_pad2d_backward replication_pad3d_backward grid_sampler_2d_backward grid_sampler_3d_backward
-    native_group_norm_backward native_batch_norm_backward""") | _packets(prims, "_low_memory_max_pool_with_offsets")
+    native_group_norm_backward native_batch_norm_backward""")
 LAYER_NORM_BACKWARD_OPS = _packets(aten, "native_layer_norm_backward _fused_rms_norm_backward")
 SOFTMAX_BACKWARD_OPS = _packets(aten, "_softmax_backward_data _log_softmax_backward_data")
 # attention backwards: (grad_out, q, k, v, ...) -> (dq, dk, dv, ...); the fused kernels with dropout regenerate
@@ -351,9 +363,6 @@ class _Walk:
         self.bwd = backward_nodes(graph) if seeds is None else set()
         self.exclude = exclude
         self.lay: dict[fx.Node, Result] = {}
-        self.any_layout: set[fx.Node] = set()  # batch values whose rows are constant or i.i.d. random
-        self.row_index: set[fx.Node] = set()  # batch-major values whose row b holds the value b (arange(N))
-        self.row_value: dict[fx.Node, fx.Node] = {}  # values computed from a row index -> the op that used it
         self.refusals: list[tuple[RefusalKind, str, fx.Node]] = []
 
     # ---- value helpers
@@ -367,13 +376,27 @@ class _Walk:
     def unknown(self, n: fx.Node, what: str = "") -> Layout:
         return Layout("unknown", why=f"{_op(n)}{' ' + what if what else ''}{_where(n)}", origin=n)
 
-    def track(self, lay: Layout, out: torch.Tensor) -> Optional[Layout]:
-        """``lay``'s batch dim, found again intact as the output's one s-dim (None if it isn't)."""
+    def track(self, lay: Layout, out: torch.Tensor, fits: bool = False) -> Optional[Layout]:
+        """``lay``'s batch dim, found again intact as the output's one s-dim (None if it isn't).  The value
+        facts are the rule's to give (``fits``) or the walk's (row indices): not inherited."""
         shape = shape_exprs(out)
         ks = symbol_dims(shape, self.sym)
         if len(ks) != 1 or not same_size(shape[ks[0]], lay.outer * self.sym * lay.inner):
             return None
-        return replace(lay, kind="batch", dim=ks[0])
+        return replace(lay, kind="batch", dim=ks[0], fits=fits, index=False, from_index=None)
+
+    def fits(self, a: Any) -> bool:
+        lay = self.of(a)
+        return lay is not None and lay.fits
+
+    def is_index(self, a: Any) -> bool:
+        lay = self.of(a)
+        return lay is not None and lay.index
+
+    def from_index(self, a: Any) -> Optional[fx.Node]:
+        """The op that computed ``a`` from a row index (``a`` itself for a row index), else None."""
+        lay = self.of(a)
+        return None if lay is None else lay.from_index if lay.from_index is not None else a if lay.index else None
 
     def from_shape(self, out: torch.Tensor) -> Optional[Layout]:
         """Batch-major layout of a value whose rows fit any layout (constant, random, expanded)."""
@@ -465,13 +488,15 @@ class _Walk:
         """A row index used as a value (arithmetic, not indexing) that reaches an output or the backward:
         a gathered backward recomputing ``arange`` would number the kept rows 0..k-1, not by their rows.
         (message, node) pairs: the node is the op that used the row index, or the row index read."""
-        for n, origin in self.row_value.items():
-            if any(u.op == "output" or u in self.bwd for u in n.users):
+        lays = [(n, r) for n, r in self.lay.items() if isinstance(r, Layout)]
+        for n, r in lays:
+            origin = r.from_index
+            if origin is not None and any(u.op == "output" or u in self.bwd for u in n.users):
                 return [(f"the row index arange(N) is used as a value, not to index rows ({_op(origin)}"
                          f"{_where(origin)}): a selected-row backward would recompute it at the kept rows' count",
                          origin)]
-        for n in self.row_index:  # gathered, it would number the kept rows by their old rows
-            if any(u in self.bwd for u in n.users):
+        for n, r in lays:  # gathered, it would number the kept rows by their old rows
+            if r.index and any(u in self.bwd for u in n.users):
                 return [(f"the row index {_op(n)} is read by the backward{_where(n)}: gathered at the kept rows "
                          "it would index rows the backward does not have (the pass recomputes arange(N) itself "
                          "only in the backward of x[arange(N), j])", n)]
@@ -524,14 +549,26 @@ class _Walk:
             return r
         rule = _rule(n)
         r = rule(self, n) if rule is not None else self.generic(n)
-        if _packet(n) in VALUE_KEEPING_OPS and n.args and n.args[0] in self.row_index and isinstance(r, Layout) \
-                and r.kind == "batch" and r.outer == 1 and r.inner == 1:
-            self.row_index.add(n)
-        else:
-            used = [a for a in n.all_input_nodes if a in self.row_index or a in self.row_value]
-            if used and not _indexes_only(n, used):
-                self.row_value[n] = self.row_value.get(used[0], n)  # arithmetic on the row index
-        return r
+        return self.facts(n, rule, r)
+
+    def facts(self, n: fx.Node, rule: Any, r: Result) -> Result:
+        """The value facts of ``n``'s layouts, the same for every rule.  ``fits`` only from the rules that
+        make rows constant or i.i.d. (factories, moves, pointwise ops and cats of such values).  A row index
+        is made by ``arange(N)`` and kept by copies that stay batch-major with inner 1; anything else
+        computed from one (but indexing by it) records the op that used it (``from_index``)."""
+        used = [a for a in n.all_input_nodes if self.from_index(a) is not None]
+        copy = _packet(n) in VALUE_KEEPING_OPS and bool(n.args) and self.is_index(n.args[0])
+        origin = next((self.of(a).from_index for a in used if self.of(a).from_index is not None), n) \
+            if used and not _indexes_only(n, used) else None
+
+        def one(lay: Optional[Layout]) -> Optional[Layout]:
+            if lay is None:
+                return None
+            index = (rule is _arange and lay.index) or (copy and lay.kind == "batch" and lay.outer == 1
+                                                         and lay.inner == 1)
+            return replace(lay, fits=lay.fits and rule in _FITTING, index=index,
+                           from_index=None if index else origin)
+        return one(r) if isinstance(r, Layout) else [one(x) for x in r] if isinstance(r, list) else r
 
     def placeholder(self, val: Any) -> Optional[Layout]:
         if not isinstance(val, torch.Tensor):
@@ -570,7 +607,7 @@ class _Walk:
 
     def agree(self, n: fx.Node, items: list, what: str) -> Optional[Layout]:
         """The one layout of several batch operands (aligned already); row mixing if they differ."""
-        strict = [(a, l) for a, l in items if a not in self.any_layout] or items[:1]
+        strict = [(a, l) for a, l in items if not l.fits] or items[:1]
         first = strict[0][1] if strict else None
         for a, l in strict[1:]:
             if l != first:
@@ -578,7 +615,7 @@ class _Walk:
                                      f"({strict[0][0].name}: {first}, {a.name}: {l})")
         if first is not None:
             for a, l in items:  # any-layout operands must at least sit in the same dim with the same size
-                if a in self.any_layout and (
+                if l.fits and (
                         l.dim != first.dim or not same_size(l.outer * l.inner, first.outer * first.inner)):
                     raise self.mixing(n, f"{what} batch values in different dims ({a.name}: {l}, {first})")
         return first
@@ -599,7 +636,7 @@ def _indexes_only(n: fx.Node, used: list) -> bool:
 def _detached(lay: Layout) -> Layout:
     """``lay`` without its origin node: the layouts outlive the joint graph (graph records keep them for
     the backward pass), and a node would keep that whole graph alive."""
-    return lay if lay.origin is None else replace(lay, origin=None)
+    return lay if lay.origin is None and lay.from_index is None else replace(lay, origin=None, from_index=None)
 
 
 def _aligned(lay: Layout, ndim_in: int, ndim_out: int) -> Layout:
@@ -613,6 +650,23 @@ def _ndim(a: fx.Node) -> int:
 
 # ---- rules: (walk, node) -> Result; raise _Refuse for row mixing
 
+_RULES: dict[str, Callable] = {}  # qualified op name -> its rule
+
+
+def rule(*tables: Any) -> Callable:
+    """Register the decorated function as the rule of every op in ``tables`` (sets or dicts of qualified op
+    names).  One rule per op: a second registration of an op is a bug in the tables."""
+    def register(fn: Callable) -> Callable:
+        for table in tables:
+            for p in table:
+                if _RULES.setdefault(p, fn) is not fn:
+                    raise AssertionError(f"{p} has two layout rules: {_RULES[p].__name__} and {fn.__name__}")
+        return fn
+    return register
+
+
+
+@rule(MOVE_OPS)
 def _move(w: _Walk, n: fx.Node) -> Result:
     x = w.of(n.args[0]) if n.args else None
     if x is None:
@@ -623,9 +677,7 @@ def _move(w: _Walk, n: fx.Node) -> Result:
         return w.generic(n)
     if x.kind == "free":  # expand of a free value to the batch size: rows are copies
         return _factory(w, n)
-    if n.args[0] in w.any_layout:
-        w.any_layout.add(n)
-    return w.per_output(n, lambda v: w.track(x, v), "(moved or resized the batch dim)")
+    return w.per_output(n, lambda v: w.track(x, v, fits=x.fits), "(moved or resized the batch dim)")
 
 
 def reshape_layout(lay: Layout, in_shape: list, out_shape: list, sym: sympy.Symbol) -> Optional[Layout]:
@@ -651,6 +703,7 @@ def reshape_layout(lay: Layout, in_shape: list, out_shape: list, sym: sympy.Symb
     return replace(lay, kind="batch", dim=k, outer=outer, inner=inner)
 
 
+@rule(RESHAPE_OPS)
 def _reshape(w: _Walk, n: fx.Node) -> Result:
     x = w.of(n.args[0])
     if x is None or x.kind != "batch":
@@ -664,6 +717,7 @@ def _reshape(w: _Walk, n: fx.Node) -> Result:
     return w.per_output(n, one, "(split the batch dim)")
 
 
+@rule(AS_STRIDED_OPS)
 def _as_strided(w: _Walk, n: fx.Node) -> Result:
     """as_strided of a contiguous tensor with contiguous strides and no offset is a reshape."""
     x = w.of(n.args[0])
@@ -687,6 +741,7 @@ def _contiguous(shape: list, strides: list) -> bool:
     return True
 
 
+@rule(POINTWISE_EXTRA, ACTIVATION_BACKWARD_OPS)
 def _pointwise(w: _Walk, n: fx.Node) -> Result:
     ins = w.tensor_inputs(n)
     bad = w.first_unknown(ins)
@@ -701,9 +756,8 @@ def _pointwise(w: _Walk, n: fx.Node) -> Result:
     nd = (val if isinstance(val, torch.Tensor) else val[0]).dim()
     aligned = [(a, _aligned(l, _ndim(a), nd)) for a, l in batch]
     lay = w.agree(n, aligned, "combines")
-    if all(a in w.any_layout for a, _ in batch):
-        w.any_layout.add(n)
-    return w.per_output(n, lambda v: w.track(lay, v))
+    fits = all(l.fits for _, l in batch)
+    return w.per_output(n, lambda v: w.track(lay, v, fits=fits))
 
 
 def _dim_op(w: _Walk, n: fx.Node, dims, what: str) -> Result:
@@ -723,6 +777,7 @@ def _dim_op(w: _Walk, n: fx.Node, dims, what: str) -> Result:
     return w.per_output(n, lambda v: w.track(x, v))
 
 
+@rule(REDUCE_OPS)
 def _reduce(w: _Walk, n: fx.Node) -> Result:
     if torch.Tag.pointwise in getattr(n.target, "tags", ()):
         return _pointwise(w, n)  # max.other, min.other
@@ -731,6 +786,7 @@ def _reduce(w: _Walk, n: fx.Node) -> Result:
     return _dim_op(w, n, _arg(n, REDUCE_OPS[_packet(n)]), "reduces over the batch dim, e.g. BatchNorm in train mode")
 
 
+@rule(ALONG_OPS)
 def _along(w: _Walk, n: fx.Node) -> Result:
     idx, default = ALONG_OPS[_packet(n)]
     return _dim_op(w, n, _arg(n, idx, default=default),
@@ -747,6 +803,7 @@ def _slab(w: _Walk, x: Layout, start: Any, length: sympy.Expr) -> Optional[Layou
     return replace(x, kind="batch", outer=outer) if outer is not None else None
 
 
+@rule(SLICE_OPS)
 def _slice(w: _Walk, n: fx.Node) -> Result:
     """slice/narrow/split/chunk/unbind/select.  Along the batch dim only whole slabs of s*inner are
     kept (a no-op when outer == 1; a piece of a ``cat`` along the batch otherwise)."""
@@ -774,6 +831,7 @@ def _slice(w: _Walk, n: fx.Node) -> Result:
     return lays if isinstance(val, (list, tuple)) else lays[0]
 
 
+@rule(PAD_OPS)
 def _pad(w: _Walk, n: fx.Node) -> Result:
     """constant_pad_nd(x, pad): pairs of pads from the last dim; padding the batch dim = mixing."""
     x = w.of(n.args[0])
@@ -786,10 +844,12 @@ def _pad(w: _Walk, n: fx.Node) -> Result:
     return w.per_output(n, lambda v: w.track(x, v))
 
 
+@rule(INDEX_SELECT_OPS)
 def _index_select(w: _Walk, n: fx.Node) -> Result:
     return _dim_op(w, n, _arg(n, 1), "selects rows along the batch dim")
 
 
+@rule(CAT_OPS, STACK_OPS)
 def _cat(w: _Walk, n: fx.Node) -> Result:
     """cat/stack.  Along other dims the batch inputs agree; along the batch dim, inputs of one
     ``inner`` stack up as slabs: the result is token-major with the outers summed."""
@@ -814,11 +874,11 @@ def _cat(w: _Walk, n: fx.Node) -> Result:
             first, dim=dim, outer=outer, why=f"{_op(n)} along the batch dim{_where(n)}", origin=n)
         return w.per_output(n, lambda v: w.track(lay, v))
     lay = w.agree(n, batch, "concatenates")
-    if all(a in w.any_layout for a, _ in batch):
-        w.any_layout.add(n)
-    return w.per_output(n, lambda v: w.track(lay, v))
+    fits = all(l.fits for _, l in batch)
+    return w.per_output(n, lambda v: w.track(lay, v, fits=fits))
 
 
+@rule(INDEX_OPS, EMBEDDING_OPS)
 def _index(w: _Walk, n: fx.Node, mask: Optional[fx.Node] = None) -> Result:
     """x[indices] (advanced indexing) and embedding(weight, indices)."""
     if _packet(n) in EMBEDDING_OPS:
@@ -831,7 +891,7 @@ def _index(w: _Walk, n: fx.Node, mask: Optional[fx.Node] = None) -> Result:
     il = [(i, w.of(t)) for i, t in enumerate(indices) if isinstance(t, fx.Node) and w.of(t) is not None]
     if xl is not None and xl.kind == "batch" and _packet(n) not in EMBEDDING_OPS and any(i == xl.dim for i, _ in il):
         at = indices[xl.dim]
-        if mask is None and xl.outer == 1 and xl.inner == 1 and at in w.row_index:
+        if mask is None and xl.outer == 1 and xl.inner == 1 and w.is_index(at):
             # x[arange(N)[:, None], j] (HF's padding mask) and x[arange(N), j] with j per row (a decoder
             # classifier's last token): row b reads row b of x only, at positions of its own
             nd = max(_ndim(t) for t in indices if isinstance(t, fx.Node))
@@ -861,13 +921,15 @@ def _per_row_index(w: _Walk, t: fx.Node, lay: Layout, nd: int, row: Layout) -> b
     """``t`` indexes a non-batch dim of x with row b's own positions: batch-major, inner 1, broadcast to the
     row index's dim, and not computed from the row index (the backward may recompute that at k rows)."""
     return (lay.kind == "batch" and lay.outer == 1 and lay.inner == 1 and _aligned(lay, _ndim(t), nd) == row
-            and t not in w.row_index and t not in w.row_value)
+            and w.from_index(t) is None)
 
 
+@rule(MASKED_INDEX_OPS)
 def _masked_index(w: _Walk, n: fx.Node) -> Result:
     return _index(w, n, mask=n.args[1])
 
 
+@rule(INDEX_PUT_OPS, MASKED_INDEX_PUT_OPS)
 def _index_put(w: _Walk, n: fx.Node) -> Result:
     x = w.of(n.args[0])
     masked = _packet(n) in MASKED_INDEX_PUT_OPS
@@ -890,14 +952,14 @@ def _index_put_backward(w: _Walk, n: fx.Node, x: Optional[Layout], indices: list
     gradients at their positions among the rows run, not at their rows: refused.  Into a batch value, a row
     index in its batch dim with the other indices of the row's own (``x[arange(N), j]``) writes row b into
     row b.  Into a free value with data indices (an embedding's), the rows' values are summed."""
-    pos = [i for i, t in enumerate(indices) if isinstance(t, fx.Node) and (t in w.row_index or t in w.row_value)]
+    pos = [i for i, t in enumerate(indices) if isinstance(t, fx.Node) and w.from_index(t) is not None]
     vl = w.of(values) if isinstance(values, fx.Node) else None
     if x is not None and x.kind == "free" and pos:
         raise _Refuse(f"the row index indexes {n.args[0].name}, which does not carry the batch ({_op(n)}{_where(n)}): "
                       "row b's gradient goes to its position among the rows the backward runs, not to row b "
                       "(a parameter indexed by arange(N)?)", RefusalKind.ROW_INDEX_VALUE, n)
     if x is not None and x.kind == "batch" and x.outer == 1 and x.inner == 1 and len(indices) > x.dim \
-            and indices[x.dim] in w.row_index and vl is not None and vl.kind == "batch":
+            and w.is_index(indices[x.dim]) and vl is not None and vl.kind == "batch":
         at = indices[x.dim]
         nd = max(_ndim(t) for t in indices if isinstance(t, fx.Node))
         lay = _aligned(w.of(at), _ndim(at), nd)
@@ -913,6 +975,7 @@ def _index_put_backward(w: _Walk, n: fx.Node, x: Optional[Layout], indices: list
     return None
 
 
+@rule(GATHER_OPS)
 def _gather(w: _Walk, n: fx.Node) -> Result:
     x, idx = w.of(n.args[0]), w.of(n.args[2])
     dim = int(n.args[1]) % max(_ndim(n.args[0]), 1)
@@ -925,6 +988,7 @@ def _gather(w: _Walk, n: fx.Node) -> Result:
     return w.per_output(n, lambda v: w.track(idx, v))
 
 
+@rule(SCATTER_OPS, INDEX_UPDATE_OPS)
 def _scatter(w: _Walk, n: fx.Node) -> Result:
     """scatter(x, dim, index, src) / index_add(x, dim, index, source): along the batch = mixing.
 
@@ -972,6 +1036,7 @@ def _scatter_free(w: _Walk, n: fx.Node, dim: int) -> Result:
     raise w.mixing(n, "scatters rows into a tensor without the batch other than by adding them")
 
 
+@rule(SCATTER_SLICE_OPS)
 def _slice_scatter(w: _Walk, n: fx.Node) -> Result:
     idx, default = SCATTER_SLICE_OPS[_packet(n)]
     x, src = w.of(n.args[0]), w.of(n.args[1])
@@ -1005,7 +1070,7 @@ def _matmul_out(w: _Walk, n: fx.Node, a: fx.Node, b: fx.Node) -> Optional[Layout
         # a weight gradient: row b of one operand meets row b of the other, summed (backward only)
         if len(contracted) == 2 and not lands and (
                 (contracted[0][1].outer, contracted[0][1].inner) == (contracted[1][1].outer, contracted[1][1].inner)
-                or any(c in w.any_layout for c, _ in contracted)):
+                or any(l.fits for _, l in contracted)):
             return w.summed(n, [c for c, _ in contracted], f"contracts over the batch dim ({contracted[0][0].name}: "
                                                           f"{contracted[0][1]})")
         raise w.mixing(n, f"contracts over the batch dim ({contracted[0][0].name}: {contracted[0][1]})")
@@ -1015,6 +1080,7 @@ def _matmul_out(w: _Walk, n: fx.Node, a: fx.Node, b: fx.Node) -> Optional[Layout
     return lands[0][1] if lands else FREE
 
 
+@rule(MATMUL_OPS)
 def _matmul(w: _Walk, n: fx.Node) -> Result:
     ins = w.tensor_inputs(n)
     bad = w.first_unknown(ins)
@@ -1025,6 +1091,7 @@ def _matmul(w: _Walk, n: fx.Node) -> Result:
     return _tracked(w, n, _matmul_out(w, n, n.args[0], n.args[1]))
 
 
+@rule(ADD_MATMUL_OPS)
 def _add_matmul(w: _Walk, n: fx.Node) -> Result:
     """addmm(bias, a, b) = bias + a @ b (bias broadcast)."""
     ins = w.tensor_inputs(n)
@@ -1048,6 +1115,7 @@ def _tracked(w: _Walk, n: fx.Node, lay: Layout) -> Result:
     return w.per_output(n, lambda v: lay if lay.kind in ("free", "sum") else w.track(lay, v))
 
 
+@rule(PER_SAMPLE_OPS)
 def _per_sample(w: _Walk, n: fx.Node) -> Result:
     ins = w.tensor_inputs(n)
     batch = [(a, l) for a, l in ins if l.kind == "batch"]
@@ -1064,6 +1132,7 @@ def _per_sample(w: _Walk, n: fx.Node) -> Result:
                         else w.track(lay, v))
 
 
+@rule(ATTENTION_OPS)
 def _attention(w: _Walk, n: fx.Node) -> Result:
     """sdpa: per sample when q, k, v (and a mask) agree on a leading batch dim; per query row when only
     q carries the batch in its L dim; attending over the batch (k/v's S dim) or contracting it is mixing."""
@@ -1084,6 +1153,7 @@ def _attention(w: _Walk, n: fx.Node) -> Result:
     return w.per_output(n, lambda t: FREE if not symbol_dims(shape_exprs(t), w.sym) else w.track(lay, t))
 
 
+@rule(LAYER_NORM_OPS)
 def _layer_norm(w: _Walk, n: fx.Node) -> Result:
     x = w.of(n.args[0])
     if x is None or x.kind != "batch" or any(l.kind != "free" for a, l in w.tensor_inputs(n) if a is not n.args[0]):
@@ -1094,6 +1164,7 @@ def _layer_norm(w: _Walk, n: fx.Node) -> Result:
     return w.per_output(n, lambda v: w.track(x, v))
 
 
+@rule(BATCH_NORM_OPS)
 def _batch_norm(w: _Walk, n: fx.Node) -> Result:
     training = next((a for a in n.args if isinstance(a, bool)), n.kwargs.get("training", False))
     name = str(n.target)
@@ -1107,6 +1178,7 @@ def _batch_norm(w: _Walk, n: fx.Node) -> Result:
     return _per_sample(w, n)
 
 
+@rule(PER_SAMPLE_BACKWARD_OPS)
 def _batch_norm_backward(w: _Walk, n: fx.Node) -> Result:
     train = n.args[7] if len(n.args) > 7 else n.kwargs.get("train", False)
     x = w.of(n.args[1])
@@ -1115,6 +1187,7 @@ def _batch_norm_backward(w: _Walk, n: fx.Node) -> Result:
     return _per_sample(w, n)
 
 
+@rule(LAYER_NORM_BACKWARD_OPS)
 def _layer_norm_backward(w: _Walk, n: fx.Node) -> Result:
     """native_layer_norm_backward(grad_out, input, normalized_shape, mean, rstd, weight, bias, mask) ->
     (grad_input, grad_weight, grad_bias): per row over the normalised dims; the weight's gradients sum the rows."""
@@ -1134,6 +1207,7 @@ def _layer_norm_backward(w: _Walk, n: fx.Node) -> Result:
                         else w.track(lay, v), "(a weight gradient without the cotangent)")
 
 
+@rule(SOFTMAX_BACKWARD_OPS)
 def _softmax_backward(w: _Walk, n: fx.Node) -> Result:
     """_softmax_backward_data(grad, output, dim, dtype): per row unless ``dim`` is the batch dim."""
     ins = w.tensor_inputs(n)
@@ -1149,6 +1223,7 @@ def _softmax_backward(w: _Walk, n: fx.Node) -> Result:
     return w.per_output(n, lambda v: w.track(lay, v))
 
 
+@rule(ATTENTION_BACKWARD_OPS)
 def _attention_backward(w: _Walk, n: fx.Node) -> Result:
     """The fused attention backwards (grad_out, q, k, v, out, logsumexp, ...): per sample when every batch input
     holds the batch in one leading dim (with dropout, _random refuses them first: the mask comes from a seed)."""
@@ -1165,6 +1240,7 @@ def _attention_backward(w: _Walk, n: fx.Node) -> Result:
     return w.per_output(n, lambda t: FREE if not symbol_dims(shape_exprs(t), w.sym) else w.track(lay, t))
 
 
+@rule(EMBEDDING_BACKWARD_OPS)
 def _embedding_backward(w: _Walk, n: fx.Node) -> Result:
     """embedding_dense_backward(grad, indices, num_weights, padding_idx, scale_grad_by_freq): the rows' gradients
     summed into the table by their indices (data, not positions); scaling by the batch's frequencies mixes rows."""
@@ -1213,6 +1289,7 @@ def _reachable(graph: fx.Graph, names: frozenset) -> set:
     return seen
 
 
+@rule(FACTORY_OPS)
 def _factory(w: _Walk, n: fx.Node) -> Result:
     """A value of constant or i.i.d. random rows (also ``expand``/``repeat`` of a free value)."""
     direct = [a for a in n.args if not isinstance(a, (list, tuple))] + list(n.kwargs.values())
@@ -1222,11 +1299,10 @@ def _factory(w: _Walk, n: fx.Node) -> Result:
     if any(l.kind != "free" for a, l in w.tensor_inputs(n) if a is not shape_only):
         return w.generic(n)
     r = w.per_output(n, w.from_shape, "(batch symbol in several dims)")
-    if isinstance(r, Layout) and r.kind == "batch":
-        w.any_layout.add(n)
-    return r
+    return replace(r, fits=True) if isinstance(r, Layout) and r.kind == "batch" else r
 
 
+@rule(ARANGE_OPS)
 def _arange(w: _Walk, n: fx.Node) -> Result:
     """``arange(N)`` (start 0, step 1, length the batch symbol): a row index; otherwise a factory."""
     if _packet(n) == "prims::iota":
@@ -1239,8 +1315,7 @@ def _arange(w: _Walk, n: fx.Node) -> Result:
     val = n.meta.get("val")
     if isinstance(val, torch.Tensor) and val.dim() == 1 and same_size(expr_of(val.shape[0]), w.sym) \
             and _is_int(length, None, w.sym) and _is_int(start, 0) and _is_int(step, 1):
-        w.row_index.add(n)
-        return Layout("batch", 0)
+        return Layout("batch", 0, index=True)
     return w.per_output(n, lambda v: FREE if not symbol_dims(shape_exprs(v), w.sym) else None,
                         "(creates a batch-sized value)")
 
@@ -1251,21 +1326,6 @@ def _is_int(v: Any, k: Optional[int], expr: Optional[sympy.Expr] = None) -> bool
         and same_size(expr_of(v), expr if expr is not None else sympy.Integer(k))
 
 
-_RULES: dict = {}
-for _ops, _fn in (
-        (MOVE_OPS, _move), (RESHAPE_OPS, _reshape), (REDUCE_OPS, _reduce), (ALONG_OPS, _along),
-        (SLICE_OPS, _slice), (INDEX_SELECT_OPS, _index_select), (CAT_OPS | STACK_OPS, _cat),
-        (INDEX_OPS | EMBEDDING_OPS, _index), (MASKED_INDEX_OPS, _masked_index),
-        (INDEX_PUT_OPS | MASKED_INDEX_PUT_OPS, _index_put), (GATHER_OPS, _gather),
-        (SCATTER_OPS | INDEX_UPDATE_OPS, _scatter), (SCATTER_SLICE_OPS, _slice_scatter),
-        (MATMUL_OPS, _matmul), (ATTENTION_OPS, _attention), (ADD_MATMUL_OPS, _add_matmul),
-        (PER_SAMPLE_OPS, _per_sample), (LAYER_NORM_OPS, _layer_norm), (BATCH_NORM_OPS, _batch_norm),
-        (FACTORY_OPS, _factory), (ARANGE_OPS, _arange), (POINTWISE_EXTRA, _pointwise), (PAD_OPS, _pad), (AS_STRIDED_OPS, _as_strided),
-        (PER_SAMPLE_BACKWARD_OPS, _batch_norm_backward), (LAYER_NORM_BACKWARD_OPS, _layer_norm_backward),
-        (SOFTMAX_BACKWARD_OPS, _softmax_backward), (ATTENTION_BACKWARD_OPS, _attention_backward),
-        (EMBEDDING_BACKWARD_OPS, _embedding_backward), (ACTIVATION_BACKWARD_OPS, _pointwise)):
-    for _p in _ops:
-        _RULES.setdefault(_p, _fn)
 
 
 def _rule(n: fx.Node) -> Optional[Callable[[_Walk, fx.Node], Result]]:
@@ -1316,3 +1376,20 @@ def analyze_backward(graph: fx.Graph, sym: sympy.Symbol, seeds: dict[str, Layout
     if not isinstance(sym, sympy.Symbol):
         raise ValueError(f"the batch size must be a sympy Symbol, got {sym!r}")
     return _Walk(graph, sym, seeds=dict(seeds), carriers=frozenset(carriers)).run()
+
+
+_FITTING = frozenset({_factory, _move, _pointwise, _cat})  # the rules whose values may fit any layout
+
+
+def op_table_markdown() -> str:
+    """The ops the analysis knows, by rule, as the markdown table docs/design.md shows (generated from the
+    registry: ``python -c "from capskip_fx.layout import op_table_markdown; print(op_table_markdown())"``)."""
+    by_rule: dict[Callable, list[str]] = {}
+    for p, fn in _RULES.items():
+        by_rule.setdefault(fn, []).append(p)
+    lines = ["| rule | ops |", "| --- | --- |"]
+    for fn, ps in by_rule.items():
+        ops = ", ".join(f"`{p}`" for p in sorted(ps))
+        lines.append(f"| `{fn.__name__.lstrip('_')}` | {ops} |")
+    lines.append("| `pointwise` | every op torch tags `pointwise` (`torch.Tag.pointwise`) |")
+    return "\n".join(lines) + "\n"

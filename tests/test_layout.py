@@ -864,3 +864,14 @@ def test_any_index_pattern_is_per_row_or_refused(rows_kind, cols_kind, unsqueeze
         x1[b] = torch.randn(T, D)
         changed = (gm(x1) != y0).flatten(1).any(1)
         assert not changed[torch.arange(n) != b].any(), f"unrefused x[{rows_kind}, {cols_kind}] (unsqueeze={unsqueeze}): perturbing row {b} changed other rows' outputs"
+
+
+def test_the_op_table_in_the_design_doc_is_the_registry():
+    """docs/design.md's table of ops is generated from layout.py's registry (regenerate it with
+    ``layout.op_table_markdown()`` when a rule or an op is added)."""
+    import pathlib
+
+    from capskip_fx.layout import op_table_markdown
+    doc = (pathlib.Path(__file__).resolve().parents[1] / "docs" / "design.md").read_text()
+    table = doc.split("<!-- op-table: generated -->\n", 1)[1].split("<!-- /op-table -->", 1)[0]
+    assert table == op_table_markdown(), "docs/design.md's op table is stale: regenerate it from the registry"
