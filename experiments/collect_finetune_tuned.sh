@@ -40,10 +40,18 @@ table() {  # table GROUP TITLE CONFIGS...: the group's validation table; complet
 }
 # shellcheck disable=SC2086
 table capskip "capskip, learning rate" $LR_CONFIGS
-table dense-at-capskip "dense at capskip's budget" "${GRID[@]}"
+C128=(); for c in "${GRID[@]}"; do [[ $c == *-b128 ]] && C128+=("$c"); done
+table2() {  # table2 RULE: the batch-128 table (the headline's choice) and the any-batch one
+  table "dense-at-$1" "dense at $1's budget, batch 128: the same compute" "${C128[@]}"
+  [[ -f "$RESULTS/select/dense-at-$1.md" ]] || return 0
+  "$PY" -m capskip_fx.train.tuned select "$S" --group "dense-at-$1" --configs "${GRID[@]}" --seeds $SELECT_SEEDS \
+    --out "$RESULTS/select/dense-at-$1-any-batch.md" --partial >/dev/null \
+    --title "dense at $1's budget, any batch (the fit batch forwards and back-propagates more rows a step)"
+}
+table2 capskip
 # shellcheck disable=SC2086
 table kabena "KABENA, learning rate" $LR_CONFIGS
-table dense-at-kabena "dense at KABENA's budget" "${GRID[@]}"
+table2 kabena
 if compgen -G "$RESULTS/select/*.md" >/dev/null; then cat "$RESULTS"/select/*.md > "$RESULTS/select.md"; fi
 if compgen -G "$RESULTS/runs/*/result.json" >/dev/null; then
   "$PY" -m capskip_fx.train.tuned compare "$RESULTS/runs" --out "$RESULTS" --speed "$RESULTS/r.json"

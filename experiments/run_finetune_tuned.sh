@@ -15,7 +15,9 @@
 #   4  the dense grid at capskip's budget round(r_capskip x steps), on validation: lr in LRS x schedule
 #      {cosine over the matched steps, the 16-epoch cosine truncated at the budget, constant then linear decay}
 #      x batch {128, "fit": the batch that spends the budget in 16 epochs} (truncated at that batch is the
-#      full cosine: left out). select/*.md lists every configuration and its score.
+#      full cosine: left out). The budget is in steps, so a "fit" batch above 128 spends more compute than the
+#      rule: the tuned dense of the headline is the best batch-128 configuration (select/dense-at-RULE.md); the
+#      best of all (select/dense-at-RULE-any-batch.md), when it differs, runs too (dense-tunedany-RULE).
 #   5  per comparison seed (SEEDS): dense 16 epochs; capskip (its chosen lr); dense tuned at capskip's budget;
 #      the re-annealed (cosine, lr 1e-3, batch 128) and truncated step-matched dense of run_finetune_long.sh.
 #   6  per seed: random at exactly capskip's per-step kept counts, normalised over the kept rows; SB at
@@ -202,7 +204,8 @@ grid_flags() {  # grid_flags CONFIG: the capskip-train flags of a grid configura
   local sched=${1%%-*} rest=${1#*-}; local lr=${rest%-b*} bt=${rest##*-b}
   echo "--schedule $sched --lr ${lr#lr}$([[ $bt == fit ]] && echo " --budget-batch" || echo " --batch-size $bt")"
 }
-dense_grid() {  # dense_grid RULE RATIO: dense at round(RATIO x the rule's lr-1e-3 validation run's steps)
+dense_grid() {  # dense_grid RULE RATIO: dense at round(RATIO x the rule's lr-1e-3 validation run's steps); prints
+  # the best batch-128 configuration (the same compute as the rule: the headline's), then the best of all
   local rule=$1 ratio=$2
   for s in $SELECT_SEEDS; do for c in "${GRID[@]}"; do
     # shellcheck disable=SC2046
@@ -210,11 +213,18 @@ dense_grid() {  # dense_grid RULE RATIO: dense at round(RATIO x the rule's lr-1e
       --steps-of "$S/$rule-lr1e-3-s$s" --ratio "$ratio" >&2  # stdout is the chosen configuration
   done; done
   wait_for $(for s in $SELECT_SEEDS; do for c in "${GRID[@]}"; do echo "$S/dense-at-$rule-$c-s$s"; done; done)
+  local c128=() c
+  for c in "${GRID[@]}"; do [[ $c == *-b128 ]] && c128+=("$c"); done
+  "$PY" -m capskip_fx.train.tuned select "$S" --group "dense-at-$rule" --configs "${c128[@]}" --seeds $SELECT_SEEDS \
+    --out "$RESULTS/select/dense-at-$rule.md" --title "dense at $rule's budget (r = $ratio), batch 128: the same compute"
   "$PY" -m capskip_fx.train.tuned select "$S" --group "dense-at-$rule" --configs "${GRID[@]}" --seeds $SELECT_SEEDS \
-    --out "$RESULTS/select/dense-at-$rule.md" --title "dense at $rule's budget (r = $ratio)"
+    --out "$RESULTS/select/dense-at-$rule-any-batch.md" \
+    --title "dense at $rule's budget (r = $ratio), any batch (the fit batch forwards and back-propagates more rows a step)"
 }
-TUNED_CAP=$(dense_grid capskip "$r_cap" | tail -1)
-echo "== dense at capskip's budget, chosen on validation: $TUNED_CAP"
+mapfile -t tuned < <(dense_grid capskip "$r_cap" | tail -2)
+[[ ${#tuned[@]} == 2 ]] || { echo "== the dense grid at capskip's budget did not finish (see above)"; exit 1; }
+TUNED_CAP=${tuned[0]} TUNED_CAP_ANY=${tuned[1]}
+echo "== dense at capskip's budget, chosen on validation: $TUNED_CAP (batch 128), $TUNED_CAP_ANY (any batch)"
 
 publish() {  # the per-run files (no checkpoints), the select tables and compare.md with its plots into RESULTS
   mkdir -p "$RESULTS/runs" "$RESULTS/select_runs"
@@ -237,6 +247,11 @@ for s in $SEEDS; do
   # shellcheck disable=SC2046
   ft "$R/dense-tuned-capskip-s$s" --rule dense --seed "$s" $(grid_flags "$TUNED_CAP") \
     --steps-of "$R/capskip-s$s" --ratio "$r_cap" --label "dense tuned at capskip's budget"
+  if [[ $TUNED_CAP_ANY != "$TUNED_CAP" ]]; then
+    # shellcheck disable=SC2046
+    ft "$R/dense-tunedany-capskip-s$s" --rule dense --seed "$s" $(grid_flags "$TUNED_CAP_ANY") \
+      --steps-of "$R/capskip-s$s" --ratio "$r_cap" --label "dense tuned at capskip's budget in steps, any batch"
+  fi
   ft "$R/dense-sm-capskip-s$s" --rule dense --seed "$s" --steps-of "$R/capskip-s$s" --ratio "$r_cap" \
     --label "dense re-annealed at capskip's budget"
   ft "$R/dense-trunc-capskip-s$s" --rule dense --seed "$s" --schedule truncated --steps-of "$R/capskip-s$s" \
@@ -261,13 +276,20 @@ wait_for $(for s in $SELECT_SEEDS; do for lr in $LRS; do echo "$S/kabena-lr$lr-s
 # shellcheck disable=SC2046
 K_LR=$("$PY" -m capskip_fx.train.tuned select "$S" --group kabena --configs $(for lr in $LRS; do echo "lr$lr"; done) \
   --seeds $SELECT_SEEDS --out "$RESULTS/select/kabena.md" --title "KABENA, learning rate"); K_LR=${K_LR#lr}
-TUNED_KAB=$(dense_grid kabena "$r_kab" | tail -1)
-echo "== KABENA's lr: $K_LR; dense at KABENA's budget: $TUNED_KAB"
+mapfile -t tuned < <(dense_grid kabena "$r_kab" | tail -2)
+[[ ${#tuned[@]} == 2 ]] || { echo "== the dense grid at kabena's budget did not finish (see above)"; exit 1; }
+TUNED_KAB=${tuned[0]} TUNED_KAB_ANY=${tuned[1]}
+echo "== KABENA's lr: $K_LR; dense at KABENA's budget: $TUNED_KAB (batch 128), $TUNED_KAB_ANY (any batch)"
 for s in $SEEDS; do
   ft "$R/kabena-s$s" --rule kabena --seed "$s" --lr "$K_LR" --label "kabena"
   # shellcheck disable=SC2046
   ft "$R/dense-tuned-kabena-s$s" --rule dense --seed "$s" $(grid_flags "$TUNED_KAB") \
     --steps-of "$R/kabena-s$s" --ratio "$r_kab" --label "dense tuned at kabena's budget"
+  if [[ $TUNED_KAB_ANY != "$TUNED_KAB" ]]; then
+    # shellcheck disable=SC2046
+    ft "$R/dense-tunedany-kabena-s$s" --rule dense --seed "$s" $(grid_flags "$TUNED_KAB_ANY") \
+      --steps-of "$R/kabena-s$s" --ratio "$r_kab" --label "dense tuned at kabena's budget in steps, any batch"
+  fi
   ft "$R/dense-sm-kabena-s$s" --rule dense --seed "$s" --steps-of "$R/kabena-s$s" --ratio "$r_kab" \
     --label "dense re-annealed at kabena's budget"
   ft "$R/dense-trunc-kabena-s$s" --rule dense --seed "$s" --schedule truncated --steps-of "$R/kabena-s$s" \
