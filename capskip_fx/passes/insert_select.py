@@ -29,7 +29,8 @@ from .. import ops  # noqa: F401  (registers capskip::select)
 from ..layout import analyze
 from ..records import RefusalKind, Refused
 from ..symbolic import batch_dim, batch_symbol_of, tangent_nodes
-from .find_head import Head, InGraphLoss, outputs_and_tangents
+from .find_head import Head, outputs_and_tangents
+from .in_graph_loss import InGraphLoss
 
 aten = torch.ops.aten
 SELECT = torch.ops.capskip.select.default

@@ -3,7 +3,7 @@
 joint graph (Inductor's ``joint_custom_pre_pass``, before partitioning), :func:`joint`:
   1. find_head.find_head            the logits output z, its tangent g, the head input h
                                     (no head: the body path, step 4 with capskip::shared)
-  2. find_head.find_in_graph_loss   a loss computed in the graph from the logits
+  2. in_graph_loss.find_in_graph_loss  a loss computed in the graph from the logits
      row_index.recompute_row_indices the backward's reads of arange(N) get their own arange
   3. insert_select.prove_layout     where the batch lies in every forward value (layout.py)
   4. insert_select.select_head      w = capskip::select(h, z, g); every batch-shaped tangent *= w;
@@ -39,7 +39,8 @@ from ..layout import backward_nodes
 from ..records import BackwardMode, Refusal, RefusalKind, Refused
 from ..symbolic import batch_symbol_of, check_not_specialised, fake_mode_of
 from . import insert_select
-from .find_head import find_head, find_in_graph_loss
+from .find_head import find_head
+from .in_graph_loss import find_in_graph_loss
 from .gather_in_graph import check_full_rows_free, gather_in_graph
 from .insert_select import SELECT
 from .prefix_rows import prove_prefix_rows
