@@ -1,6 +1,8 @@
 """The one entry point: ``capskip_fx.compile(model, *, rule="capskip", budget=0.1, **options)``."""
 from __future__ import annotations
 
+import weakref
+
 import inspect
 from typing import Any, Optional, Union
 
@@ -16,7 +18,6 @@ from .backend import CapskipBackend, backend_of, capskip_backend, load_pending_s
 from .config import CapskipConfig, split_options
 from .records import Report
 from .rules import Rule, build_rule, make_rule
-from .runtime.published import has_backward_hooks
 from .runtime.state import UNBOUND_REASON, ForwardContext, RunSummary, RuntimeState, StepStats, logits_of
 
 _RULE_STATE_KEY = "_capskip"
@@ -35,6 +36,7 @@ class CapskipModule(nn.Module):
         self.model = model
         self.config = config
         self._state = state
+        state.published.owner = weakref.ref(model)  # its module backward hooks gate the reuse of rows
         key = ops.register(state)
         self._backend = CapskipBackend(config, state, key, logits_index)
         head: Optional[nn.Linear] = None
@@ -93,7 +95,6 @@ class CapskipModule(nn.Module):
                                  f"or (N, T) for token-shaped logits (N, T, C); got {tuple(capskip_targets.shape)} "
                                  f"for logits of shape {tuple(z.shape)}")
         if train:
-            self._state.published.module_hooks = has_backward_hooks(self.model)
             bound = self._state.end_forward(fwd, logits_of(out, self._backend.logits_index))
             if not self._backend.records:
                 # Dynamo ran the model without handing us a graph (e.g. its recompile_limit was reached

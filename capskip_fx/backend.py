@@ -27,7 +27,6 @@ from .records import BackwardMode, CompileRecord, GraphRecord, Refusal, RefusalK
 from .functions import undeclared_function
 from .rules import build_rule
 from .runtime.backward import SelectedRowBackward
-from .runtime.published import has_backward_hooks
 from .runtime.state import UNBOUND_REASON, ForwardContext, RuntimeState, logits_of
 from .vcas import build_backward as vcas_backward
 
@@ -400,6 +399,7 @@ def capskip_backend(gm: fx.GraphModule, example_inputs, options: Optional[dict] 
         backend.options_key = key
     if owner is not None and key not in _BY_OWNER.get(owner, {}):
         _BY_OWNER.setdefault(owner, {})[key] = backend
+        backend.state.published.owner = weakref.ref(owner)
         bind = _BindLogits(backend, owner)
         if getattr(owner, "_compiled_call_impl", None) is not None:
             # compiled in place (m.compile()): Dynamo traced its _call_impl, hooks included, and does not guard
@@ -430,7 +430,6 @@ class _BindLogits:
         backend = self.backend()
         if backend is None or not torch.is_grad_enabled() or module is not self.owner():
             return  # a deep copy of the model (an EMA, a reference) carries this hook too: not ours
-        backend.state.published.module_hooks = has_backward_hooks(module)
         logits = logits_of(out, backend.logits_index)
         if not isinstance(logits, torch.Tensor) or not logits.requires_grad or logits.dim() != 2:
             return  # nothing to bind (token-shaped outputs): each graph records its own reason

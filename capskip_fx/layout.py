@@ -1234,7 +1234,9 @@ def _attention_backward(w: _Walk, n: fx.Node) -> Result:
     batch = [(a, l) for a, l in ins if l.kind == "batch"]
     if not batch:
         return w.generic(n)
-    if any(l.dim >= min(2, _ndim(a) - 2) for a, l in batch):  # the batch in L, S or E: not per sample
+    # every input shares the leading (batch, heads) dims of q (grad_out, q, k, v, out, a mask (B, H, L, S),
+    # logsumexp (B, H, L)): the batch in one of them, the same for all, never in L, S or E
+    if len({l.dim for _, l in batch}) != 1 or batch[0][1].dim >= _ndim(n.args[1]) - 2:
         return w.per_output(n, lambda v: None, "(the batch is not a leading dim)")
     lay = w.agree(n, batch, "combines")
     return w.per_output(n, lambda t: FREE if not symbol_dims(shape_exprs(t), w.sym) else w.track(lay, t))

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import warnings
+import weakref
 
 import pytest
 import torch
@@ -86,8 +87,7 @@ def test_rows_are_reused_when_nothing_edits_the_gradient():
     model = _regional()
     assert max(_run(model, None)) < 1e-12
     rep = capskip_fx.report(model)
-    # the first step finds its rows (no forward hook has shown the model free of module hooks yet), then reuses
-    assert rep[0]["rows_reused"] == 1 and rep[0]["host_reads"] == 1, rep[0]
+    assert rep[0]["rows_reused"] == 2 and rep[0]["host_reads"] == 0, rep[0]
 
 
 @needs_dynamic_sources
@@ -118,6 +118,8 @@ def _in_backward(fn):
 
 def test_rows_of_unit():
     """The checks one by one, on tensors: identity, version, n, one index, a hook-free output, module hooks."""
+    plain, hooked = torch.nn.Linear(2, 2), torch.nn.Linear(2, 2)
+    hooked.register_full_backward_hook(lambda m, gi, go: None)
     x = torch.randn(4, 3, requires_grad=True)
     y, y2 = x * 2, x * 3  # outputs of two "body graphs"
     y.register_hook(lambda t: None)
@@ -130,16 +132,18 @@ def test_rows_of_unit():
         pub.watch(1, [y2])
         g = torch.zeros(4, 3)
         pub.publish([g], [spec], idx, 4)
-        assert pub.rows_of([g], 4, y2.grad_fn) is None, "module hooks unknown (no forward hook ran yet)"
-        pub.module_hooks = False
+        assert pub.rows_of([g], 4, y2.grad_fn) is None, "no model known: its module hooks can't be shown absent"
+        pub.owner = weakref.ref(plain)
         assert pub.rows_of([g], 4, None) is None, "no node: the outputs can't be checked"
         assert pub.rows_of([torch.zeros(4, 3)], 4, y2.grad_fn) is None, "another tensor"
         assert pub.rows_of([g], 5, y2.grad_fn) is None, "another batch size"
         assert pub.rows_of([g], 4, y.grad_fn) is None, "a tensor hook on the output"
         assert pub.rows_of([g], 4, (x * 4).grad_fn) is None, "an output not watched (replaced or never seen)"
-        pub.module_hooks = True
-        assert pub.rows_of([g], 4, y2.grad_fn) is None, "a module backward hook"
-        pub.module_hooks = False
+        hook_pub = PublishedRows()  # (the hooks are looked up once per backward)
+        hook_pub.owner = weakref.ref(hooked)
+        hook_pub.watch(1, [y2])
+        hook_pub.publish([g], [spec], idx, 4)
+        assert hook_pub.rows_of([g], 4, y2.grad_fn) is None, "a module backward hook"
         g.add_(0)  # an in-place edit
         assert pub.rows_of([g], 4, y2.grad_fn) is None, "a newer version"
         g2 = torch.zeros(4, 3)

@@ -13,7 +13,7 @@ What "unchanged" is shown by, all of it (``rows_of``):
   - the version counter: an in-place change (a node hook's ``g.add_``) bumps it;
   - no code that may write through ``.data`` (which bumps nothing) ran on it: every batch output of the
     body graph (``watch``, at its forward) has no tensor hook and no ``retain_grad``, and no module of the
-    model has a backward hook (``module_hooks``, set at each forward).  The outputs are held from the
+    model (``owner``) has a backward hook, looked up once per backward; no owner known: not shown.  The outputs are held from the
     graph's forward until the end of the backward (a tensor hook outlives the Python tensor it was set on,
     so a freed output would hide it); a graph's next forward replaces them, so a forward whose outputs were
     replaced (two forwards, one backward) finds its rows itself.
@@ -24,6 +24,7 @@ The list lives for one backward: an engine callback clears it when the backward 
 """
 from __future__ import annotations
 
+import weakref
 from typing import Any, Optional
 
 import torch
@@ -34,9 +35,8 @@ class PublishedRows:
     def __init__(self) -> None:
         self._items: list[tuple[Tensor, int, Tensor, int]] = []  # (gradient, its version, idx, n)
         self._outputs: dict[int, list[Tensor]] = {}  # compiled forward -> its last batch outputs (watch)
-        # a module of the model has a backward hook: set at each forward by the model's forward hook; None
-        # until one ran (a string backend's first step, before its hook existed): not shown, so assumed
-        self.module_hooks: Optional[bool] = None
+        self._owner: Optional[weakref.ref] = None  # the model, for its module backward hooks
+        self._hooks: tuple = (None, True)  # (graph task, whether a module backward hook may run) per backward
 
     def watch(self, graph: int, outs: list) -> None:
         """A compiled forward's (``graph``: its id) batch outputs, for a body graph's later check that nothing
@@ -73,10 +73,27 @@ class PublishedRows:
     def _unhooked(self, node: Any, count: int) -> bool:
         """Every watched output of ``node`` is alive (``count`` of them at least) with no tensor hook, no
         retained grad, and no module backward hook is set."""
-        if node is None or self.module_hooks is not False:
+        if node is None or self._module_hooks():
             return False
         outs = [o for lst in self._outputs.values() for o in lst if o.grad_fn is node]
         return len(outs) >= count and not any(o._backward_hooks or o.retains_grad for o in outs)
+
+    @property
+    def owner(self) -> Optional[weakref.ref]:
+        return self._owner
+
+    @owner.setter
+    def owner(self, ref: Optional[weakref.ref]) -> None:
+        self._owner, self._hooks = ref, (None, True)
+
+    def _module_hooks(self) -> bool:
+        """Whether a module backward hook (or the global one) may run in this backward: looked up once per
+        backward, when it runs (hooks may be added between the forward and the backward)."""
+        task = torch._C._current_graph_task_id()
+        if self._hooks[0] != task:
+            model = self._owner() if self._owner is not None else None
+            self._hooks = (task, model is None or has_backward_hooks(model))
+        return self._hooks[1]
 
     def clear(self) -> None:
         self._items = []
