@@ -220,7 +220,10 @@ class CapskipBackend:
         refusal = rec.settle(**fields)
         if refusal is not None:
             where = f" [{refusal.where}]" if refusal.where else ""
-            self.state.warn_once(f"{refusal.detail} -> dense backward for this graph{where}")
+            runs = ("this graph's backward runs on all rows, the rule's weights applied (exact, no speed-up)"
+                    if fields.get("backward") == BackwardMode.DENSE_MASKED else
+                    "this graph's backward runs on all rows (other graphs may still select: see report())")
+            self.state.warn_once(f"{refusal.detail} -> {runs}{where}")
 
     def __call__(self, gm: fx.GraphModule, example_inputs, **kwargs):
         from torch._dynamo.utils import counters as torch_counters
