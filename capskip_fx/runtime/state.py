@@ -81,7 +81,8 @@ class RuntimeState:
         _LIVE.add(self)
         self._pending_runners: list = []  # their states from a checkpoint loaded before they compiled
         self.published = PublishedRows()  # this backward's gathered input gradients, for the body graphs
-        self._upstream: tuple = (None, set())  # (graph task, compiled nodes upstream of its selecting heads)
+        # (graph task, its selecting heads' nodes, the compiled nodes upstream of them, heads walked so far)
+        self._upstream: tuple = (None, [], set(), 0)
 
     # the clock's numbers and the step in progress, where the API, the backwards and checkpoints read them
     step = property(lambda self: self.clock.step, lambda self, v: setattr(self.clock, "step", v))
@@ -112,19 +113,34 @@ class RuntimeState:
         A forward whose logits came from eager code (recorded dense at the forward) selects nothing."""
         fwd = forwards.running_forward()
         node = forwards.current_node()
-        upstream = self._upstream_of_heads()
-        if fwd is None and (id(node) in upstream or (self.clock.in_step() and self.last.dense
-                                                     and self.last.fallback == UNBOUND_REASON)):
+        if fwd is None and (self._upstream_of_heads(node) or (self.clock.in_step() and self.last.dense
+                                                              and self.last.fallback == UNBOUND_REASON)):
             return False, None
-        upstream.update(forwards.upstream_graphs(node))
+        self._heads().append(node)
         return True, fwd
 
-    def _upstream_of_heads(self) -> set:
-        """The running backward's set of compiled nodes upstream of a head that selected (running_forward)."""
+    def _heads(self) -> list:
+        """The nodes of the heads that selected in the running backward (kept for this backward only)."""
         task = graph_task()
         if self._upstream[0] != task:
-            self._upstream = (task, set())
+            self._upstream = (task, [], set(), 0)
+            # nodes hold the autograd graph's structure: dropped when this backward ends
+            torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
         return self._upstream[1]
+
+    def _end_of_backward(self) -> None:
+        self._upstream = (None, [], set(), 0)
+
+    def _upstream_of_heads(self, node) -> bool:
+        """Whether ``node`` lies upstream of a head that selected in this backward.  The autograd graph is
+        walked only when an unbound head graph asks (per-layer compile, a first step), from the heads not
+        walked yet: a model whose forwards are all bound never walks it."""
+        heads = self._heads()
+        task, _, upstream, walked = self._upstream
+        for h in heads[walked:]:
+            upstream.update(forwards.upstream_graphs(h))
+        self._upstream = (task, heads, upstream, len(heads))
+        return id(node) in upstream
 
     def generator(self, device: torch.device) -> torch.Generator:
         if self._generator is None or self._generator.device != device:
