@@ -220,9 +220,9 @@ class CapskipBackend:
         refusal = rec.settle(**fields)
         if refusal is not None:
             where = f" [{refusal.where}]" if refusal.where else ""
-            runs = ("this graph's backward runs on all rows, the rule's weights applied (exact, no speed-up)"
-                    if fields.get("backward") == BackwardMode.DENSE_MASKED else
-                    "this graph's backward runs on all rows (other graphs may still select: see report())")
+            runs = ("dense backward for this graph: all rows, the rule's weights applied (dense-masked: exact, "
+                    "no speed-up)" if fields.get("backward") == BackwardMode.DENSE_MASKED else
+                    "dense backward for this graph (other graphs may still select: see report())")
             self.state.warn_once(f"{refusal.detail} -> {runs}{where}")
 
     def __call__(self, gm: fx.GraphModule, example_inputs, **kwargs):
