@@ -591,6 +591,16 @@ class _Walk:
         return self.per_output(n, lambda v: FREE if not symbol_dims(shape_exprs(v), self.sym) else None,
                                "(creates a batch-sized value)")
 
+    def batch_operands(self, n: fx.Node) -> tuple[Optional[Result], list]:
+        """(what ``n`` is at once, or None; its batch operands): an unknown input makes it unknown, no batch
+        input makes it the generic op's (free in, free out)."""
+        ins = self.tensor_inputs(n)
+        bad = self.first_unknown(ins)
+        if bad is not None:
+            return self.per_output(n, lambda v: bad), []
+        batch = [(a, l) for a, l in ins if l.kind == "batch"]
+        return (None if batch else self.generic(n)), batch
+
     def first_unknown(self, ins) -> Optional[Layout]:
         return next((l for _, l in ins if l.kind == "unknown"), None)
 
@@ -1191,13 +1201,9 @@ def _batch_norm_backward(w: _Walk, n: fx.Node) -> Result:
 def _layer_norm_backward(w: _Walk, n: fx.Node) -> Result:
     """native_layer_norm_backward(grad_out, input, normalized_shape, mean, rstd, weight, bias, mask) ->
     (grad_input, grad_weight, grad_bias): per row over the normalised dims; the weight's gradients sum the rows."""
-    ins = w.tensor_inputs(n)
-    bad = w.first_unknown(ins)
-    if bad is not None:
-        return w.per_output(n, lambda v: bad)
-    batch = [(a, l) for a, l in ins if l.kind == "batch"]
-    if not batch:
-        return w.generic(n)
+    early, batch = w.batch_operands(n)
+    if early is not None:
+        return early
     nd = _ndim(n.args[1])
     lay = w.agree(n, [(a, _aligned(l, _ndim(a), nd)) for a, l in batch], "combines")
     if lay.dim >= nd - len(n.args[2]):
@@ -1210,13 +1216,9 @@ def _layer_norm_backward(w: _Walk, n: fx.Node) -> Result:
 @rule(SOFTMAX_BACKWARD_OPS)
 def _softmax_backward(w: _Walk, n: fx.Node) -> Result:
     """_softmax_backward_data(grad, output, dim, dtype): per row unless ``dim`` is the batch dim."""
-    ins = w.tensor_inputs(n)
-    bad = w.first_unknown(ins)
-    if bad is not None:
-        return w.per_output(n, lambda v: bad)
-    batch = [(a, l) for a, l in ins if l.kind == "batch"]
-    if not batch:
-        return w.generic(n)
+    early, batch = w.batch_operands(n)
+    if early is not None:
+        return early
     lay = w.agree(n, batch, "combines")
     if int(n.args[2]) % max(_ndim(n.args[0]), 1) == lay.dim:
         raise w.mixing(n, "is a softmax's backward over the batch dim")
@@ -1227,13 +1229,9 @@ def _softmax_backward(w: _Walk, n: fx.Node) -> Result:
 def _attention_backward(w: _Walk, n: fx.Node) -> Result:
     """The fused attention backwards (grad_out, q, k, v, out, logsumexp, ...): per sample when every batch input
     holds the batch in one leading dim (with dropout, _random refuses them first: the mask comes from a seed)."""
-    ins = w.tensor_inputs(n)
-    bad = w.first_unknown(ins)
-    if bad is not None:
-        return w.per_output(n, lambda v: bad)
-    batch = [(a, l) for a, l in ins if l.kind == "batch"]
-    if not batch:
-        return w.generic(n)
+    early, batch = w.batch_operands(n)
+    if early is not None:
+        return early
     # every input shares the leading (batch, heads) dims of q (grad_out, q, k, v, out, a mask (B, H, L, S),
     # logsumexp (B, H, L)): the batch in one of them, the same for all, never in L, S or E
     if len({l.dim for _, l in batch}) != 1 or batch[0][1].dim >= _ndim(n.args[1]) - 2:
