@@ -200,7 +200,9 @@ def test_add_callback_keeps_gpt2s_loss_in_one_graph(monkeypatch, tmp_path):
         trainer.train()
     ours = [str(w.message) for w in caught if str(w.message).startswith("capskip_fx")]
     assert not ours, ours
-    rep = capskip_fx.report(model)
+    # graphs that compiled (after other GPT-2 tests in the process, Dynamo may hand over a first trace it then
+    # discards for a retrace: its record never compiles and never runs)
+    rep = [r for r in capskip_fx.report(model) if r["backward"] != "not compiled yet"]
     assert [(r["role"], r["steps"]) for r in rep] == [("head", {"selected": 2})], str(rep)
     assert model.loss_type == "ForCausalLM"
 
