@@ -290,8 +290,13 @@ class _Refuse(Exception):
 
 def backward_nodes(graph: fx.Graph) -> set[fx.Node]:
     """Nodes reachable from a tangent placeholder (the output node included); the rest is forward."""
+    return _downstream(tangent_nodes(graph))
+
+
+def _downstream(start: list) -> set[fx.Node]:
+    """``start`` and every node that uses them, transitively."""
     seen: set[fx.Node] = set()
-    stack = tangent_nodes(graph)
+    stack = list(start)
     while stack:
         n = stack.pop()
         if n not in seen:
@@ -358,7 +363,8 @@ class _Walk:
         # analyze_backward: the values computed from the cotangents (zero on rows of weight 0), which may be
         # summed over the rows (SUM); None: no sums allowed (the forward, the loss prefix)
         self.sums = carriers is not None
-        self.carry = _reachable(graph, carriers) if carriers is not None else set()
+        self.carry = _downstream([p for p in graph.find_nodes(op="placeholder") if p.name in carriers]) \
+            if carriers is not None else set()
         self.part = "backward" if self.sums else "forward"
         self.bwd = backward_nodes(graph) if seeds is None else set()
         self.exclude = exclude
@@ -1276,17 +1282,6 @@ def _random(n: fx.Node) -> bool:
     if torch.Tag.nondeterministic_seeded in getattr(n.target, "tags", ()) or _packet(n) in RNG_OPS:
         return True
     return isinstance(n.target, torch._ops.HigherOrderOperator) and n.target.name() in RNG_HOPS
-
-
-def _reachable(graph: fx.Graph, names: frozenset) -> set:
-    seen: set = set()
-    stack = [n for n in graph.nodes if n.op == "placeholder" and n.name in names]
-    while stack:
-        x = stack.pop()
-        if x not in seen:
-            seen.add(x)
-            stack.extend(x.users)
-    return seen
 
 
 @rule(FACTORY_OPS)
