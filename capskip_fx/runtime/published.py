@@ -13,10 +13,10 @@ What "unchanged" is shown by, all of it (``rows_of``):
   - the version counter: an in-place change (a node hook's ``g.add_``) bumps it;
   - no code that may write through ``.data`` (which bumps nothing) ran on it: every batch output of the
     body graph (``watch``, at its forward) has no tensor hook and no ``retain_grad``, and no module of the
-    model (``owner``) has a backward hook, looked up once per backward; no owner known: not shown.  The outputs are held from the
-    graph's forward until the end of the backward (a tensor hook outlives the Python tensor it was set on,
-    so a freed output would hide it); a graph's next forward replaces them, so a forward whose outputs were
-    replaced (two forwards, one backward) finds its rows itself.
+    model (``owner``) has a backward hook, looked up once per backward (no owner known: not shown).  The
+    outputs are held from the graph's forward until the end of the backward (a tensor hook outlives the
+    Python tensor it was set on, so a freed output would hide it); a graph's next forward replaces them, so
+    a forward whose outputs were replaced (two forwards, one backward) finds its rows itself.
 Not seen: a hook registered on an autograd node itself (``grad_fn.register_hook``/``register_prehook``)
 that writes through ``.data``; docs/limits.md says so.
 Invariant: ``rows_of`` returns an index only if every batch-shaped tangent is zero outside it.
@@ -29,6 +29,8 @@ from typing import Any, Optional
 
 import torch
 from torch import Tensor
+
+from .clock import graph_task
 
 
 class PublishedRows:
@@ -89,7 +91,7 @@ class PublishedRows:
     def _module_hooks(self) -> bool:
         """Whether a module backward hook (or the global one) may run in this backward: looked up once per
         backward, when it runs (hooks may be added between the forward and the backward)."""
-        task = torch._C._current_graph_task_id()
+        task = graph_task()
         if self._hooks[0] != task:
             model = self._owner() if self._owner is not None else None
             self._hooks = (task, model is None or has_backward_hooks(model))
