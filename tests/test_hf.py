@@ -86,10 +86,8 @@ def test_trainer_skips_rows_with_the_in_model_loss(make, monkeypatch, tmp_path):
     assert err < 1e-4, f"the Trainer model's gradients should match the eager kept-row reference, rel. error {err:.2e}"
 
 
-def test_trainer_with_the_model_compiled_in_place(monkeypatch, tmp_path):
-    """The README recipe: ``model.compile(backend="capskip")`` keeps the model's class and signature, so
-    Trainer finds ``labels`` (eval_loss without label_names), saves clean keys, and the callback logs the
-    run summary."""
+def _in_place_trainer(monkeypatch, tmp_path, max_steps):
+    """A tiny BERT compiled in place (rule forced, keep 0.5, aot_eager) in a Trainer with the callback added."""
     from capskip_fx.integrations.hf import add_callback
 
     monkeypatch.setenv("CAPSKIP_RULE", "forced")
@@ -97,12 +95,20 @@ def test_trainer_with_the_model_compiled_in_place(monkeypatch, tmp_path):
     torch.manual_seed(0)
     model, sample = _bert()
     model.compile(backend="capskip")
-    args = transformers.TrainingArguments(output_dir=str(tmp_path), per_device_train_batch_size=8, max_steps=3,
+    args = transformers.TrainingArguments(output_dir=str(tmp_path), per_device_train_batch_size=8, max_steps=max_steps,
                                           logging_steps=1, report_to=[], use_cpu=True, save_strategy="no",
                                           dataloader_drop_last=True, disable_tqdm=True,
                                           per_device_eval_batch_size=8)
     trainer = transformers.Trainer(model=model, args=args, train_dataset=_Data(sample), eval_dataset=_Data(sample))
     add_callback(trainer)
+    return model, trainer
+
+
+def test_trainer_with_the_model_compiled_in_place(monkeypatch, tmp_path):
+    """The README recipe: ``model.compile(backend="capskip")`` keeps the model's class and signature, so
+    Trainer finds ``labels`` (eval_loss without label_names), saves clean keys, and the callback logs the
+    run summary."""
+    model, trainer = _in_place_trainer(monkeypatch, tmp_path, max_steps=3)
     trainer.train()
     st = capskip_fx.stats(model)
     assert st.mode == "selected", f"the model compiled in place should run selected rows, not {st.mode}: {st}"
@@ -123,20 +129,9 @@ def test_trainer_with_the_model_compiled_in_place(monkeypatch, tmp_path):
 def test_callback_logs_a_fixed_key_set_on_training_logs_only(monkeypatch, tmp_path):
     """Training logs carry exactly the fixed capskip/* keys (every mode, also one that never ran); the
     metrics dict evaluate() returns carries none."""
-    from capskip_fx.integrations.hf import add_callback
     from capskip_fx.runtime.stats import RunSummary
 
-    monkeypatch.setenv("CAPSKIP_RULE", "forced")
-    monkeypatch.setenv("CAPSKIP_OPTIONS", "keep=0.5,backend=aot_eager")
-    torch.manual_seed(0)
-    model, sample = _bert()
-    model.compile(backend="capskip")
-    args = transformers.TrainingArguments(output_dir=str(tmp_path), per_device_train_batch_size=8, max_steps=2,
-                                          logging_steps=1, report_to=[], use_cpu=True, save_strategy="no",
-                                          dataloader_drop_last=True, disable_tqdm=True,
-                                          per_device_eval_batch_size=8)
-    trainer = transformers.Trainer(model=model, args=args, train_dataset=_Data(sample), eval_dataset=_Data(sample))
-    add_callback(trainer)
+    model, trainer = _in_place_trainer(monkeypatch, tmp_path, max_steps=2)
     trainer.train()
     metrics = trainer.evaluate()
     assert not [k for k in metrics if k.startswith("capskip/")], f"evaluate() must return no capskip fields: {metrics}"
