@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 
 import capskip_fx
-from capskip_fx.backend import backend_of
+from capskip_fx.dynamo_entry import backend_of
 from capskip_fx.cpu import retain_freed_memory
 from results_io import write_results
 from capskip_fx.rules.stale_sb_filter import StaleBatchFilter

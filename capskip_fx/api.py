@@ -14,7 +14,8 @@ from . import compat
 compat.check()  # a moved torch internal fails here, loudly, never as a silently dense step
 
 from . import ops
-from .backend import CapskipBackend, backend_of, capskip_backend, load_pending_state
+from .backend import CapskipBackend
+from .dynamo_entry import backend_of, capskip_backend, install_batch_marking, load_pending_state
 from .config import CapskipConfig, split_options
 from .records import Report
 from .rules import Rule, build_rule, make_rule
@@ -341,9 +342,9 @@ def compile_regions(model: nn.Module, *, rule: Union[str, Rule] = "capskip", bud
     opts = dict(options, rule=rule, budget=budget)
     blocks = list(blocks) if blocks is not None else _repeated_blocks(model)
     head = head if head is not None else _classifier(model)
-    for b in blocks:
-        b.compile(backend="capskip", options=opts)
-    head.compile(backend="capskip", options=opts)
+    for m in blocks + [head]:
+        m.compile(backend="capskip", options=opts)
+        install_batch_marking(m)  # before the first call: step 0 traces a dynamic batch and selects
     return model
 
 

@@ -9,27 +9,25 @@ why it was refused (``records``), like Thunder's backend.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
-import sys
-import weakref
+import logging
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
 import torch
 from torch import fx
-from torch.utils.weak import WeakIdKeyDictionary
 
-from . import aot_cache, ops
-from .config import (ENV_BUDGET, ENV_OPTIONS, ENV_RULE, CapskipConfig, dynamic_batch_enabled, options_from_env,
-                     split_options)
+from . import aot_cache
+from .config import CapskipConfig
 from .passes import pipeline
 from .records import BackwardMode, CompileRecord, GraphRecord, Refusal, RefusalKind, counters
 from .functions import undeclared_function
-from .rules import build_rule
 from .runtime.backward import SelectedRowBackward
-from .runtime.state import UNBOUND_REASON, ForwardContext, RuntimeState, logits_of
+from .runtime.state import RuntimeState
 from .vcas import build_backward as vcas_backward
 
+log = logging.getLogger("capskip_fx")
 _MATMULS = ("mm", "addmm", "bmm", "baddbmm")
 
 
@@ -204,6 +202,9 @@ class CapskipBackend:
         self.logits_index = logits_index
         self.records: list[GraphRecord] = []
         self.options_key: Optional[str] = None  # string backend: the settings it was made for
+        # string backend: a static batch that later calls mark dynamic (dynamo_entry); replaces the static-batch
+        # refusal's advice (mark_dynamic yourself) by what happens, logged instead of warned
+        self.static_note: Optional[str] = None
 
     @property
     def any_head(self) -> bool:
@@ -217,6 +218,12 @@ class CapskipBackend:
     def _settle(self, rec: GraphRecord, fields: dict) -> None:
         """A pipeline result into the graph's record (the one path a compile-time refusal takes): the
         graph's first refusal is counted (GraphRecord.settle) and warned once."""
+        static = fields.get("refusal")
+        if self.static_note is not None and static is not None and static.kind == RefusalKind.STATIC_BATCH:
+            fields = {**fields, "refusal": dataclasses.replace(static, detail=self.static_note)}
+            if rec.settle(**fields) is not None:
+                log.info("capskip_fx: %s", self.static_note)
+            return
         refusal = rec.settle(**fields)
         if refusal is not None:
             where = f" [{refusal.where}]" if refusal.where else ""
@@ -357,192 +364,3 @@ class CapskipBackend:
                                    dense_only=rec.backward != BackwardMode.SELECTED, prefix=res.prefix,
                                    prefix_gathered=res.prefix_gathered,
                                    in_graph=res.in_graph), None
-
-
-# -- the string backend: torch.compile(model, backend="capskip"[, options={...}]) ----------------------
-# One CapskipBackend (one rule state, one record list) per model and settings, so all graphs of a model
-# (graph breaks, recompiles, every block of a regional compile, every layer compiled in place) share it,
-# and it is freed with the model.  The model is settled by the module tree (_owning_module): the outermost
-# module being called that holds the graph's parameters.  A forward hook on it binds each forward to the
-# autograd node of its logits, so exactly one graph per forward (the one returning the logits) runs the
-# rule, and every other graph drops only the rows that reach it with no gradient.  For torch.compile of a
-# function (no module): the backend that compiled a graph taking the same parameters, else the one that
-# compiled the previous graph.
-_BY_OWNER: "weakref.WeakKeyDictionary[torch.nn.Module, dict[str, CapskipBackend]]" = weakref.WeakKeyDictionary()
-_BY_PARAM: "WeakIdKeyDictionary" = WeakIdKeyDictionary()  # Parameter -> {settings: backend}
-_LAST: list = [None]  # weakref of the backend that compiled the last graph
-# rule states loaded (capskip_fx.load_state_dict) into a model whose backend does not exist yet
-_PENDING_STATE: "weakref.WeakKeyDictionary[torch.nn.Module, dict]" = weakref.WeakKeyDictionary()
-
-
-def load_pending_state(module: torch.nn.Module, state: dict) -> None:
-    """Keep a rule state for the backend ``module``'s first compiled graph will create."""
-    _PENDING_STATE[module] = state
-
-
-def capskip_backend(gm: fx.GraphModule, example_inputs, options: Optional[dict] = None, mode: Optional[str] = None):
-    """``torch.compile(model, backend="capskip", options={...})``; with no options, the ``CAPSKIP_*``
-    environment settings (config.options_from_env).  ``torch.compile(..., mode="reduce-overhead")`` (timm's
-    ``--torchcompile-mode``) reaches us as ``mode``: Inductor's mode for our graphs (CapskipConfig.mode)."""
-    from_env = not options
-    opts = options_from_env() if from_env else dict(options)
-    if mode is not None:
-        opts["mode"] = mode
-    key = repr(sorted(opts.items(), key=lambda kv: kv[0]))
-    params = [t for t in example_inputs if isinstance(t, torch.nn.Parameter)]
-    owner = _owning_module(params)
-    backend = _BY_OWNER.get(owner, {}).get(key) if owner is not None else None
-    if backend is None:
-        backend = next((b for b in (_BY_PARAM.get(p, {}).get(key) for p in params) if b is not None), None)
-    last = _LAST[0]() if _LAST[0] is not None else None
-    if backend is None and owner is None and last is not None and last.options_key == key:
-        backend = last
-    if backend is None:
-        backend = _string_backend(opts, from_env)
-        backend.options_key = key
-    if owner is not None and key not in _BY_OWNER.get(owner, {}):
-        _BY_OWNER.setdefault(owner, {})[key] = backend
-        backend.state.published.owner = weakref.ref(owner)
-        bind = _BindLogits(backend, owner)
-        if getattr(owner, "_compiled_call_impl", None) is not None:
-            # compiled in place (m.compile()): Dynamo traced its _call_impl, hooks included, and does not guard
-            # on hooks added later; the compiled call itself is wrapped so that the binding runs eagerly
-            owner._compiled_call_impl = _BoundCall(owner._compiled_call_impl, bind)
-        else:
-            owner.register_forward_hook(bind)
-        for m in (owner, getattr(owner, "_orig_mod", None), getattr(owner, "module", None)):
-            pending = _PENDING_STATE.pop(m, None) if m is not None else None
-            if pending is not None:  # capskip_fx.load_state_dict before the first step: restore now
-                backend.state.load_state_dict(pending)
-    for p in params:
-        _BY_PARAM.setdefault(p, {})[key] = backend
-    _LAST[0] = weakref.ref(backend)
-    _pin_to_module(gm)
-    return backend(gm, example_inputs)
-
-
-class _BindLogits:
-    """Forward hook on the model that owns a string backend's graphs: binds each training forward to the
-    autograd node of the logits it returns (RuntimeState.end_forward), so only that graph runs the rule.
-    Logits from eager code (a head left out of a regional compile) make the step dense, with the reason."""
-
-    def __init__(self, backend: "CapskipBackend", owner: torch.nn.Module):
-        self.backend, self.owner = weakref.ref(backend), weakref.ref(owner)
-
-    def __call__(self, module, args, out) -> None:
-        backend = self.backend()
-        if backend is None or not torch.is_grad_enabled() or module is not self.owner():
-            return  # a deep copy of the model (an EMA, a reference) carries this hook too: not ours
-        logits = logits_of(out, backend.logits_index)
-        if not isinstance(logits, torch.Tensor) or not logits.requires_grad or logits.dim() != 2:
-            return  # nothing to bind (token-shaped outputs): each graph records its own reason
-        state = backend.state
-        if not state.end_forward(ForwardContext(), logits, by_hook=True):
-            state.warn_once(UNBOUND_REASON)
-            state.record_dense_step(int(logits.shape[0]), UNBOUND_REASON, at_forward=True)
-
-
-class _BoundCall:
-    """An in-place compiled module's compiled call, then the forward's binding (``_BindLogits``), eagerly."""
-
-    def __init__(self, call, bind: _BindLogits):
-        self.call, self.bind = call, bind
-
-    def __call__(self, *args, **kwargs):
-        out = self.call(*args, **kwargs)
-        owner = self.bind.owner()
-        if owner is not None:
-            self.bind(owner, args, out)
-        return out
-
-
-def _pin_to_module(gm: fx.GraphModule) -> None:
-    """Guard this graph's cache entry on the identity of the module its parameters come from.
-
-    Dynamo shares cache entries across instances of one class (parameters are graph inputs) and treats
-    equal ``torch.compile(backend="capskip")`` wrappers as one backend, so a second instance would run the
-    first one's backend, rule state and settings.  Each instance thus compiles its own entry; beyond
-    ``torch._dynamo.config.recompile_limit`` instances of one class, ``isolate_recompiles=True`` keeps them
-    apart (torch.compile's own option)."""
-    from torch._dynamo.guards import GuardBuilder
-
-    tc = torch._guards.TracingContext.try_get()
-    for node in gm.graph.find_nodes(op="placeholder"):
-        arg = node.meta.get("grapharg")
-        if arg is not None and isinstance(getattr(arg, "example", None), torch.nn.Parameter) and tc is not None:
-            root = arg.source
-            while getattr(root, "base", None) is not None:
-                root = root.base
-            tc.guards_context.dynamo_guards.add(root.make_guard(GuardBuilder.ID_MATCH))
-            return
-
-
-def _owning_module(params: list) -> Optional[torch.nn.Module]:
-    """The model a graph belongs to: the torch.compile'd module (OptimizedModule) being called, else the
-    outermost module being called that holds all the graph's parameters: the root model for ``m.compile()``
-    and for layers or blocks compiled in place (regional compile), under DDP or a trainer's wrapper alike.
-    Without parameters, the innermost module being called; None outside any module."""
-    from torch._dynamo.eval_frame import OptimizedModule
-
-    called: list[torch.nn.Module] = []  # innermost first
-    frame = sys._getframe(1)
-    while frame is not None:
-        mod = frame.f_locals.get("self")
-        if isinstance(mod, OptimizedModule):
-            return mod
-        if isinstance(mod, torch.nn.Module) and all(mod is not c for c in called):
-            called.append(mod)
-        frame = frame.f_back
-    if not params:
-        return called[0] if called else None
-    ids = {id(p) for p in params}
-    return next((m for m in reversed(called) if ids <= {id(p) for p in m.parameters()}),
-                called[0] if called else None)
-
-
-def _string_backend(opts: dict, from_env: bool) -> CapskipBackend:
-    opts = dict(opts)
-    rule, budget, seed = opts.pop("rule", "capskip"), opts.pop("budget", 0.1), opts.pop("seed", 0)
-    logits_index = opts.pop("logits_index", None)
-    try:
-        config, rule, rule_opts = split_options(rule, opts)
-        state = RuntimeState(build_rule(rule, budget, rule_opts), seed=seed, scope=config.scope)
-        state.print_at_exit = True
-    except (TypeError, ValueError) as e:
-        where = f"{ENV_RULE} / {ENV_BUDGET} / {ENV_OPTIONS}" if from_env else "torch.compile(options=...)"
-        raise ValueError(f"capskip backend settings ({where}): {e}") from None
-    return CapskipBackend(config, state, ops.register(state), logits_index)
-
-
-def backend_of(module) -> Optional[CapskipBackend]:
-    """The string backend that compiled ``module`` (the module torch.compile returned, or the original),
-    the one holding its head graph when several settings compiled it; None if none did."""
-    found: list[CapskipBackend] = list(_BY_OWNER.get(module, {}).values()) if isinstance(module, torch.nn.Module) else []
-    inner = getattr(module, "_orig_mod", module)
-    for p in inner.parameters() if isinstance(inner, torch.nn.Module) else ():
-        for b in _BY_PARAM.get(p, {}).values():
-            if b not in found:
-                found.append(b)
-    return next((b for b in found if b.any_head), found[0] if found else None)
-
-
-#: Dynamo source names of a compiled frame's own tensor arguments (``L['x']``, ``L['args'][0]``,
-#: ``L['kwargs']['mask']``; not attributes of them: no parameter, no buffer), dim 0 only.  Weakly dynamic:
-#: a model that fixes its batch size specialises it, no error.
-BATCH_SOURCES = r"L\['[^']*'\](\[[^\]]*\])?$:0"
-
-
-def make_batch_dynamic() -> bool:
-    """Have Dynamo trace dim 0 of every compiled frame's tensor arguments as dynamic, as capskip_fx.compile
-    does for its module: without it a drop_last loader's batch is static and no row could be dropped.
-    Process-wide (``torch.compiler.config.dynamic_sources``); ``CAPSKIP_DYNAMIC_BATCH=0`` opts out.
-    False where this torch has no per-dim dynamic sources."""
-    from torch._dynamo.variables import builder
-
-    if not dynamic_batch_enabled() or not hasattr(builder, "_parse_source_entry"):
-        return False
-    cfg = torch.compiler.config
-    entries = [e for e in cfg.dynamic_sources.split(",") if e.strip()]
-    if BATCH_SOURCES not in entries:
-        cfg.dynamic_sources = ",".join(entries + [BATCH_SOURCES])
-    return True

@@ -1,16 +1,281 @@
-"""What ``torch.compile(model, backend="capskip")`` loads: the ``torch_dynamo_backends`` entry point
-(pyproject.toml), so the name works in a fresh process without ``import capskip_fx``.
+"""The string backend, ``torch.compile(model, backend="capskip"[, options={...}])``: the
+``torch_dynamo_backends`` entry point (pyproject.toml), so the name works in a fresh process without
+``import capskip_fx``.  It settles which model a graph belongs to (one rule state per model and settings)
+and binds each forward of that model to its logits.
 
-Loading it (at ``torch.compile``, before the first frame is traced) also makes dim 0 of compiled
-frames' tensor arguments dynamic (``backend.make_batch_dynamic``), so that a static batch (a drop_last
-loader, no ``mark_dynamic``) still gets the selected-row backward.
+Loading it changes nothing else in the process: no Dynamo setting is touched, so other models compiled
+beside a capskip one trace as they would without it.  A model's batch is made dynamic on that model's own
+inputs (``mark_batch_dynamic``), from its first graph on.
 """
+from __future__ import annotations
+
 from . import compat
 
 compat.check()  # a moved torch internal fails here, loudly
 
-from .backend import capskip_backend, make_batch_dynamic  # noqa: E402
+import logging  # noqa: E402
+import sys  # noqa: E402
+import weakref  # noqa: E402
+from typing import Optional  # noqa: E402
 
-make_batch_dynamic()
+import torch  # noqa: E402
+from torch import fx  # noqa: E402
+from torch.utils.weak import WeakIdKeyDictionary  # noqa: E402
+
+from . import ops  # noqa: E402
+from .backend import CapskipBackend  # noqa: E402
+from .config import ENV_BUDGET, ENV_OPTIONS, ENV_RULE, dynamic_batch_enabled, options_from_env, split_options  # noqa: E402
+from .rules import build_rule  # noqa: E402
+from .runtime.state import UNBOUND_REASON, ForwardContext, RuntimeState, logits_of  # noqa: E402
+
+log = logging.getLogger("capskip_fx")
+
+# -- the string backend: torch.compile(model, backend="capskip"[, options={...}]) ----------------------
+# One CapskipBackend (one rule state, one record list) per model and settings, so all graphs of a model
+# (graph breaks, recompiles, every block of a regional compile, every layer compiled in place) share it,
+# and it is freed with the model.  The model is settled by the module tree (_owning_module): the outermost
+# module being called that holds the graph's parameters.  A forward hook on it binds each forward to the
+# autograd node of its logits, so exactly one graph per forward (the one returning the logits) runs the
+# rule, and every other graph drops only the rows that reach it with no gradient.  For torch.compile of a
+# function (no module): the backend that compiled a graph taking the same parameters, else the one that
+# compiled the previous graph.
+_BY_OWNER: "weakref.WeakKeyDictionary[torch.nn.Module, dict[str, CapskipBackend]]" = weakref.WeakKeyDictionary()
+_BY_PARAM: "WeakIdKeyDictionary" = WeakIdKeyDictionary()  # Parameter -> {settings: backend}
+_LAST: list = [None]  # weakref of the backend that compiled the last graph
+# rule states loaded (capskip_fx.load_state_dict) into a model whose backend does not exist yet
+_PENDING_STATE: "weakref.WeakKeyDictionary[torch.nn.Module, dict]" = weakref.WeakKeyDictionary()
+
+
+def load_pending_state(module: torch.nn.Module, state: dict) -> None:
+    """Keep a rule state for the backend ``module``'s first compiled graph will create."""
+    _PENDING_STATE[module] = state
+
+
+def capskip_backend(gm: fx.GraphModule, example_inputs, options: Optional[dict] = None, mode: Optional[str] = None):
+    """``torch.compile(model, backend="capskip", options={...})``; with no options, the ``CAPSKIP_*``
+    environment settings (config.options_from_env).  ``torch.compile(..., mode="reduce-overhead")`` (timm's
+    ``--torchcompile-mode``) reaches us as ``mode``: Inductor's mode for our graphs (CapskipConfig.mode)."""
+    from_env = not options
+    opts = options_from_env() if from_env else dict(options)
+    if mode is not None:
+        opts["mode"] = mode
+    key = repr(sorted(opts.items(), key=lambda kv: kv[0]))
+    params = [t for t in example_inputs if isinstance(t, torch.nn.Parameter)]
+    owner, frame_module = _owning_module(params)
+    backend = _BY_OWNER.get(owner, {}).get(key) if owner is not None else None
+    if backend is None:
+        backend = next((b for b in (_BY_PARAM.get(p, {}).get(key) for p in params) if b is not None), None)
+    last = _LAST[0]() if _LAST[0] is not None else None
+    if backend is None and owner is None and last is not None and last.options_key == key:
+        backend = last
+    if backend is None:
+        backend = _string_backend(opts, from_env)
+        backend.options_key = key
+    if owner is not None and key not in _BY_OWNER.get(owner, {}):
+        _BY_OWNER.setdefault(owner, {})[key] = backend
+        backend.state.published.owner = weakref.ref(owner)
+        bind = _BindLogits(backend, owner)
+        if getattr(owner, "_compiled_call_impl", None) is not None:
+            # compiled in place (m.compile()): Dynamo traced its _call_impl, hooks included, and does not guard
+            # on hooks added later; the compiled call itself is wrapped so that the binding runs eagerly
+            owner._compiled_call_impl = _BoundCall(owner._compiled_call_impl, bind)
+        else:
+            owner.register_forward_hook(bind)
+        for m in (owner, getattr(owner, "_orig_mod", None), getattr(owner, "module", None)):
+            pending = _PENDING_STATE.pop(m, None) if m is not None else None
+            if pending is not None:  # capskip_fx.load_state_dict before the first step: restore now
+                backend.state.load_state_dict(pending)
+    for p in params:
+        _BY_PARAM.setdefault(p, {})[key] = backend
+    _LAST[0] = weakref.ref(backend)
+    _pin_to_module(gm)
+    # only where the batch came static: a mark added on a frame traced dynamic would recompile it for nothing
+    if frame_module is not None and _static_batch(gm) and install_batch_marking(frame_module):
+        backend.static_note = ("the first batch was traced with a static size: this step runs dense, and the "
+                               "next recompiles once with a dynamic batch (marked on the model's inputs)")
+    try:
+        return backend(gm, example_inputs)
+    finally:
+        backend.static_note = None
+
+
+class _BindLogits:
+    """Forward hook on the model that owns a string backend's graphs: binds each training forward to the
+    autograd node of the logits it returns (RuntimeState.end_forward), so only that graph runs the rule.
+    Logits from eager code (a head left out of a regional compile) make the step dense, with the reason."""
+
+    def __init__(self, backend: "CapskipBackend", owner: torch.nn.Module):
+        self.backend, self.owner = weakref.ref(backend), weakref.ref(owner)
+
+    def __call__(self, module, args, out) -> None:
+        backend = self.backend()
+        if backend is None or not torch.is_grad_enabled() or module is not self.owner():
+            return  # a deep copy of the model (an EMA, a reference) carries this hook too: not ours
+        logits = logits_of(out, backend.logits_index)
+        if not isinstance(logits, torch.Tensor) or not logits.requires_grad or logits.dim() != 2:
+            return  # nothing to bind (token-shaped outputs): each graph records its own reason
+        state = backend.state
+        if not state.end_forward(ForwardContext(), logits, by_hook=True):
+            state.warn_once(UNBOUND_REASON)
+            state.record_dense_step(int(logits.shape[0]), UNBOUND_REASON, at_forward=True)
+
+
+class _BoundCall:
+    """An in-place compiled module's compiled call, then the forward's binding (``_BindLogits``), eagerly."""
+
+    def __init__(self, call, bind: _BindLogits):
+        self.call, self.bind = call, bind
+
+    def __call__(self, *args, **kwargs):
+        out = self.call(*args, **kwargs)
+        owner = self.bind.owner()
+        if owner is not None:
+            self.bind(owner, args, out)
+        return out
+
+
+def _pin_to_module(gm: fx.GraphModule) -> None:
+    """Guard this graph's cache entry on the identity of the module its parameters come from.
+
+    Dynamo shares cache entries across instances of one class (parameters are graph inputs) and treats
+    equal ``torch.compile(backend="capskip")`` wrappers as one backend, so a second instance would run the
+    first one's backend, rule state and settings.  Each instance thus compiles its own entry; beyond
+    ``torch._dynamo.config.recompile_limit`` instances of one class, ``isolate_recompiles=True`` keeps them
+    apart (torch.compile's own option)."""
+    from torch._dynamo.guards import GuardBuilder
+
+    tc = torch._guards.TracingContext.try_get()
+    for node in gm.graph.find_nodes(op="placeholder"):
+        arg = node.meta.get("grapharg")
+        if arg is not None and isinstance(getattr(arg, "example", None), torch.nn.Parameter) and tc is not None:
+            root = arg.source
+            while getattr(root, "base", None) is not None:
+                root = root.base
+            tc.guards_context.dynamo_guards.add(root.make_guard(GuardBuilder.ID_MATCH))
+            return
+
+
+def _owning_module(params: list) -> tuple[Optional[torch.nn.Module], Optional[torch.nn.Module]]:
+    """(owner, frame module) of a graph.  The owner is the model the graph belongs to: the torch.compile'd
+    module (OptimizedModule) being called, else the outermost module being called that holds all the graph's
+    parameters: the root model for ``m.compile()`` and for layers or blocks compiled in place (regional
+    compile), under DDP or a trainer's wrapper alike; without parameters, the innermost module being called;
+    None outside any module.  The frame module is the one whose compiled call Dynamo is tracing: the
+    OptimizedModule, else the innermost module being called that is compiled in place (None for a function).
+
+    Read from the Python frames of the call being traced: Dynamo hands a backend the graph only, and the
+    caller that holds the OptimizedModule, or the root model of a regional compile, is known only there."""
+    from torch._dynamo.eval_frame import OptimizedModule
+
+    called: list[torch.nn.Module] = []  # innermost first
+    frame = sys._getframe(1)
+    while frame is not None:
+        mod = frame.f_locals.get("self")
+        if isinstance(mod, OptimizedModule):
+            return mod, mod
+        if isinstance(mod, torch.nn.Module) and all(mod is not c for c in called):
+            called.append(mod)
+        frame = frame.f_back
+    in_place = next((m for m in called if getattr(m, "_compiled_call_impl", None) is not None), None)
+    if not params:
+        return (called[0] if called else None), in_place
+    ids = {id(p) for p in params}
+    return next((m for m in reversed(called) if ids <= {id(p) for p in m.parameters()}),
+                called[0] if called else None), in_place
+
+
+def _string_backend(opts: dict, from_env: bool) -> CapskipBackend:
+    opts = dict(opts)
+    rule, budget, seed = opts.pop("rule", "capskip"), opts.pop("budget", 0.1), opts.pop("seed", 0)
+    logits_index = opts.pop("logits_index", None)
+    try:
+        config, rule, rule_opts = split_options(rule, opts)
+        state = RuntimeState(build_rule(rule, budget, rule_opts), seed=seed, scope=config.scope)
+        state.print_at_exit = True
+    except (TypeError, ValueError) as e:
+        where = f"{ENV_RULE} / {ENV_BUDGET} / {ENV_OPTIONS}" if from_env else "torch.compile(options=...)"
+        raise ValueError(f"capskip backend settings ({where}): {e}") from None
+    return CapskipBackend(config, state, ops.register(state), logits_index)
+
+
+def backend_of(module) -> Optional[CapskipBackend]:
+    """The string backend that compiled ``module`` (the module torch.compile returned, or the original),
+    the one holding its head graph when several settings compiled it; None if none did."""
+    found: list[CapskipBackend] = list(_BY_OWNER.get(module, {}).values()) if isinstance(module, torch.nn.Module) else []
+    inner = getattr(module, "_orig_mod", module)
+    for p in inner.parameters() if isinstance(inner, torch.nn.Module) else ():
+        for b in _BY_PARAM.get(p, {}).values():
+            if b not in found:
+                found.append(b)
+    return next((b for b in found if b.any_head), found[0] if found else None)
+
+
+# -- the batch, dynamic on the model's own inputs ----------------------------------------------------------
+# Dynamo traces a tensor's dim 0 as a size symbol only when the tensor is marked (or its size has changed).
+# A drop_last loader never changes it, and the selected-row backward needs the symbol.  capskip_fx.compile
+# marks its inputs itself; here the marking is installed on the compiled callable of the frame a graph came
+# from (an in-place compiled module, each block of a regional compile) or as a pre-hook of the
+# torch.compile'd module.  Installed at that frame's first graph, it marks from the next call on: Dynamo
+# guards on the marks (a tensor marked where the cached entry saw none recompiles), so step 0 runs dense on
+# a static batch and step 1 recompiles once with a dynamic one.  compile_regions installs it before the
+# first call, so its step 0 selects.
+_MARKED: "weakref.WeakSet[torch.nn.Module]" = weakref.WeakSet()
+
+
+def mark_batch_dynamic(inputs) -> None:
+    """Mark dim 0 weakly dynamic (``maybe_mark_dynamic``: a model that fixes it specialises it, no error) on
+    every tensor among ``inputs`` (any container) whose dim 0 is the batch (the first tensor's dim 0)."""
+    leaves = [a for a in torch.utils._pytree.tree_leaves(inputs) if isinstance(a, torch.Tensor) and a.dim() > 0]
+    n = leaves[0].shape[0] if leaves else 0
+    if n < 2:  # a batch of 1 specialises anyway (and its backward could not drop rows)
+        return
+    for a in leaves:
+        if a.shape[0] == n:
+            torch._dynamo.maybe_mark_dynamic(a, 0)
+
+
+class _MarkedCall:
+    """An in-place compiled module's compiled call, its batch marked dynamic first."""
+
+    def __init__(self, call):
+        self.call = call
+
+    def __call__(self, *args, **kwargs):
+        mark_batch_dynamic((args, kwargs))
+        return self.call(*args, **kwargs)
+
+
+def _mark_pre_hook(module, args, kwargs):
+    mark_batch_dynamic((args, kwargs))
+
+
+def install_batch_marking(module: torch.nn.Module) -> bool:
+    """Mark the batch of every later call of ``module`` dynamic: ``module`` is compiled in place
+    (``m.compile()``: its compiled call is wrapped) or is the module ``torch.compile`` returned (a pre-hook,
+    which runs before its compiled frame).  False when the module is neither, or marking is switched off
+    (``CAPSKIP_DYNAMIC_BATCH=0``); True once installed (idempotent)."""
+    from torch._dynamo.eval_frame import OptimizedModule
+
+    if not dynamic_batch_enabled():
+        return False
+    if module in _MARKED:
+        return True
+    if getattr(module, "_compiled_call_impl", None) is not None:
+        module._compiled_call_impl = _MarkedCall(module._compiled_call_impl)
+    elif isinstance(module, OptimizedModule):
+        module.register_forward_pre_hook(_mark_pre_hook, with_kwargs=True)
+    else:
+        return False
+    _MARKED.add(module)
+    return True
+
+
+def _static_batch(gm: fx.GraphModule) -> bool:
+    """No tensor input's dim 0 is a size symbol: Dynamo traced this frame with a static batch.  (The backend's
+    example inputs are the real tensors; the traced sizes are on the placeholders.)"""
+    vals = [n.meta.get("example_value") for n in gm.graph.find_nodes(op="placeholder")]
+    tensors = [v for v in vals if isinstance(v, torch.Tensor) and v.dim() > 0]
+    return bool(tensors) and not any(isinstance(v.shape[0], torch.SymInt) for v in tensors)
+
 
 backend = capskip_backend

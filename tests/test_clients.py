@@ -18,7 +18,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import capskip_fx
-from capskip_fx.backend import backend_of
+from capskip_fx.dynamo_entry import backend_of
 
 pytestmark = pytest.mark.heavy  # out of the fast tier (pyproject.toml markers)
 

@@ -581,7 +581,7 @@ def test_an_rnn_gets_its_true_reason():
 def test_published_gradients_do_not_outlive_their_backward():
     """The gradients a gathered backward returns are held (their identity proves the next graph's rows)
     only while the backward runs: nothing of a step's backward is kept after it."""
-    from capskip_fx.backend import backend_of
+    from capskip_fx.dynamo_entry import backend_of
 
     torch.manual_seed(7)
     model = _compile_regions(Tokens().double())

@@ -27,17 +27,19 @@ FRESH = textwrap.dedent("""
     ref = copy.deepcopy(model)
     opt = torch.compile(model, backend="capskip")  # no capskip_fx import: the entry point
     assert "capskip_fx" in sys.modules
+    modes = []
     for step in range(3):  # static batch of 8, nothing marked dynamic (a drop_last loader)
         x = torch.randn(8, 6, dtype=torch.float64); y = torch.randint(0, 3, (8,))
         model.zero_grad(); F.cross_entropy(opt(x), y).backward()
-    import capskip_fx
-    from capskip_fx.backend import make_batch_dynamic
+        import capskip_fx
+        modes.append(capskip_fx.stats(opt).mode)
     st = capskip_fx.stats(opt)
     w = st.weight if st.weight is not None else torch.ones(8, dtype=torch.float64)  # a dense step: all rows
     ref.zero_grad(); (F.cross_entropy(ref(x), y, reduction="none") * w).mean().backward()
     err = max(((p.grad - q.grad).norm() / q.grad.norm()).item() for p, q in zip(model.parameters(), ref.parameters()))
-    print(json.dumps({"n": st.n, "kept": st.kept, "rows": st.rows, "err": err, "per_dim": make_batch_dynamic(),
-                      "backward": capskip_fx.report(opt)[0]["backward"]}))
+    print(json.dumps({"n": st.n, "kept": st.kept, "rows": st.rows, "err": err, "modes": modes,
+                      "dynamic_sources": torch.compiler.config.dynamic_sources,
+                      "backward": capskip_fx.report(opt)[-1]["backward"]}))
 """)
 
 
@@ -52,17 +54,36 @@ def test_entry_point_in_a_fresh_process_static_batch_env_settings():
     out = _fresh({"CAPSKIP_RULE": "forced", "CAPSKIP_OPTIONS": "keep=0.5,backend=aot_eager"})
     assert out.returncode == 0, out.stderr[-3000:]
     res = json.loads(out.stdout.strip().splitlines()[-1])
-    if res["per_dim"]:
-        assert res == {**res, "n": 8, "kept": 4, "rows": 4, "backward": "selected rows"}, (
-            f"with per-dim dynamic sources the entry point should select 4 of 8 rows from the env settings; got {res!r}")
-        assert res["err"] < 1e-10, f"the fresh process's gradients differ from the kept-row reference: rel. error {res['err']!r}"
-    else:  # torch 2.11: no per-dim dynamic sources, so a static batch runs the documented dense fallback
-        assert res["backward"] == "dense", f"a static batch without per-dim dynamic sources should run the documented dense fallback, got {res['backward']!r}"
-        assert res["err"] < 1e-10, f"the dense fallback's gradients should be exact: rel. error {res['err']!r}"
-        assert "the batch dim of the logits is static (8)" in out.stderr, (
-            f"the fallback warning should say the logits' batch dim is static (8); stderr: {out.stderr!r}")
-        assert "mark_dynamic(x, 0)" in out.stderr, (
-            f"the fallback warning should name the fix, mark_dynamic(x, 0); stderr: {out.stderr!r}")
+    assert res["modes"] == ["dense", "selected", "selected"], (
+        f"a static batch should run step 0 dense, then recompile with the batch marked dynamic on the model's "
+        f"inputs and select from step 1; modes {res['modes']!r}")
+    assert res == {**res, "n": 8, "kept": 4, "rows": 4, "backward": "selected rows", "dynamic_sources": ""}, (
+        f"the entry point should select 4 of 8 rows from the env settings and leave Dynamo's settings alone; got {res!r}")
+    assert res["err"] < 1e-10, f"the fresh process's gradients differ from the kept-row reference: rel. error {res['err']!r}"
+    assert "Warning" not in out.stderr and "mark_dynamic" not in out.stderr, (
+        f"the static first batch is handled (summary only), not warned about; stderr: {out.stderr!r}")
+
+
+def test_other_models_trace_as_without_capskip():
+    """Creating (and running) a capskip-compiled model changes nothing for a model compiled beside it with
+    another backend: its first batch is traced static, as it would be in a process without capskip."""
+    seen = []
+
+    def counting(gm, example_inputs):
+        seen.append([type(t.shape[0]).__name__ for t in example_inputs if isinstance(t, torch.Tensor) and t.dim()])
+        return gm.forward
+
+    torch._dynamo.reset()
+    student = torch.nn.Linear(6, 3)
+    opt = torch.compile(student, backend="capskip", options={"rule": "forced", "keep": 0.5, "backend": "aot_eager"})
+    F.cross_entropy(opt(torch.randn(8, 6)), torch.randint(0, 3, (8,))).backward()
+    teacher = torch.compile(torch.nn.Linear(6, 3), backend=counting)
+    with torch.no_grad():
+        teacher(torch.randn(8, 6))
+    assert torch.compiler.config.dynamic_sources == "", (
+        f"capskip must not set Dynamo's process-wide dynamic_sources; it is {torch.compiler.config.dynamic_sources!r}")
+    assert seen and "int" in seen[0] and "SymInt" not in seen[0], (
+        f"the teacher's first batch should be traced static (dim 0 an int), as without capskip; dim-0 types {seen!r}")
 
 
 @pytest.mark.subprocess
@@ -129,7 +150,7 @@ def test_torch_compile_mode_reaches_the_backend(monkeypatch):
     x = torch.randn(16, 6, dtype=torch.float64)
     torch._dynamo.mark_dynamic(x, 0)
     F.cross_entropy(opt(x), torch.randint(0, 3, (16,))).backward()
-    from capskip_fx.backend import backend_of
+    from capskip_fx.dynamo_entry import backend_of
 
     cfg = backend_of(opt).config
     assert cfg.mode == "reduce-overhead", f"torch.compile's mode should reach the backend's config, got {cfg.mode!r}"
