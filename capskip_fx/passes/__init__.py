@@ -1,7 +1,9 @@
 """Graph passes; ``pipeline.py`` runs them in order (its docstring lists the steps).
 
 joint graph (AOTAutograd, before partitioning), ``pipeline.joint``:
-  find_head.py       -- locate the logits output, its tangent and the head input h; an in-graph loss
+  find_head.py       -- locate the logits output, its tangent and the head input h (the head forms:
+                        heads/, one registry entry each)
+  in_graph_loss.py   -- a loss computed inside the model from the logits
   row_index.py       -- the backward's reads of arange(N) get their own arange (x[arange(N), j])
   insert_select.py   -- prove the forward's batch layout (layout.py: refuses graphs whose forward mixes
                         examples, BatchNorm in train mode, ...), insert ``capskip::select`` and mask every

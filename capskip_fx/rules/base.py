@@ -49,7 +49,7 @@ class HeadView:
     # targets (N, T); a row is a sequence (``tokens``), and the rules read per-sequence quantities
     # (view_losses, head_gram)
     # a cosine head (``s * normalize(x) @ normalize(W).T``): h is (N, 1, d + 2C), its Gram features
-    # (passes/find_head.py; is_cosine, cosine_gram)
+    # (passes/heads/cosine.py; is_cosine, cosine_gram)
     # (N, C) dL/dz: the logits' incoming gradient (includes 1/N and any loss scale); None for a rule that
     # does not read it (Rule.reads_gradient False) when an in-graph loss's backward has not run yet
     delta: Optional[Tensor]
@@ -79,7 +79,7 @@ def is_cosine(delta: Tensor, h: Tensor) -> bool:
 
 def cosine_gram(delta: Tensor, h: Tensor) -> tuple[Tensor, Tensor]:
     """``(K, diag)`` of a cosine head ``z = s * x @ normalize(W).T`` from its features ``h = [x, Q, s^2 a]``
-    (N, 1, d + 2C) (passes/find_head.py): ``a_c = 1 / |W_c|^2``, ``Q_ic = z_ic / |W_c|`` (0 where
+    (N, 1, d + 2C) (passes/heads/cosine.py): ``a_c = 1 / |W_c|^2``, ``Q_ic = z_ic / |W_c|`` (0 where
     ``normalize``'s clamp holds).  Row i's gradient of ``W_c`` is ``delta_ic (s x_i - z_ic W^_c) / |W_c|``
     (``W^_c`` unit, ``z_ic = s x_i . W^_c``), so
     ``K = (D diag(s^2 a) D^T) * (X X^T) - (D * Q)(D * Q)^T``; the diagonal from row-wise sums (ties).
