@@ -162,7 +162,6 @@ class Built:
     out_idx: list = field(default_factory=list)
     training: bool = True
     batch_arg: Optional[int] = None
-    in_graph: bool = False  # the backward gathers / scatters itself (gather="graph")
 
 
 def _batch_outputs(gm: fx.GraphModule) -> list[int]:
@@ -325,7 +324,7 @@ class CapskipBackend:
             wrapper = _DenseBackward(compiled, self.state, rec.reason, built.batch_arg) if rec.reason else compiled
         else:
             wrapper = SelectedRowBackward(compiled, rec.plan, self.state, self.config, rec,
-                                          dense_only=rec.backward != BackwardMode.SELECTED, in_graph=built.in_graph)
+                                          dense_only=rec.backward != BackwardMode.SELECTED)
         return aot_cache.carry_cache_attrs(wrapper, compiled)
 
     def _compile(self, rec: GraphRecord, gm: fx.GraphModule, example_inputs, kwargs) -> tuple[Any, Optional[Built]]:
@@ -339,8 +338,7 @@ class CapskipBackend:
             return compiled, Built("forward", out_idx=out_idx, training=rec.backward != BackwardMode.INFERENCE)
         _no_donated_buffers()
         vcas = functools.partial(vcas_backward, self.config, self.state, rec) if self.config.vcas is not None else None
-        ctx = pipeline.BackwardContext(base, kwargs, self.config.gather, vcas,
-                                       fused_prefix=not self.state.rule.reads_gradient)
+        ctx = pipeline.BackwardContext(base, kwargs, vcas, fused_prefix=not self.state.rule.reads_gradient)
         res = pipeline.backward(gm, example_inputs, rec.joint, ctx)
         self._settle(rec, res.record_fields())
         if res.plan is None:
@@ -349,8 +347,6 @@ class CapskipBackend:
             if res.select_in_graph:  # a head graph: select runs in its backward, at N rows
                 self.state.masked_reason = self.state.masked_reason or res.refusal.detail
             return res.compiled, None  # its graph calls select(..., key): this model's
-        if res.in_graph:
-            counters()["gather_in_graph"] += 1
         if res.mode == BackwardMode.SELECTED:
             counters()["rewritten"] += 1
         self.state.variants += 1
@@ -358,9 +354,8 @@ class CapskipBackend:
         _trace(f"capskip_backward_graph_{rec.index}", lambda: f"# {rec.backward}: {res.plan.gathered_inputs} gathered "
                f"inputs, reason: {rec.reason}\n" + res.graph.print_readable(print_output=False))
         if res.prefix is None and not res.segmented:
-            return res.compiled, Built("rows", in_graph=res.in_graph)
+            return res.compiled, Built("rows")
         # several graphs (a prefix, VCAS's segments): not described
         return SelectedRowBackward(res.compiled, res.plan, self.state, self.config, rec,
                                    dense_only=rec.backward != BackwardMode.SELECTED, prefix=res.prefix,
-                                   prefix_gathered=res.prefix_gathered,
-                                   in_graph=res.in_graph), None
+                                   prefix_gathered=res.prefix_gathered), None

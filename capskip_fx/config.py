@@ -12,6 +12,7 @@ if TYPE_CHECKING:
     from .vcas.controller import VCAS
 
 BACKENDS = ("inductor", "aot_eager", "eager")
+GATHERS = ("eager",)  # where the kept rows are gathered
 
 
 @dataclass(frozen=True)
@@ -34,13 +35,9 @@ class CapskipConfig:
     gather_below: run the gathered backward only when it runs on at most this fraction of the
                 rows; above it the gathers cost more than the skipped rows save, so the backward
                 runs on all N rows with the skipped rows' weight 0 (same result).
-    gather:     where the kept rows are gathered: "eager" (default: index_select before the compiled
-                backward, row blocks of shared buffers copied once) or "graph" (the kept-row index and N
-                are inputs of the compiled backward, whose own ops gather and scatter, fused by Inductor;
-                falls back to "eager" per graph where that rewrite is refused; not with VCAS).  On CPU
-                neither is faster at f <= 0.5 (within 3 %), and "graph" copies every saved activation
-                on steps that keep > gather_below of the rows (benchmarks/results): the GPU check
-                compares them where kernel launches count.
+    gather:     where the kept rows are gathered: "eager", the only value (index_select before the compiled
+                backward, row blocks of shared buffers copied once).  "graph" (gathers as ops of the
+                compiled backward) was removed: no gain on CPU, never measured on a GPU (CHANGELOG).
     verify:     on each graph's first informative gathered step (0 < kept < N, nonzero gradient) also run
                 the dense-masked backward and compare; on mismatch, run dense-masked from then on.  A spot
                 check: the batch layout itself is proven from the graph before the first step.
@@ -99,8 +96,9 @@ class CapskipConfig:
                 object.__setattr__(self, "buckets", 8)
         if not 0.0 <= self.gather_below <= 1.0:
             raise ValueError(f"gather_below must be in [0, 1], got {self.gather_below!r}")
-        if self.gather not in ("eager", "graph"):
-            raise ValueError(f"gather must be 'eager' or 'graph', got {self.gather!r}")
+        if self.gather not in GATHERS:
+            raise ValueError(f"gather must be one of {GATHERS}, got {self.gather!r}"
+                             + (" (gather='graph' was removed: no measured gain)" if self.gather == "graph" else ""))
         if self.scope not in ("per_rank", "global"):
             raise ValueError(f"scope must be 'per_rank' or 'global', got {self.scope!r}")
         if self.verify_every is not None and not (isinstance(self.verify_every, int) and self.verify_every >= 1):

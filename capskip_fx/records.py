@@ -49,7 +49,7 @@ class RefusalKind(str, enum.Enum):
     SELECTION = "selection node"  # the backward's selection node is not as the joint pass left it
     SPECIALISED = "specialised"  # compiling the backward fixed the batch (or a stride) symbol
     VERIFY = "verify"  # run time: the gathered backward differed from the dense-masked one
-    IN_GRAPH_GATHER = "in-graph gather"  # gather="graph" refused: the eager gather runs (not dense)
+    IN_GRAPH_GATHER = "in-graph gather"  # a loss backward's fused gather refused: its rows gathered eagerly
     VCAS = "vcas"  # VCAS's segmenting refused: the exact backward runs (not dense)
     # run-time causes of a step's fallback (stats().fallback.kind; summary() counts steps by kind)
     NON_FINITE = "non-finite"  # non-finite logits, dL/dz or head input
@@ -210,8 +210,6 @@ class CompileRecord:
     backward: BackwardMode = BackwardMode.NOT_COMPILED
     refusal: Optional[Refusal] = None  # why this graph runs dense, if it does (the first refusal)
     plan: Any = None  # passes.selected_rows.BackwardPlan
-    gather: str = "eager"  # where the row gather runs: "graph" (ops of the compiled backward) or "eager"
-    gather_refused: Optional[str] = None  # gather="graph" asked, eager used: why
     vcas: Optional[str] = None  # VCAS: segments and sampled matmuls, or why it did not apply
     segmented: bool = False  # the backward runs as VCAS segments (aot_eager: matmul shapes accumulate per pass)
     error: Optional[str] = None  # on_coupling="error": raised at this graph's first forward
@@ -333,12 +331,11 @@ class GraphRecord:
                 "host_reads": self.host_reads, "rows_reused": self.rows_reused, "prefix_rows": self.prefix_rows,
                 "loss_backward": None if c.plan is None or c.plan.prefix is None else
                 "all rows: " + c.plan.prefix.whole_rows if c.plan.prefix.whole_rows else "row-wise: kept rows when the rule reads no dL/dz",
-                "gather": c.gather if c.gather_refused is None else f"eager ({c.gather_refused})",
                 "steps": {m: self.modes[m] for m in STEP_MODES if self.modes[m]}, "last": self.last_mode,
                 "step_reason": self.step_reason}
 
 
-# the other compile fields read through: record.plan, record.gather, ... (read-only)
+# the other compile fields read through: record.plan, record.vcas, ... (read-only)
 for _name in CompileRecord.__dataclass_fields__:
     if not hasattr(GraphRecord, _name):
         setattr(GraphRecord, _name, property(operator.attrgetter(f"compiled.{_name}")))

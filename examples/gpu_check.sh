@@ -3,7 +3,7 @@
 # where a GPU is lent, as two commands of at most 10 min each: INTERLEAVED_ONLY=1 examples/gpu_check.sh
 # (sections 3 and 4), then NO_INTERLEAVED=1 examples/gpu_check.sh (sections 1 and 2).
 #  1. step-time table: DeiT-S img 224, bf16, N=256, compiled; dense vs capskip forced f in {1, 0.5, 0.35}
-#     (both gathers), the naive alternatives, selection overhead and every rule  -> benchmarks/results/cuda_*.{md,json}
+#     the naive alternatives, selection overhead and every rule  -> benchmarks/results/cuda_*.{md,json}
 #     then the same with CUDA graphs (mode="reduce-overhead", 8 row buckets)  -> $OUT/cudagraphs_check_bench.{md,json}
 #     then VCAS at fixed (rho, nu), both samplers: wall-clock and backward FLOPs  -> $OUT/vcas_check_bench.{md,json}
 #     then host reads and CUDA syncs per step per rule (sync debug mode)  -> $OUT/cuda_host_syncs.{md,json}
@@ -35,7 +35,7 @@ PY=${PYTHON:-python}
 
 if [[ -n "${TINY:-}" ]]; then
   DEV=cpu AMP=none
-  BENCH=(--device cpu --depth 1 --img-size 32 --patch-size 8 --batch-size 16 --fractions 1 0.5 0.35 --reps 2 --warmup 1 --compare-gather
+  BENCH=(--device cpu --depth 1 --img-size 32 --patch-size 8 --batch-size 16 --fractions 1 0.5 0.35 --reps 2 --warmup 1
          --out "$OUT/tiny_gpu_check_bench")
   TRAIN=(--device cpu --depth 1 --embed-dim 64 --num-heads 2 --img-size 28 --patch-size 7 --batch-size 64)
   PRE=(--train-subset 512 --eval-subset 256 --epochs 1)
@@ -44,7 +44,7 @@ else
   "$PY" -c "import torch; assert torch.cuda.is_available(), 'no GPU'; print(torch.__version__, torch.cuda.get_device_name())"
   DEV=cuda AMP=bf16
   BENCH=(--device cuda --model deit_small_patch16_224 --img-size 224 --patch-size 16 --batch-size 256 --amp bf16
-         --fractions 1 0.5 0.35 --reps 5 --warmup 2 --compare-gather)
+         --fractions 1 0.5 0.35 --reps 5 --warmup 2)
   TRAIN=(--device cuda --model deit_small_patch16_224 --depth 12 --embed-dim 384 --num-heads 6 --img-size 224
          --patch-size 16 --amp bf16 --batch-size 256 --workers 4)
   PRE=(--train-subset 25600 --eval-subset 2000 --epochs 1)   # 100 steps

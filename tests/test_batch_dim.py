@@ -140,28 +140,6 @@ def test_transposed_body_gathers_along_dim_1():
     assert (0, T) in dims, rec.plan.specs  # the Linear's (T*N, d) rows, token-major
 
 
-def test_mha_in_graph_gather_follows_the_token_major_dim():
-    """gather="graph": the gathers are graph ops; a token-major input is viewed (T, n, 1) and indexed on
-    its middle axis."""
-    torch.manual_seed(0)
-    model = MHAClassifier(batch_first=False).double()
-    cm = _selected_steps(model, gather="graph")
-    rec = _head_record(cm)
-    assert rec.as_dict()["gather"] == "graph", rec.as_dict()
-    assert _token_major_specs(rec), rec.plan.specs
-
-
-@pytest.mark.heavy
-def test_mha_batch_first_inductor_in_graph_gather():
-    """Inductor compiles the token-major gathers as graph ops (the eager gather is backend-independent)."""
-    torch.manual_seed(0)
-    model = MHAClassifier(batch_first=True).double()
-    cm = _selected_steps(model, backend="inductor", gather="graph")
-    rec = _head_record(cm)
-    assert rec.as_dict()["gather"] == "graph", rec.as_dict()
-    assert _token_major_specs(rec), rec.plan.specs
-
-
 # -- refused: ops that mix the moved batch dim -------------------------------------------------------
 
 class MixesMovedBatch(nn.Module):

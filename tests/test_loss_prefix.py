@@ -155,14 +155,6 @@ def test_a_loss_backward_that_mixes_rows_runs_on_every_row(mixing):
     assert err < 1e-10, f"{mixing}: gradients off the float64 reference by {err}"
 
 
-def test_the_in_graph_gather_runs_the_loss_backward_on_every_row():
-    """gather="graph" gathers inside the compiled backward from N-row inputs: the prefix stays on all rows."""
-    model, cm, st, head, x, y = _step(Loss(), 0.5, gather="graph")
-    assert head.prefix_rows == 0, f"gather='graph' should run the loss's backward on all rows: {head.prefix_rows}"
-    err = max_rel_err(grads(model), _reference(model, x, y, st.weight.double()))
-    assert err < 1e-10, f"gather='graph': gradients off the float64 reference by {err}"
-
-
 @pytest.mark.heavy
 @settings(max_examples=examples(30), deadline=None, derandomize=derandomize(),
           suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])

@@ -101,20 +101,6 @@ def test_token_head_selects_sequences_exactly(rule, options):
     assert err < 1e-10, f"{rule}: gradients differ from the float64 reference of the same selection: {err}"
 
 
-def test_token_head_with_the_gather_in_the_graph_is_exact():
-    torch.manual_seed(0)
-    model = TokenModel().double()
-    x, y = _batch(6)
-    cm = capskip_fx.compile(model, rule="random", keep=0.5, backend="aot_eager", gather="graph")
-    ref_model = copy.deepcopy(model)
-    _loss(cm(x), y).backward()
-    st = capskip_fx.stats(cm)
-    assert (st.mode, st.kept, st.rows) == ("selected", N // 2, N // 2), st
-    assert [r["gather"] for r in capskip_fx.report(cm)] == ["graph"], capskip_fx.report(cm)
-    err = _rel_err(_grads(model), _weighted_reference(ref_model, x, y, st.weight.double()))
-    assert err < 1e-10, err
-
-
 def test_the_logits_are_not_gathered_when_the_backward_never_reads_them():
     """z (N, T, C) is read by the selection only: the gathered backward gets a view of its first rows."""
     torch.manual_seed(0)

@@ -14,10 +14,11 @@ backward graph (Inductor's ``inner_compile``), :func:`backward`:
   5. selected_rows.plan_backward    the selection node -> a new last input w; every gathered input
                                     checked against step 3's proof; an in-graph loss's prefix split off
      prefix_rows.prove_prefix_rows  that prefix row-wise (it may then run on the kept rows only)
+     prefix_gather.compile_gathering  that prefix also compiled gathering its kept rows itself (when
+                                    the rule reads no dL/dz)
      validate.prove_backward        the rewritten backward that will run, proven row-wise on gathered rows
                                     (refused: it runs on all rows, dense-masked)
-  6. compile: VCAS (the context's ``vcas``, when set), else gather_in_graph.gather_in_graph
-     (gather="graph"), else the plain graph
+  6. compile: VCAS (the context's ``vcas``, when set), else the plain graph
   7. symbolic.check_not_specialised compiling must not have fixed the batch size
 
 A pass that will not rewrite a graph raises ``records.Refused``; the pipeline turns it into the
@@ -37,18 +38,17 @@ from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_file
 
 from ..layout import backward_nodes
 from ..records import BackwardMode, Refusal, RefusalKind, Refused
-from ..symbolic import batch_symbol_of, check_not_specialised, fake_mode_of
+from ..symbolic import batch_symbol_of, check_not_specialised
 from . import insert_select
 from .find_head import find_head
 from .in_graph_loss import find_in_graph_loss
-from .gather_in_graph import check_full_rows_free, gather_in_graph
 from .insert_select import SELECT
+from .prefix_gather import compile_gathering
 from .prefix_rows import prove_prefix_rows
 from .row_index import recompute_row_indices
 from .selected_rows import BackwardPlan, plan_backward
 from .validate import prove_backward
 
-STRIDE_SYMBOL = "a saved view has a symbolic stride (gathered as a contiguous copy, eagerly)"
 VCAS_TOKEN_MAJOR = ("VCAS: a forward value holds the batch token-major ((outer, N, inner)); VCAS reads the "
                     "backward's values batch-major: exact backward")
 
@@ -168,14 +168,13 @@ class JointPass(CustomGraphPass):
 @dataclass(frozen=True)
 class BackwardContext:
     """What the backward passes read: Inductor's compile for one graph (``compile(gm, example_inputs,
-    **kwargs)``), its keyword arguments, the gather setting, and VCAS's builder when ``vcas=`` is set
+    **kwargs)``), its keyword arguments, and VCAS's builder when ``vcas=`` is set
     (``vcas(gm, example_inputs, sym, compile, kwargs) -> (compiled or None, note)``), and whether a row-wise
     in-graph loss's backward is also compiled with its kept rows gathered in the graph (``fused_prefix``: the
     rule at compile time reads no dL/dz; a rule set later that reads none gathers them eagerly)."""
 
     compile: Callable
     kwargs: Mapping
-    gather: str = "eager"
     vcas: Optional[Callable] = None
     fused_prefix: bool = False
 
@@ -190,8 +189,6 @@ class BackwardResult:
     prefix: Any = None  # an in-graph loss's compiled backward up to dL/dz (runs first, on all rows)
     refusal: Optional[Refusal] = None
     select_in_graph: bool = False  # refused after the joint pass put select in a head graph: it runs there
-    in_graph: bool = False  # the compiled graph gathers / scatters itself (gather="graph")
-    gather_refused: Optional[str] = None
     vcas: Optional[str] = None  # VCAS: what it built, or why it did not apply
     segmented: bool = False  # the compiled backward is VCAS's segment runner
     graph: Optional[fx.GraphModule] = field(default=None, repr=False)  # the rewritten graph (for tracing)
@@ -200,8 +197,7 @@ class BackwardResult:
 
     def record_fields(self) -> dict:
         """The CompileRecord fields this result sets."""
-        fields: dict = dict(backward=self.mode, refusal=self.refusal, gather_refused=self.gather_refused,
-                            gather="graph" if self.in_graph else "eager")
+        fields: dict = dict(backward=self.mode, refusal=self.refusal)
         if self.plan is not None:
             fields.update(plan=self.plan, vcas=self.vcas, segmented=self.segmented)
         return fields
@@ -225,11 +221,13 @@ def backward(gm: fx.GraphModule, example_inputs, joint_result: Optional[JointRes
         pre, pre_kwargs = plan.prefix, dict(kwargs, static_input_idxs=())
         prefix = compile_graph(pre.gm, list(pre.examples), **pre_kwargs)
         if pre.specs is not None and ctx.fused_prefix:  # kept rows gathered inside (fused into its first reads)
-            prefix_gathered, _ = _gather_in_graph(pre.gm, pre.specs, [None] * len(pre.gm.graph.output_node().args[0]),
-                                                  plan.sym, list(pre.examples), w_val.shape[0], compile_graph,
-                                                  pre_kwargs)
+            try:
+                prefix_gathered = compile_gathering(pre.gm, pre.specs, plan.sym, list(pre.examples), w_val.shape[0],
+                                                    compile_graph, pre_kwargs)
+            except Refused:  # the runtime gathers its kept rows eagerly
+                prefix_gathered = None
     inputs = list(example_inputs) + [w_val]
-    compiled, vcas_note, gather_refused = None, None, None
+    compiled, vcas_note = None, None
     refusal, mode = None, BackwardMode.SELECTED
     try:
         prove_backward(gm, plan)
@@ -240,13 +238,6 @@ def backward(gm: fx.GraphModule, example_inputs, joint_result: Optional[JointRes
     elif refusal is None and ctx.vcas is not None:  # VCAS's backward, or None: the exact one below
         compiled, vcas_note = ctx.vcas(gm, inputs, plan.sym, compile_graph, kwargs)
     segmented = compiled is not None
-    if compiled is None and ctx.gather == "graph" and refusal is None:
-        if plan.stride_syms:
-            gather_refused = STRIDE_SYMBOL
-        else:
-            compiled, gather_refused = _gather_in_graph(gm, plan.specs, plan.out_specs, plan.sym, inputs,
-                                                        w_val.shape[0], compile_graph, kwargs)
-    in_graph = compiled is not None and not segmented
     if compiled is None:
         compiled = compile_graph(gm, inputs, **kwargs)
     if refusal is None:
@@ -254,8 +245,8 @@ def backward(gm: fx.GraphModule, example_inputs, joint_result: Optional[JointRes
             check_not_specialised(example_inputs, plan.sym, plan.stride_syms)
         except Refused as e:  # the rewritten graph at N rows is the dense-masked backward: still exact
             refusal, mode = e.refusal, BackwardMode.DENSE_MASKED
-    return BackwardResult(compiled, mode, plan, prefix, refusal, in_graph=in_graph, gather_refused=gather_refused,
-                          vcas=vcas_note, segmented=segmented, graph=gm, prefix_gathered=prefix_gathered)
+    return BackwardResult(compiled, mode, plan, prefix, refusal, vcas=vcas_note, segmented=segmented, graph=gm,
+                          prefix_gathered=prefix_gathered)
 
 
 def _prefix_rows(plan: BackwardPlan) -> BackwardPlan:
@@ -271,24 +262,3 @@ def _prefix_rows(plan: BackwardPlan) -> BackwardPlan:
 
 def _token_major(layouts: Mapping) -> bool:
     return any(lay.kind == "batch" and lay.outer != 1 for lay in layouts.values())
-
-
-def _gather_in_graph(gm: fx.GraphModule, specs: list, out_specs: list, sym, example_inputs: list, kept,
-                     compile_graph: Callable, kwargs: dict) -> tuple[Any, Optional[str]]:
-    """(the graph with the row gather / scatter as graph ops, compiled; None) or (None, why not): the caller
-    then gathers eagerly."""
-    graph = fx.Graph()
-    graph.output(graph.graph_copy(gm.graph, {}))  # a copy: a refusal leaves gm as it was
-    copy = fx.GraphModule(gm, graph)
-    guards = len(fake_mode_of(example_inputs).shape_env.guards)
-    try:
-        examples, n_sym = gather_in_graph(copy, specs, out_specs, sym, example_inputs, kept)
-        try:
-            compiled = compile_graph(copy, examples, **kwargs)
-        except Exception as e:  # noqa: BLE001  (our rewrite made a graph Inductor rejects: eager gather)
-            raise Refused(f"in-graph gather: compiling failed ({type(e).__name__}: {str(e)[:200]})",
-                          RefusalKind.IN_GRAPH_GATHER) from None
-        check_full_rows_free(examples, n_sym, guards)
-    except Refused as e:
-        return None, e.refusal.detail
-    return compiled, None

@@ -14,8 +14,7 @@ Per call (one backward of one forward):
     (``Rule.reads_gradient`` False) and a loss backward proven row-wise (passes/prefix_rows.py), the rows
     are selected first and it runs on the kept rows only (``record.prefix_rows`` counts those steps);
   - the kept rows first, ``kb = bucket(k)`` rows gathered (pad rows are skipped rows, weight 0),
-    the compiled graph run on them, input gradients scattered back to N rows (``gather="graph"``: the
-    compiled graph takes the kept-row index and does both itself, passes/gather_in_graph.py).
+    the compiled graph run on them, input gradients scattered back to N rows.
 Anything that cannot be shown exact runs the same graph on all N rows (dense-masked), with the
 reason recorded on the graph and the step.
 Invariant: the returned gradients equal the dense-masked backward's on every call.
@@ -38,11 +37,9 @@ class SelectedRowBackward:
     """The boxed callable AOTAutograd calls as the backward."""
 
     def __init__(self, compiled: Callable, plan, state, config, record, dense_only: bool = False,
-                 prefix: Optional[Callable] = None, in_graph: bool = False,
-                 prefix_gathered: Optional[Callable] = None):
+                 prefix: Optional[Callable] = None, prefix_gathered: Optional[Callable] = None):
         self._boxed_call = True  # instance attr: survives the wrappers AOT puts around us
         self.compiled = compiled
-        self.in_graph = in_graph  # the graph gathers / scatters itself: inputs at n rows, then idx, n
         self.prefix = prefix  # an in-graph loss's backward (dL/dz), run first on all rows
         self.prefix_gathered = prefix_gathered  # the same taking all rows and the kept-row index (fused gathers)
         self.dense_only = dense_only
@@ -69,7 +66,7 @@ class SelectedRowBackward:
         row-wise, the rule reads no dL/dz, this is the head of the returned logits), else None."""
         p, state = self.plan, self.state
         keep = p.prefix.keep
-        if (p.prefix.specs is None or self.in_graph or self.dense_only or not p.head or state.rule.reads_gradient
+        if (p.prefix.specs is None or self.dense_only or not p.head or state.rule.reads_gradient
                 or max(p.select_args[:2]) >= len(keep)):
             return None
         head, fwd = state.running_forward()
@@ -162,17 +159,13 @@ class SelectedRowBackward:
         else:
             full_args = list(args) if check else None
         shapes = self._shapes_at(kb)
-        if self.in_graph:  # the graph gathers and scatters: batch inputs as they are, then the index and n
-            new_args = [shape if s.kind == "symint" else a
-                        for a, s, shape in zip(args, p.specs, shapes)] + [w_kb, idx, n]
-        else:
-            read = [i for i, s in enumerate(p.specs) if s.kind == "batch" and i not in p.unread and i not in ready]
-            gathered = iter(gather_all([args[i] for i in read], [p.specs[i] for i in read], idx, n,
-                                       [shapes[i] for i in read]))
-            # an input the graph never reads: its first kb rows, a view (no copy)
-            new_args = [a if i in ready else args[i].narrow(s.dim, 0, kb * s.factor) if i in p.unread else
-                        next(gathered) if s.kind == "batch" else shape if s.kind == "symint" else a
-                        for i, (a, s, shape) in enumerate(zip(args, p.specs, shapes))] + [w_kb]
+        read = [i for i, s in enumerate(p.specs) if s.kind == "batch" and i not in p.unread and i not in ready]
+        gathered = iter(gather_all([args[i] for i in read], [p.specs[i] for i in read], idx, n,
+                                   [shapes[i] for i in read]))
+        # an input the graph never reads: its first kb rows, a view (no copy)
+        new_args = [a if i in ready else args[i].narrow(s.dim, 0, kb * s.factor) if i in p.unread else
+                    next(gathered) if s.kind == "batch" else shape if s.kind == "symint" else a
+                    for i, (a, s, shape) in enumerate(zip(args, p.specs, shapes))] + [w_kb]
         args.clear()
         state.set_rows(stats, kb)
         rec.row_counts.add(kb)
@@ -195,9 +188,6 @@ class SelectedRowBackward:
 
     def _dense(self, args: list, weight: torch.Tensor, exact: bool = False) -> list:
         """The graph on all n rows with the rule's weights (dense-masked; ``exact``: VCAS's exact pass)."""
-        if self.in_graph:  # the identity gather: copies every saved activation (a plain graph would double the compile)
-            n = weight.shape[0]
-            return self.compiled(args + [weight, torch.arange(n, device=weight.device), n])
         return (getattr(self.compiled, "exact", self.compiled) if exact else self.compiled)(args + [weight])
 
     def _should_verify(self, k: int, n: int) -> bool:
@@ -214,10 +204,7 @@ class SelectedRowBackward:
         return every is not None and self.gathered_steps % every == 0
 
     def _full_rows(self, outs: list, idx: torch.Tensor, n: int) -> list:
-        """Batch-shaped outputs (input gradients) of the gathered rows back to N rows (the in-graph
-        gather's graph returns them at N rows already)."""
-        if self.in_graph:
-            return outs
+        """Batch-shaped outputs (input gradients) of the gathered rows back to N rows."""
         return [(scatter_rows(o, s, idx, n) if (s is not None and s.kind == "batch" and o is not None) else o)
                 for o, s in zip(outs, self.plan.out_specs)]
 

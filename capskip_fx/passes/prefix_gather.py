@@ -1,22 +1,22 @@
-"""Backward-graph pass (``gather="graph"``): the row gather and scatter as ops of the compiled backward.
+"""Backward-graph pass: an in-graph loss's backward (the prefix up to dL/dz) that gathers its kept rows itself.
 
-Input: the graph selected_rows.py produced (every batch-shaped input at ``s`` rows, the kept rows), or an
-in-graph loss's backward proven row-wise (passes/prefix_rows.py; its outputs stay at ``s`` rows).
-Output: the same graph taking those inputs at ``n`` rows (a new symbol), plus ``idx`` (``s`` kept-row
-indices, int64) and ``n`` itself as new last inputs.  Each batch input is indexed (``aten.index``) on its
-batch dim (split ``(outer, n, factor)`` when flattened: batch-major ``outer == 1``, or token-major as the
-layout proof found it) before its first use, and every batch-shaped output with a spec is ``index_put``
-into zeros of ``n`` rows, so Inductor fuses the gathers into their consumers and no eager copy conforms
-strides.
+Input: the prefix graph proven row-wise (passes/prefix_rows.py: every batch input with its spec), its example
+inputs at ``s`` rows (the kept rows), and ``kept``, the SymInt of ``s``.
+Output: the same graph taking its batch inputs at ``n`` rows (a new symbol), plus ``idx`` (``s`` kept-row
+indices, int64) and ``n`` as new last inputs, compiled.  Each batch input is indexed (``aten.index``) on its
+batch dim (split ``(outer, n, factor)`` when flattened) before its first use, so Inductor fuses the gather
+into the first reads: no eager copy of the ``(kept, T, C)`` logits and their tangent.  Its outputs stay at
+``s`` rows (the rest of the backward reads them there).
 
-Invariants: the gathered values equal what the eager gather (rows.gather_all) passes; the body is
-unchanged except that it reads them; every value's meta is re-propagated from the new inputs (the
-gathered rows are contiguous, the saved buffers were not); a graph that reads an input's strides
-(``as_strided``) or that compiling specialised or guarded on ``n`` is refused (the eager gather stays).
+Invariants: the gathered values equal what the eager gather (rows.gather_all) passes; the body is unchanged
+except that it reads them; every value's meta is re-propagated from the new inputs; a graph that reads an
+input's strides (``as_strided``), that Inductor rejects, or that compiling specialised or guarded on ``n``
+is refused (the runtime then gathers the prefix's rows eagerly).
 """
 from __future__ import annotations
 
 import operator
+from typing import Any, Callable
 
 import sympy
 import torch
@@ -27,6 +27,24 @@ from ..symbolic import fake_mode_of
 
 aten = torch.ops.aten
 N_NAME = "capskip_n"
+
+
+def compile_gathering(gm: fx.GraphModule, specs: list, sym: sympy.Symbol, example_inputs: list, kept,
+                      compile_graph: Callable, kwargs: dict) -> Any:
+    """A copy of ``gm`` that gathers its kept rows, compiled with ``compile_graph``; ``gm`` is left as it was.
+    Raises Refused."""
+    graph = fx.Graph()
+    graph.output(graph.graph_copy(gm.graph, {}))
+    copy = fx.GraphModule(gm, graph)
+    guards = len(fake_mode_of(example_inputs).shape_env.guards)
+    examples, n_sym = gather_rows_in_graph(copy, specs, sym, example_inputs, kept)
+    try:
+        compiled = compile_graph(copy, examples, **kwargs)
+    except Exception as e:  # noqa: BLE001  (our rewrite made a graph Inductor rejects: eager gather)
+        raise Refused(f"in-graph gather: compiling failed ({type(e).__name__}: {str(e)[:200]})",
+                      RefusalKind.IN_GRAPH_GATHER) from None
+    check_full_rows_free(examples, n_sym, guards)
+    return compiled
 
 
 def _stride_readers(gm: fx.GraphModule, batch_nodes: list) -> list:
@@ -45,12 +63,10 @@ def _stride_readers(gm: fx.GraphModule, batch_nodes: list) -> list:
     return out
 
 
-def gather_in_graph(gm: fx.GraphModule, specs: list, out_specs: list, sym: sympy.Symbol, example_inputs: list,
-                    kept: torch.SymInt):
-    """Rewrite ``gm`` in place; its inputs' specs ``specs`` (an input past them, the rest's ``w``, is not
-    gathered), its outputs' ``out_specs`` (a batch spec: scattered back to ``n`` rows; None: left at ``s``),
-    ``kept`` the SymInt of ``s``.  Returns the new example inputs (``[... full-size batch inputs ..., idx,
-    n]``) and the new symbol.  Raises Refused."""
+def gather_rows_in_graph(gm: fx.GraphModule, specs: list, sym: sympy.Symbol, example_inputs: list,
+                         kept: torch.SymInt):
+    """Rewrite ``gm`` in place; its inputs' specs ``specs``, ``kept`` the SymInt of ``s``.  Returns the new
+    example inputs (``[... full-size batch inputs ..., idx, n]``) and the new symbol.  Raises Refused."""
     fake_mode = fake_mode_of(example_inputs)
     env = getattr(fake_mode, "shape_env", None)
     if env is None:
@@ -109,24 +125,8 @@ def gather_in_graph(gm: fx.GraphModule, specs: list, out_specs: list, sym: sympy
                 u.replace_input_with(p, got)
     # the body's views were valid on the saved buffers' strides; the gathered rows are contiguous, so
     # a view may need a copy there (Inductor lowers view and reshape alike; eager graphs copy if needed)
-    body_views = [n for n in g.nodes if n.target in (aten.view.default, aten._unsafe_view.default)]
-    for v in body_views:
+    for v in [n for n in g.nodes if n.target in (aten.view.default, aten._unsafe_view.default)]:
         v.target = aten.reshape.default
-    out = g.output_node()
-    outs = list(out.args[0])
-    for j, (o, s) in enumerate(zip(outs, out_specs)):
-        if s is None or s.kind != "batch" or not isinstance(o, fx.Node):
-            continue
-        with g.inserting_before(out):
-            v = o.meta["val"]
-            zeros = g.call_function(aten.full.default, (_with_rows(o, s.dim, _split(s, n_node, True)), 0),
-                                    {"dtype": v.dtype, "device": v.device, "layout": torch.strided,
-                                     "pin_memory": False})
-            y = g.call_function(aten.reshape.default, (o, _with_rows(o, s.dim, _split(s, k_node, True))))
-            full = g.call_function(aten.index_put.default, (zeros, [None] * (s.dim + (s.outer != 1)) + [idx], y))
-            flat = g.call_function(operator.mul, (n_node, s.factor * s.outer))
-            outs[j] = g.call_function(aten.reshape.default, (full, _with_rows(o, s.dim, [flat])))
-    out.args = (type(out.args[0])(outs),)
     g.lint()
     gm.recompile()
     examples += [idx_val, n_int]
@@ -138,10 +138,9 @@ def gather_in_graph(gm: fx.GraphModule, specs: list, out_specs: list, sym: sympy
     return examples, n_sym
 
 
-def _split(s, rows, always_factor: bool = False) -> list:
-    """The batch dim's sizes split as ``(outer, rows, factor)``, without a leading outer of 1 (and without
-    a factor of 1 unless ``always_factor``)."""
-    return ([s.outer] if s.outer != 1 else []) + [rows] + ([s.factor] if s.factor != 1 or always_factor else [])
+def _split(s, rows) -> list:
+    """The batch dim's sizes split as ``(outer, rows, factor)``, without an outer or a factor of 1."""
+    return ([s.outer] if s.outer != 1 else []) + [rows] + ([s.factor] if s.factor != 1 else [])
 
 
 def _with_rows(node: fx.Node, dim: int, rows: list) -> list:
