@@ -9,9 +9,7 @@ why it was refused (``records``), like Thunder's backend.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import functools
-import logging
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -27,7 +25,6 @@ from .runtime.backward import SelectedRowBackward
 from .runtime.state import RuntimeState
 from .vcas import build_backward as vcas_backward
 
-log = logging.getLogger("capskip_fx")
 _MATMULS = ("mm", "addmm", "bmm", "baddbmm")
 
 
@@ -108,11 +105,16 @@ class _DenseBackward:
         return getattr(self.compiled, name)
 
 
-def _batch_arg(example_inputs) -> Optional[int]:
-    """Index of the first input whose dim 0 is a plain symbol (the batch), else of the first tensor."""
+def _batch_arg(gm: fx.GraphModule, example_inputs) -> Optional[int]:
+    """Index of the first input whose dim 0 is a plain symbol (the batch); in a static graph, of the first
+    tangent (a weight's dim 0 is not the batch); else of the first tensor."""
     tensors = [(i, t) for i, t in enumerate(example_inputs) if isinstance(t, torch.Tensor) and t.dim() > 0]
     sym = [i for i, t in tensors if isinstance(t.shape[0], torch.SymInt) and t.shape[0].node.expr.is_Symbol]
-    return sym[0] if sym else (tensors[0][0] if tensors else None)
+    if sym:
+        return sym[0]
+    names = [n.name for n in gm.graph.find_nodes(op="placeholder")]
+    tangent = [i for i, _ in tensors if i < len(names) and names[i].startswith("tangents")]
+    return tangent[0] if tangent else (tensors[0][0] if tensors else None)
 
 
 def _trace(name: str, payload) -> None:
@@ -201,9 +203,6 @@ class CapskipBackend:
         self.logits_index = logits_index
         self.records: list[GraphRecord] = []
         self.options_key: Optional[str] = None  # string backend: the settings it was made for
-        # string backend: a static batch that later calls mark dynamic (dynamo_entry); replaces the static-batch
-        # refusal's advice (mark_dynamic yourself) by what happens, logged instead of warned
-        self.static_note: Optional[str] = None
 
     @property
     def any_head(self) -> bool:
@@ -217,12 +216,6 @@ class CapskipBackend:
     def _settle(self, rec: GraphRecord, fields: dict) -> None:
         """A pipeline result into the graph's record (the one path a compile-time refusal takes): the
         graph's first refusal is counted (GraphRecord.settle) and warned once."""
-        static = fields.get("refusal")
-        if self.static_note is not None and static is not None and static.kind == RefusalKind.STATIC_BATCH:
-            fields = {**fields, "refusal": dataclasses.replace(static, detail=self.static_note)}
-            if rec.settle(**fields) is not None:
-                log.info("capskip_fx: %s", self.static_note)
-            return
         refusal = rec.settle(**fields)
         if refusal is not None:
             where = f" [{refusal.where}]" if refusal.where else ""
@@ -343,7 +336,7 @@ class CapskipBackend:
         self._settle(rec, res.record_fields())
         if res.plan is None:
             if res.refusal is None:  # no selection node: the plain backward
-                return res.compiled, Built("dense", batch_arg=_batch_arg(example_inputs))
+                return res.compiled, Built("dense", batch_arg=_batch_arg(gm, example_inputs))
             if res.select_in_graph:  # a head graph: select runs in its backward, at N rows
                 self.state.masked_reason = self.state.masked_reason or res.refusal.detail
             return res.compiled, None  # its graph calls select(..., key): this model's

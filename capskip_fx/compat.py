@@ -8,6 +8,7 @@ fallback when they are absent) are not checked.
 """
 from __future__ import annotations
 
+import functools
 import importlib
 import inspect
 
@@ -81,3 +82,17 @@ def aot_cache_hook():
     if not (hasattr(config, "cudagraph_policy") and hasattr(CUDAGraphPolicy, "wrap_output")):
         return None
     return CUDAGraphPolicy, cache_dir
+
+
+@functools.lru_cache(maxsize=None)
+def weak_marks_recompile() -> bool:
+    """Whether Dynamo guards on ``maybe_mark_dynamic``'s mark (torch >= 2.12): a frame traced with a static
+    batch then recompiles once its inputs arrive marked, which is how the string backend makes a model's
+    batch dynamic without a process-wide setting (dynamo_entry.py).  Read from the guard builder's source:
+    the mark is an attribute name there, nothing exposes it otherwise."""
+    from torch._dynamo import guards
+
+    try:
+        return "_dynamo_weak_dynamic_indices" in inspect.getsource(guards)
+    except (OSError, TypeError):  # no source (a frozen install): assume the older behaviour
+        return False

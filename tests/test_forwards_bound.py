@@ -20,7 +20,7 @@ from torch import nn
 
 import capskip_fx
 from helpers.models import Tokens
-from helpers.torch_features import needs_dynamic_sources
+from helpers.torch_features import needs_batch_marking
 
 N = 8
 OPTS = {"rule": "random", "keep": 0.5, "backend": "aot_eager", "verify": False}
@@ -108,7 +108,7 @@ def _check(model, cm, losses_of, n_forwards, steps=3, backward_order=True):
 SHAPE = [None]
 
 
-@needs_dynamic_sources
+@needs_batch_marking
 @pytest.mark.parametrize("idiom", sorted(IDIOMS))
 def test_two_forwards_one_backward_each_selected(idiom):
     make, shape = IDIOMS[idiom]
@@ -131,7 +131,7 @@ class _TokensAux(Tokens):
         return self.head(self.blocks[1](h0).mean(1))
 
 
-@needs_dynamic_sources
+@needs_batch_marking
 def test_an_auxiliary_head_compiled_beside_the_main_one_gets_its_own_selection():
     torch.manual_seed(0)
     SHAPE[0] = (N, 5, 4)

@@ -15,7 +15,7 @@ from torch import nn
 import capskip_fx
 from helpers.distributed import PG_TIMEOUT, finish, free_port, spawn
 from helpers.models import Tokens
-from helpers.torch_features import needs_dynamic_sources
+from helpers.torch_features import needs_batch_marking
 
 pytestmark = [pytest.mark.subprocess,
               pytest.mark.skipif(not dist.is_available(), reason="torch.distributed not available")]
@@ -65,7 +65,7 @@ def _worker(rank, port, path, engine):
     finish(path, rank)
 
 
-@needs_dynamic_sources
+@needs_batch_marking
 @pytest.mark.parametrize("engine", ["fsdp2", "ddp"])
 def test_regional_compile_under_data_parallel_is_exact_and_skips_rows(tmp_path, engine):
     path = str(tmp_path / "out.pt")

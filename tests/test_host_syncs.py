@@ -18,7 +18,7 @@ from capskip_fx.debug import count_host_reads
 from conftest import max_rel_err
 
 from helpers.models import MLP, grads
-from helpers.torch_features import needs_dynamic_sources
+from helpers.torch_features import needs_batch_marking
 
 pytestmark = pytest.mark.usefixtures("many_compiles")  # conftest: every test compiles its own model
 
@@ -109,7 +109,7 @@ class _Chain(torch.nn.Module):
         return self.head(h)
 
 
-@needs_dynamic_sources
+@needs_batch_marking
 def test_regional_compile_reads_nothing_per_block():
     """Each block graph's incoming gradient is the next graph's returned one: it runs on those rows
     without reading the device (a fixed-count rule: no read at all), exact."""

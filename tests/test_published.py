@@ -19,7 +19,7 @@ import torch.nn.functional as F
 import capskip_fx
 from capskip_fx.runtime.published import PublishedRows
 from helpers.models import Tokens
-from helpers.torch_features import needs_dynamic_sources
+from helpers.torch_features import needs_batch_marking
 
 N = 8
 OPTS = {"rule": "random", "keep": 0.5, "backend": "aot_eager", "verify": False}
@@ -82,7 +82,7 @@ def _regional(edit=None, module_hook=False):
     return model
 
 
-@needs_dynamic_sources
+@needs_batch_marking
 def test_rows_are_reused_when_nothing_edits_the_gradient():
     model = _regional()
     assert max(_run(model, None)) < 1e-12
@@ -90,7 +90,7 @@ def test_rows_are_reused_when_nothing_edits_the_gradient():
     assert rep[0]["rows_reused"] == 2 and rep[0]["host_reads"] == 0, rep[0]
 
 
-@needs_dynamic_sources
+@needs_batch_marking
 @pytest.mark.parametrize("edit", [_data_hook, _node_prehook], ids=["tensor_hook_data", "node_prehook_inplace"])
 def test_an_edit_between_the_graphs_makes_the_block_find_its_rows(edit):
     model = _regional(edit)
@@ -100,7 +100,7 @@ def test_an_edit_between_the_graphs_makes_the_block_find_its_rows(edit):
     assert rep[0]["rows_reused"] == 0 and rep[0]["host_reads"] == 2, rep[0]
 
 
-@needs_dynamic_sources
+@needs_batch_marking
 def test_a_module_backward_hook_makes_the_block_find_its_rows():
     model = _regional(module_hook=True)
     errs = _run(model, None)
