@@ -15,7 +15,8 @@ compat.check()  # a moved torch internal fails here, loudly, never as a silently
 
 from . import ops
 from .backend import CapskipBackend
-from .dynamo_entry import backend_of, capskip_backend, install_batch_marking, load_pending_state
+from .dynamo_entry import (backend_of, capskip_backend, install_batch_marking, load_pending_state,
+                           process_wide_batch_dynamic)
 from .config import CapskipConfig, split_options
 from .records import Report
 from .rules import Rule, build_rule, make_rule
@@ -342,10 +343,20 @@ def compile_regions(model: nn.Module, *, rule: Union[str, Rule] = "capskip", bud
     opts = dict(options, rule=rule, budget=budget)
     blocks = list(blocks) if blocks is not None else _repeated_blocks(model)
     head = head if head is not None else _classifier(model)
+    if any(_fsdp2_sharded(b) for b in blocks):
+        process_wide_batch_dynamic()  # FSDP2 re-creates a block's inputs: marks on them are lost (limits.md)
     for m in blocks + [head]:
         m.compile(backend="capskip", options=opts)
         install_batch_marking(m)  # before the first call: step 0 traces a dynamic batch and selects
     return model
+
+
+def _fsdp2_sharded(module: nn.Module) -> bool:
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:
+        return False
+    return isinstance(module, FSDPModule)
 
 
 def _repeated_blocks(model: nn.Module) -> list:

@@ -308,4 +308,25 @@ def _static_batch(gm: fx.GraphModule) -> bool:
     return bool(tensors) and not any(isinstance(v.shape[0], torch.SymInt) for v in tensors)
 
 
+#: Dynamo source names of a compiled frame's own tensor arguments (``L['x']``, ``L['args'][0]``; not attributes
+#: of them: no parameter, no buffer), dim 0 only.  Weakly dynamic: a model that fixes its batch specialises it.
+BATCH_SOURCES = r"L\['[^']*'\](\[[^\]]*\])?$:0"
+
+
+def process_wide_batch_dynamic() -> bool:
+    """Dim 0 of every compiled frame's tensor arguments dynamic, process-wide (``dynamic_sources``): only for
+    FSDP2-sharded blocks (compile_regions), whose pre-forward re-creates the block's inputs through an
+    autograd Function, so a mark on the tensors the block was called with never reaches its frame.  False
+    where this torch has no per-dim dynamic sources or marking is off."""
+    from torch._dynamo.variables import builder
+
+    if not dynamic_batch_enabled() or not hasattr(builder, "_parse_source_entry"):
+        return False
+    cfg = torch.compiler.config
+    entries = [e for e in cfg.dynamic_sources.split(",") if e.strip()]
+    if BATCH_SOURCES not in entries:
+        cfg.dynamic_sources = ",".join(entries + [BATCH_SOURCES])
+    return True
+
+
 backend = capskip_backend

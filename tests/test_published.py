@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 
 import capskip_fx
+from capskip_fx.dynamo_entry import install_batch_marking
 from capskip_fx.runtime.published import PublishedRows
 from helpers.models import Tokens
 from helpers.torch_features import needs_batch_marking
@@ -76,9 +77,9 @@ def _regional(edit=None, module_hook=False):
     model.edit = edit
     if module_hook:
         _module_hook(model)
-    for b in model.blocks:
-        b.compile(backend="capskip", options=OPTS)
-    model.head.compile(backend="capskip", options=OPTS)
+    for m in list(model.blocks) + [model.head]:
+        m.compile(backend="capskip", options=OPTS)
+        install_batch_marking(m)  # as compile_regions does: step 0 selects too
     return model
 
 
