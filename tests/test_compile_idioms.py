@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import capskip_fx
+from capskip_fx.dynamo_entry import STATIC_FIRST, install_batch_marking
 from helpers.models import Tokens
 from helpers.torch_features import needs_batch_marking
 
@@ -31,16 +32,30 @@ def _compile_linears(model):
 
 
 def _compile_regions(model, head=True):
-    for b in model.blocks:
-        b.compile(backend="capskip", options=OPTS)
-    if head:
-        model.head.compile(backend="capskip", options=OPTS)
+    """Blocks (and the head) compiled in place, their batch marked dynamic before the first call, as
+    capskip_fx.compile_regions does (a hand-written loop without the marking: tests/test_forwards_bound.py)."""
+    for m in list(model.blocks) + ([model.head] if head else []):
+        m.compile(backend="capskip", options=OPTS)
+        install_batch_marking(m)
     return model
 
 
-def _steps(model, make_x, steps=3):
+def _steps(model, make_x, steps=3, static_first=False):
     """Run ``steps`` steps; per step, the largest relative gradient error against the float64 dense
-    reference weighted by that step's selection, and its stats."""
+    reference weighted by that step's selection, and its stats.  ``static_first``: the string backend's
+    first batch is static (nothing marked before the first call): one more step first, checked here to be
+    exact and the documented dense step that marks the model's inputs dynamic for the next."""
+    if not static_first:
+        return _all_steps(model, make_x, steps)
+    out = _all_steps(model, make_x, steps + 1)
+    err, mode, *_, fallback, _ = out[0]
+    assert err < 1e-12, f"the first step's gradient differs from its dense reference by {err:.3g}"
+    # dense unless Dynamo already saw this code with another batch size in the process (automatic dynamic)
+    assert mode == "selected" or (mode, fallback) == ("dense", STATIC_FIRST), f"first step: mode {mode}, {fallback!r}"
+    return out[1:]
+
+
+def _all_steps(model, make_x, steps):
     ref = copy.deepcopy(model)
     out = []
     for step in range(steps):
@@ -67,7 +82,7 @@ def test_each_linear_compiled_in_place_runs_the_rule_once_per_backward():
     its own rows in one backward (rel. error 0.4-0.9, stats kept 24/16)."""
     torch.manual_seed(0)
     model = _compile_linears(_mlp().double())
-    for err, mode, n, kept, rows, fallback, _ in _steps(model, lambda: torch.randn(N, 6, dtype=torch.float64)):
+    for err, mode, n, kept, rows, fallback, _ in _steps(model, lambda: torch.randn(N, 6, dtype=torch.float64), static_first=True):
         assert n == N, f"one forward per step, {n} rows counted"
         assert kept == N // 2, (mode, kept, rows, fallback)
         assert rows == N // 2, (mode, kept, rows, fallback)
@@ -99,7 +114,8 @@ def test_per_layer_compile_then_an_inplace_activation(tokens):
     torch.manual_seed(2)
     model = _compile_linears(_InplaceAfterLinear(tokens).double())
     shape = (N, 4, 6) if tokens else (N, 6)
-    for err, mode, n, kept, rows, fallback, _ in _steps(model, lambda: torch.randn(*shape, dtype=torch.float64)):
+    for err, mode, n, kept, rows, fallback, _ in _steps(model, lambda: torch.randn(*shape, dtype=torch.float64),
+                                                      static_first=True):
         assert (mode, kept, rows) == ("selected", N // 2, N // 2), f"{mode}, kept {kept}, rows {rows}: {fallback}"
         assert err < 1e-12, f"gradient differs from the selection's dense reference by {err:.3g}"
 
@@ -150,10 +166,7 @@ def test_regional_compile_does_not_reuse_rows_when_a_second_consumer_adds_gradie
     autograd sums the two into a new tensor, so blocks[0] must not take blocks[1]'s rows (it would
     drop the term's gradient on the skipped rows)."""
     torch.manual_seed(6)
-    model = _TokensAux().double()
-    for b in model.blocks:
-        b.compile(backend="capskip", options=OPTS)
-    model.head.compile(backend="capskip", options=OPTS)
+    model = _compile_regions(_TokensAux().double())
     ref = copy.deepcopy(model)
     for _ in range(2):
         x, y = torch.randn(N, 5, 4, dtype=torch.float64), torch.randint(0, 3, (N,))
@@ -223,6 +236,7 @@ def test_step_reason_is_its_own(idiom):
     x, y = torch.randn(N, 6, dtype=torch.float64), torch.randint(0, 3, (N,))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
+        F.cross_entropy(model(x), y).backward()  # the static first batch: marks the batch dynamic
         F.cross_entropy(model(x * float("nan")), y).backward()
     assert "non-finite" in (capskip_fx.stats(model).fallback or ""), capskip_fx.stats(model)
     F.cross_entropy(model(x), y).backward()
@@ -463,6 +477,8 @@ def test_rule_state_resumes_through_every_idiom(idiom):
     """The rule's state (here the generator the random rule draws from) saved with capskip_fx.state_dict
     and loaded before the first step of a fresh model continues the same draws."""
     xs = [torch.randn(N, 5, 4, dtype=torch.float64) for _ in range(4)]
+    for x in xs:  # the string backend's first batch would be static (a dense step, no draw): marked here
+        torch._dynamo.maybe_mark_dynamic(x, 0)
     y = torch.randint(0, 3, (N,))
 
     def run(model, batches):
