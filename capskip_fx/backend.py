@@ -22,6 +22,7 @@ from .passes import pipeline
 from .records import BackwardMode, CompileRecord, GraphRecord, Refusal, RefusalKind, counters
 from .functions import undeclared_function
 from .runtime.backward import SelectedRowBackward
+from .runtime.executors import Dense
 from .runtime.state import RuntimeState
 from .vcas import build_backward as vcas_backward
 
@@ -88,23 +89,6 @@ class _Forward:
         return getattr(self.compiled, name)
 
 
-class _DenseBackward:
-    """Backward of a refused graph: plain dense.  Without bound forwards (the string backend) it is what
-    records the step (n rows, all kept, the reason) in stats(); CapskipModule records it at its forward."""
-
-    def __init__(self, compiled, state: RuntimeState, reason: Optional[str], batch_arg: Optional[int]):
-        self._boxed_call = True
-        self.compiled, self.state, self.reason, self.batch_arg = compiled, state, reason, batch_arg
-
-    def __call__(self, args):
-        if not self.state.bound_forwards and self.batch_arg is not None:
-            self.state.record_dense_graph(int(args[self.batch_arg].shape[0]), self.reason)
-        return self.compiled(args)
-
-    def __getattr__(self, name):
-        return getattr(self.compiled, name)
-
-
 def _batch_arg(gm: fx.GraphModule, example_inputs) -> Optional[int]:
     """Index of the first input whose dim 0 is a plain symbol (the batch); in a static graph, of the first
     tangent (a weight's dim 0 is not the batch); else of the first tensor."""
@@ -158,7 +142,7 @@ class Built:
     served by AOTAutogradCache (stored beside Inductor's cache, aot_cache.py).  Nothing per model: the
     wrappers are rebuilt for the compiling backend's state."""
 
-    kind: str  # "forward", "dense" (plain or _DenseBackward) or "rows" (SelectedRowBackward)
+    kind: str  # "forward", "dense" (plain or runtime.executors.Dense) or "rows" (SelectedRowBackward)
     record: CompileRecord = field(default_factory=CompileRecord)  # the graph's compile record (its plan included)
     head_bias: Optional[bool] = None  # the head graph's (the state's is set by the graph that found the head)
     out_idx: list = field(default_factory=list)
@@ -314,10 +298,9 @@ class CapskipBackend:
         if built.kind == "forward":
             wrapper = _Forward(compiled, built.out_idx, built.training, self.state.published)
         elif built.kind == "dense":
-            wrapper = _DenseBackward(compiled, self.state, rec.reason, built.batch_arg) if rec.reason else compiled
+            wrapper = Dense(compiled, self.state, rec.reason, built.batch_arg) if rec.reason else compiled
         else:
-            wrapper = SelectedRowBackward(compiled, rec.plan, self.state, self.config, rec,
-                                          dense_only=rec.backward != BackwardMode.SELECTED)
+            wrapper = SelectedRowBackward(compiled, rec.plan, self.state, self.config, rec)
         return aot_cache.carry_cache_attrs(wrapper, compiled)
 
     def _compile(self, rec: GraphRecord, gm: fx.GraphModule, example_inputs, kwargs) -> tuple[Any, Optional[Built]]:
@@ -349,6 +332,5 @@ class CapskipBackend:
         if res.prefix is None and not res.segmented:
             return res.compiled, Built("rows")
         # several graphs (a prefix, VCAS's segments): not described
-        return SelectedRowBackward(res.compiled, res.plan, self.state, self.config, rec,
-                                   dense_only=rec.backward != BackwardMode.SELECTED, prefix=res.prefix,
+        return SelectedRowBackward(res.compiled, res.plan, self.state, self.config, rec, prefix=res.prefix,
                                    prefix_gathered=res.prefix_gathered), None

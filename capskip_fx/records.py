@@ -248,26 +248,6 @@ class GraphRecord:
         if mode != "selected" and reason:
             self.step_reason = str(reason)
 
-    def ran_all_rows(self, k: int, n: int, gather_below: float, stats: Any, step: Any) -> Optional[str]:
-        """A backward that ran all ``n`` rows, ``k`` of them weighted: counted under its mode.  A kept share
-        above ``gather_below`` is a mode label, no fallback: its note goes on the forward's ``stats``
-        (``step``: the step in progress, for a graph that ran no rule) and is returned."""
-        own = stats if stats is not None else step
-        if own is not None and own.mode == "dense":  # no rule applied this step: the step's reason
-            self.ran("dense", own.fallback)
-            return None
-        if self.backward != BackwardMode.SELECTED:  # this graph runs dense-masked: its own reason
-            self.ran("dense-masked", self.reason)
-            return None
-        if k >= n:
-            self.ran("dense-masked", "every row kept")
-            return None
-        note = ALL_ROWS_NOTE.format(gather_below=gather_below)
-        self.ran("dense-masked", note)
-        if stats is not None:
-            stats.note = note
-        return note
-
     def settle(self, **fields: Any) -> Optional[Refusal]:
         """Replace compile fields (a pipeline result).  A ``refusal`` is kept only if the graph had none
         (the first wins) and counted once; returns it then (the caller warns), else None."""

@@ -249,7 +249,7 @@ def test_every_runtime_reason_has_a_kind():
     """The reasons the runtime writes map to a kind, never to "other"."""
     from capskip_fx.api import _N1_REASON, _NO_GRAPH_REASON
     from capskip_fx.records import fallback_kind
-    from capskip_fx.runtime.backward import VERIFY
+    from capskip_fx.runtime.executors import VERIFY
     from capskip_fx.runtime.checks import fallback_reason
     from capskip_fx.runtime.forwards import NO_HEAD_REASON, UNBOUND_REASON
 

@@ -166,12 +166,18 @@ def test_rows_mixed_between_graph_breaks_stay_exact():
 def test_verify_waits_for_informative_steps_and_rechecks_every_k(every, monkeypatch):
     """Steps keeping 0 or all rows tell nothing (0 == 0): verify must not be used up by them.
     With verify_every=K it re-checks every K-th informative gathered step."""
-    from capskip_fx.runtime.backward import SelectedRowBackward
+    from capskip_fx.runtime import backward
 
-    checked = []
-    real = SelectedRowBackward._verify
-    monkeypatch.setattr(SelectedRowBackward, "_verify",
-                        lambda self, *a: checked.append(self.gathered_steps) or real(self, *a))
+    checked = []  # the informative step each verify ran at
+    real = backward.plan_step
+
+    def spy(record, rows, config, informative_steps, fused_loss):
+        step = real(record, rows, config, informative_steps, fused_loss)
+        if step.verify:
+            checked.append(informative_steps + 1)
+        return step
+
+    monkeypatch.setattr(backward, "plan_step", spy)
     plan = [[], list(range(8)), [], [0, 2], [1], [3, 4], [5], [6, 7]]  # k = 0, N, 0, then informative
     it = iter(plan)
     model, cm = _net(rule=Forced(keep=lambda n: torch.tensor(next(it), dtype=torch.long)), verify_every=every,

@@ -8,7 +8,8 @@
   build.py             ``build_backward``: the backend's one entry point
 
 The core data path (api -> backend -> passes -> runtime) knows VCAS only as a compiled backward with
-state (``RuntimeState.add_runner``) and an exact twin (``exact``) for verification.
+state (``RuntimeState.add_runner``) that subclasses ``runtime.executors.SampledBackward`` (told the rows that
+carry gradient, with an exact twin, ``exact``, for verification).
 """
 from .build import build_backward
 from .controller import VCAS

@@ -27,6 +27,7 @@ from torch import Tensor
 
 from .. import ops
 from ..rows import conform, gather_rows, scatter_rows
+from ..runtime.executors import SampledBackward
 from ..symbolic import Spec, evaluate
 from .controller import VCAS, ProbeResult, VcasController
 from .sampling import bernoulli_keep, closed_form_var, ht_scale, sample_probs, soft_topk, systematic_keep, vcas_k
@@ -44,10 +45,9 @@ def _scale_rows(x: Tensor, spec: Spec, scale: Tensor, n: int) -> Tensor:
     return (x.unflatten(spec.dim, (n, spec.factor)) * scale.to(x.dtype).view(shape)).flatten(spec.dim, spec.dim + 1)
 
 
-class VcasBackward:
-    """The boxed callable AOTAutograd (or SelectedRowBackward) calls as the backward."""
-
-    stochastic = True
+class VcasBackward(SampledBackward):
+    """The boxed callable SelectedRowBackward calls as the compiled backward (a SampledBackward: the runtime
+    runs it as VCAS's segments, runtime/executors.py)."""
 
     def __init__(self, cfg: VCAS, state, record, min_rows: int = 2, gather_below: float = 0.9):
         self._boxed_call = True
