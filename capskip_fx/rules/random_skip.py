@@ -22,6 +22,7 @@ import torch
 from torch import Tensor
 
 from .base import HeadView, Rule, SeededRule, Selection, check_normalize, selection_dtype
+from .registry import rule_spec
 
 
 def random_ranks(u: Tensor) -> Tensor:
@@ -49,9 +50,8 @@ class RandomSkip(SeededRule):
             keep = 0.5 if keep is None else float(keep)
             if not (0.0 < keep <= 1.0):
                 raise ValueError(f"random keep fraction must be in (0, 1], got {keep!r}")
-        elif isinstance(match, str):
-            from . import make_rule  # late: the registry imports this module
-            match = make_rule(match)
+        elif isinstance(match, str):  # a registered name (rules/__init__.py registers them all on import)
+            match = rule_spec(match, standalone=True).factory()
         elif not isinstance(match, Rule):
             raise TypeError(f"random match= must be a Rule or a rule name, got {type(match).__name__}")
         self.keep = keep
