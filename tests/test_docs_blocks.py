@@ -139,13 +139,13 @@ def test_doc_block_runs(where, code, tmp_path, monkeypatch):
     if "args=TrainingArguments(...)" in code:  # the README's recipe takes its rule from the environment
         monkeypatch.setenv("CAPSKIP_RULE", "forced")
         monkeypatch.setenv("CAPSKIP_OPTIONS", "keep=0.5")
-    from capskip_fx import api, backend, config
+    from capskip_fx import api, config, dynamo_entry
 
     def aot_eager(rule, options):  # the stand-in for Inductor (minutes on 2 cores)
         return config.split_options(rule, {"backend": "aot_eager", **options})
 
     monkeypatch.setattr(api, "split_options", aot_eager)
-    monkeypatch.setattr(backend, "split_options", aot_eager)
+    monkeypatch.setattr(dynamo_entry, "split_options", aot_eager)
     monkeypatch.chdir(tmp_path)  # the recipes write out/
     ns = {"__name__": "__doc_block__", **stand_ins(tmp_path)}
     if drop_fsdp:  # FSDP2 needs a process group (tests/test_fsdp.py): fully_shard stands in as a no-op
