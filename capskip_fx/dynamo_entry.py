@@ -113,14 +113,21 @@ class _StaticFirst:
         self.gm, self.backend = gm, weakref.ref(backend)
 
     def __call__(self, *args):
+        out = self.gm(*args)
         backend = self.backend()
         if backend is not None and torch.is_grad_enabled() and backend not in _STATIC_RECORDED:
             _STATIC_RECORDED.add(backend)
             rows = [a for a in args if isinstance(a, torch.Tensor) and not isinstance(a, torch.nn.Parameter)
                     and a.dim() > 0]
+            grads = [o for o in torch.utils._pytree.tree_leaves(out) if isinstance(o, torch.Tensor) and o.requires_grad]
             if rows:
-                backend.state.record_dense_step(int(rows[0].shape[0]), STATIC_FIRST)
-        return self.gm(*args)
+                # claimed by this step's backward (a hook on the output), so graphs it runs (a checkpoint's
+                # recompute) fold into it, and the next step's backward does not take it for its own
+                backend.state.record_dense_step(int(rows[0].shape[0]), STATIC_FIRST, at_forward=True)
+                if grads:
+                    clock = backend.state.clock
+                    grads[0].register_hook(lambda g: clock.claim() and None)
+        return out
 
 
 class _BindLogits:
