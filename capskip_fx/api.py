@@ -18,6 +18,7 @@ from .backend import CapskipBackend
 from .dynamo_entry import (backend_of, capskip_backend, install_batch_marking, load_pending_state,
                            process_wide_batch_dynamic)
 from .config import CapskipConfig, split_options
+from .hf_loss import set_loss_type
 from .records import Report
 from .rules import Rule, build_rule, make_rule
 from .runtime.state import UNBOUND_REASON, ForwardContext, RunSummary, RuntimeState, StepStats, logits_of
@@ -229,6 +230,7 @@ def compile(model: nn.Module, *, rule: Union[str, Rule] = "capskip", budget: Opt
     rule_obj = build_rule(rule, budget, rule_opts)
     _check_device(model)
     _check_not_fsdp2(model)
+    set_loss_type(model)  # GPT-2's unrecognised loss_type: its lookup would break the graph before the loss
     state = RuntimeState(rule_obj, seed=seed, scope=config.scope)
     return CapskipModule(model, state, config, logits_index)
 

@@ -24,7 +24,9 @@ from typing import Any, Optional
 class BackwardMode(str, enum.Enum):
     """How a graph's backward runs.  A ``str`` Enum: reports and tests compare it to plain strings."""
 
-    NOT_COMPILED = "not compiled yet"
+    # the backward compiles at its first run: none ran (Dynamo discarded the graph for a retrace, or nothing
+    # back-propagated through it yet)
+    NOT_COMPILED = "no backward ran"
     INFERENCE = "none (inference graph)"
     SELECTED = "selected rows"  # gathers the kept rows
     DENSE_MASKED = "dense-masked"  # all N rows, skipped rows weighted 0: exact, no speed-up
@@ -347,7 +349,8 @@ class Report(list):
     LEGEND = (
         "role: head (runs the rule on its logits) | body (uses its forward's head selection) | - (neither)",
         "backward: what the graph's backward is built to run: selected rows (kept rows gathered) | dense-masked "
-        "(all rows, skipped ones weighted 0: the rule's gradient, no speed-up) | dense (rule not applied)",
+        "(all rows, skipped ones weighted 0: the rule's gradient, no speed-up) | dense (rule not applied) | "
+        "no backward ran (a graph Dynamo discarded for a retrace, or none has reached it yet)",
         "steps: this graph's backwards by the mode they ran in; last: the latest one's mode",
         "gathered_inputs: saved tensors gathered per step; row_counts: gathered row counts seen",
         "verified: yes = a gathered step matched the dense-masked backward; never: no informative step (some "
@@ -373,6 +376,8 @@ def _display(row: dict, column: str) -> str:
     if column == "steps":
         return ", ".join(f"{m} {c}" for m, c in (row.get("steps") or {}).items()) or "-"
     if column == "reason":
+        if row.get("backward") == str(BackwardMode.NOT_COMPILED) and not row.get("reason"):
+            return "never back-propagated: Dynamo discarded this trace (a retrace replaced it), or no step reached it yet"
         return _cell(row.get("reason") or row.get("step_reason"))
     return _cell(row.get(column))
 

@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 
 import capskip_fx
+from capskip_fx.records import BackwardMode
 
 transformers = pytest.importorskip("transformers")
 # conftest: every test compiles its own model, and HF models share their forward wrapper's code
@@ -197,7 +198,7 @@ def test_add_callback_keeps_gpt2s_loss_in_one_graph(monkeypatch, tmp_path):
     assert not ours, ours
     # graphs that compiled (after other GPT-2 tests in the process, Dynamo may hand over a first trace it then
     # discards for a retrace: its record never compiles and never runs)
-    rep = [r for r in capskip_fx.report(model) if r["backward"] != "not compiled yet"]
+    rep = [r for r in capskip_fx.report(model) if r["backward"] != BackwardMode.NOT_COMPILED]
     assert [(r["role"], r["steps"]) for r in rep] == [("head", {"selected": 2})], str(rep)
     assert model.loss_type == "ForCausalLM"
 
@@ -362,9 +363,10 @@ def _weighted_token_loss(logits, labels, w, shift: bool):
                                                ("qwen2", "random", "aot_eager"), ("llama", "capskip", "aot_eager"),
                                                ("llama", "random", "inductor")])
 def test_causal_lm_with_labels_selects_sequences_exactly(kind, rule, backend):
-    """labels= with padding: the loss inside the model (Llama, Qwen2: one graph) or after a graph break
-    (GPT-2's loss_function lookup logs); either way the backward runs the kept sequences, exactly.
+    """labels= with padding: the loss inside the model, in one graph (GPT-2 too: capskip_fx.compile sets the
+    loss_type its lookup would otherwise break the graph for); the backward runs the kept sequences, exactly.
     Inductor's decomposed cross-entropy saves a one-hot scatter of the labels for the loss's backward."""
+    torch._dynamo.reset()  # a model's forward code is shared: other tests' sequence lengths would make T dynamic
     torch.manual_seed(0)
     model = _causal_lm(kind)
     ref = copy.deepcopy(model).double()
@@ -381,10 +383,10 @@ def test_causal_lm_with_labels_selects_sequences_exactly(kind, rule, backend):
     assert heads, f"{kind}: no head graph in {capskip_fx.report(cm)}"
     assert heads[0]["backward"] == "selected rows", f"{kind}: the head graph's backward: {heads[0]}"
     head = next(r for r in cm.backend.records if r.head)
-    assert head.in_graph_loss == (kind != "gpt2"), f"{kind}: in-graph loss {head.in_graph_loss}"
+    assert head.in_graph_loss, f"{kind}: in-graph loss {head.in_graph_loss}"
     assert head.verified, "the gathered backward was not checked against the dense-masked one"
     # random reads no dL/dz: Hugging Face's loss backward runs on the kept sequences (capskip's on all of them)
-    assert head.prefix_rows == (kind != "gpt2" and rule == "random"), (
+    assert head.prefix_rows == (rule == "random"), (
         f"{kind} ({rule}): the in-graph loss's backward ran on the kept rows {head.prefix_rows} times")
     _weighted_token_loss(ref(input_ids=ids, attention_mask=mask).logits, labels, st.weight.double(), True).backward()
     _assert_reference_grads(model, ref, f"{kind} ({rule}, {backend})")
@@ -406,3 +408,60 @@ def test_token_classification_with_labels_selects_sequences_exactly():
     assert (st.kept, st.rows) == (4, 4), f"keep=0.5 of 8 sequences should keep and run 4: {st}"
     _weighted_token_loss(ref(input_ids=ids, attention_mask=mask).logits, labels, st.weight.double(), False).backward()
     _assert_reference_grads(model, ref, "token classification")
+
+
+# ------------------------------------------------------------------------------------------
+# GPT2LMHeadModel without add_callback: its loss lookup breaks the graph before the loss
+
+def _gpt2_lm():
+    torch.manual_seed(0)
+    return transformers.GPT2LMHeadModel(transformers.GPT2Config(vocab_size=50, n_positions=16, n_embd=16, n_layer=1,
+                                                                n_head=2, bos_token_id=1, eos_token_id=1,
+                                                                resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0))
+
+
+def _lm_steps(model, steps=3):
+    import warnings
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        out = []
+        for s in range(steps):
+            x = torch.randint(0, 50, (8, 12), generator=torch.Generator().manual_seed(s))
+            model(input_ids=x, labels=x).loss.backward()
+            out.append(capskip_fx.stats(model))
+    return out, [str(w.message) for w in caught if str(w.message).startswith("capskip_fx")]
+
+
+def test_plain_gpt2_compiled_in_place_warns_with_the_fix_and_selects_rows():
+    """model.compile(backend="capskip") alone: the loss lands in a graph of its own. The one warning says
+    rows are still selected and names the fix, not "no classifier head ... dense backward"."""
+    from capskip_fx.records import RefusalKind
+
+    torch._dynamo.reset()  # GPT-2's forward code is shared: sequence lengths seen before would make T dynamic
+    model = _gpt2_lm()
+    assert model.loss_type is None, "GPT-2's loss_type is no longer unset: this test checks nothing"
+    model.compile(backend="capskip", options={"rule": "forced", "keep": 0.5, "backend": "aot_eager"})
+    stats, ours = _lm_steps(model)
+    assert len(ours) == 1, ours
+    assert 'model.loss_type = "ForCausalLM"' in ours[0] and "Rows are still selected" in ours[0], ours
+    assert "no classifier head" not in ours[0], ours
+    assert stats[0].fallback is None or stats[0].fallback.kind is not RefusalKind.NO_HEAD, (
+        f"step 0's reason must be the cause, not the loss graph's missing head: {stats[0]!r}")
+    assert [(s.mode, s.kept, s.rows) for s in stats[1:]] == [("selected", 4, 4)] * 2, stats
+    assert model.loss_type is None, "the string backend leaves the model's attributes alone"
+
+
+def test_capskip_compile_keeps_gpt2s_loss_in_one_graph():
+    """capskip_fx.compile sets the loss transformers falls back to anyway: one graph, no warning, the same loss."""
+    torch._dynamo.reset()  # as above
+    model = _gpt2_lm()
+    ref = copy.deepcopy(model)
+    cm = capskip_fx.compile(model, rule="forced", keep=0.5, backend="aot_eager")
+    assert model.loss_type == "ForCausalLM"
+    x = torch.randint(0, 50, (8, 12), generator=torch.Generator().manual_seed(0))
+    torch.testing.assert_close(cm(input_ids=x, labels=x).loss, ref(input_ids=x, labels=x).loss)
+    stats, ours = _lm_steps(cm)
+    assert not ours, ours
+    assert [(s.mode, s.kept, s.rows) for s in stats] == [("selected", 4, 4)] * 3, stats
+    assert [(r["role"], r["steps"]) for r in capskip_fx.report(cm)] == [("head", {"selected": 3})], capskip_fx.report(cm)

@@ -16,6 +16,7 @@ import torch.nn.functional as F
 import capskip_fx
 from capskip_fx.dynamo_entry import STATIC_FIRST
 from capskip_fx.runtime import stats as stats_mod
+from helpers.torch_features import needs_batch_marking
 
 
 def _step(cm, n=8, seed=0):
@@ -72,7 +73,7 @@ def test_info_line_rate_limited(caplog, monkeypatch):
             _step(cm, seed=s)
     lines = [r.getMessage() for r in caplog.records if r.name == "capskip_fx"]
     assert lines == ["capskip_fx step 0 (selected): kept 4/8 rows, backward ran on 4; run: kept 50.0%, ran 50.0% "
-                     "of rows over 1 steps"], lines
+                     "of rows over 1 step"], lines
 
 
 @pytest.mark.subprocess
@@ -316,3 +317,56 @@ def test_reentrant_checkpoint_backward_folds_into_the_training_step(monkeypatch)
         assert (st.step, st.mode, st.n, st.kept, st.rows, st.fallback) == (s, "selected", 8, 4, 4, None), st
     run = capskip_fx.summary(m)
     assert (run.steps, run.modes) == (4, {"dense": 1, "selected": 3}), run
+
+
+def test_report_says_a_graph_no_backward_ran_through_in_words():
+    """A graph whose backward never compiled, so never ran (Dynamo discarded the trace for a retrace: its
+    compile did not finish; seen with GPT-2 in a Trainer), is not "not compiled yet" in a report read after
+    training."""
+    from capskip_fx.records import GraphRecord, Report
+
+    rep = Report([GraphRecord(index=0, nodes=12).as_dict()])
+    assert rep[0]["backward"] == "no backward ran" and rep[0]["steps"] == {}, rep.rows
+    line = str(rep).splitlines()[1]
+    assert "no backward ran" in line and "never back-propagated" in line and "discarded" in line, line
+    assert "not compiled" not in str(rep), str(rep)
+
+
+def test_summary_says_one_step_not_one_steps():
+    cm = capskip_fx.compile(_model(), rule="forced", keep=0.5, backend="aot_eager")
+    _step(cm)
+    assert str(capskip_fx.summary(cm)).startswith("capskip_fx: 1 step, kept 50.0%"), str(capskip_fx.summary(cm))
+
+
+@needs_batch_marking
+@pytest.mark.parametrize("marked", [True, False], ids=["dynamic_from_step_0", "static_first_batch"])
+def test_blocks_compiled_with_the_head_left_eager_say_so_on_every_step(marked):
+    """Blocks compiled in place, head eager: every step says its logits come from eager code, step 0 too
+    (before the model's forward hook binds it used to read "no classifier head", a block's output taken for
+    logits); one cause, one warning.  Marked as compile_regions marks them, the batch is dynamic from step 0
+    and the three reasons are one; unmarked, step 0 runs eagerly for its static batch (its own reason)."""
+    import warnings
+
+    from capskip_fx.dynamo_entry import install_batch_marking
+    from helpers.models import Tokens
+
+    torch.manual_seed(3)
+    model = Tokens().double()
+    for b in model.blocks:
+        b.compile(backend="capskip", options={"rule": "random", "keep": 0.5, "backend": "aot_eager"})
+        if marked:
+            install_batch_marking(b)
+    stats = []
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(3):
+            F.cross_entropy(model(torch.randn(8, 5, 4, dtype=torch.float64)), torch.randint(0, 3, (8,))).backward()
+            stats.append(capskip_fx.stats(model))
+    kinds = [s.fallback.kind.value for s in stats]
+    assert [s.mode for s in stats] == ["dense"] * 3 and "no head" not in kinds, stats
+    assert kinds[1:] == ["eager logits"] * 2, kinds
+    if marked:
+        assert len({str(s.fallback) for s in stats}) == 1 and kinds[0] == "eager logits", stats
+        assert dict(capskip_fx.summary(model).fallbacks) == {"eager logits": 3}, capskip_fx.summary(model)
+    ours = [str(w.message) for w in caught if str(w.message).startswith("capskip_fx")]
+    assert len(ours) == 1 and "not the output of a compiled graph" in ours[0], ours

@@ -12,7 +12,7 @@ from typing import Optional
 
 from transformers import TrainerCallback
 
-from ..api import summary
+from ..api import set_loss_type, summary
 
 WRAPPED = ("capskip_fx: trainer.model is a torch.compile wrapper (OptimizedModule): Trainer.save_model() writes "
            "'_orig_mod.*' keys that from_pretrained() silently loads as random weights, and evaluate() finds no "
@@ -25,22 +25,6 @@ def _warn_if_wrapped(model) -> None:
 
     if isinstance(model, OptimizedModule):
         warnings.warn(WRAPPED, stacklevel=3)
-
-
-def set_loss_type(model) -> bool:
-    """Give a model whose ``loss_type`` transformers does not recognise (GPT-2's ``GPT2LMHeadModel``) the
-    loss it falls back to anyway, ``"ForCausalLM"``: the lookup would log a warning, which breaks the
-    compiled graph before the loss (rows are still selected, through a second graph that capskip warns
-    about).  The same loss, one graph.  True if it was set."""
-    try:
-        from transformers.loss.loss_utils import LOSS_MAPPING
-    except ImportError:
-        return False
-    inner = getattr(model, "_orig_mod", model)
-    if not hasattr(inner, "loss_type") or "_loss_function" in vars(inner) or inner.loss_type in LOSS_MAPPING:
-        return False
-    inner.loss_type = "ForCausalLM"
-    return True
 
 
 def _training_log(logs: dict) -> bool:

@@ -28,6 +28,7 @@ from typing import Any, Optional
 import torch
 from torch import Tensor
 
+from ..records import RefusalKind, fallback_kind
 from ..rules.base import HeadView, Rule, Selection
 from . import forwards
 from .checks import bad_targets_error, check_not_compiled_autograd, deferred_reason, fallback_reason, head_checks
@@ -40,6 +41,22 @@ from .view import global_view
 # names the backend and the API take from here
 __all__ = ["RuntimeState", "ForwardContext", "StepStats", "RunSummary", "logits_of", "UNBOUND_REASON",
            "NO_HEAD_REASON"]
+
+
+def _head_outside_compiled(owner: Any) -> bool:
+    """Blocks compiled in place, the model itself not: whether its classifier (``get_classifier()``, else
+    the last Linear) lies outside every compiled module, so that its logits come from eager code."""
+    from torch._dynamo.eval_frame import OptimizedModule
+
+    if not isinstance(owner, torch.nn.Module) or isinstance(owner, OptimizedModule) or \
+            getattr(owner, "_compiled_call_impl", None) is not None:
+        return False
+    get = getattr(owner, "get_classifier", None)
+    head = get() if callable(get) else None
+    if not isinstance(head, torch.nn.Module):
+        head = next((m for m in reversed(list(owner.modules())) if isinstance(m, torch.nn.Linear)), None)
+    compiled = [m for m in owner.modules() if getattr(m, "_compiled_call_impl", None) is not None]
+    return head is not None and bool(compiled) and not any(head is m for c in compiled for m in c.modules())
 
 
 def _f32(t: Optional[Tensor]) -> Optional[Tensor]:
@@ -114,6 +131,7 @@ class RuntimeState:
         fwd = forwards.running_forward()
         node = forwards.current_node()
         if fwd is None and (self._upstream_of_heads(node) or (self.clock.in_step() and self.last.dense
+                                                              and not self.last.provisional
                                                               and self.last.fallback == UNBOUND_REASON)):
             return False, None
         self._heads().append(node)
@@ -149,6 +167,12 @@ class RuntimeState:
         return self._generator
 
     def warn_once(self, reason: str) -> None:
+        if reason.startswith("no classifier head"):  # what a graph without a head means for this model
+            from ..hf_loss import loss_lookup_warning
+
+            owner = self.published.owner() if self.published.owner else None
+            # a Hugging Face loss lookup's graph break (with the fix); a block of a model whose head is eager
+            reason = loss_lookup_warning(owner) or (UNBOUND_REASON if _head_outside_compiled(owner) else reason)
         if reason not in self._warned:
             self._warned.add(reason)
             warnings.warn(f"capskip_fx: {reason}", stacklevel=3)
@@ -260,15 +284,25 @@ class RuntimeState:
         if self.clock.claim() or self.bound_forwards:  # CapskipModule recorded it at its forward
             return
         reason = f"{no_head}: no rule runs, dense backward" if no_head else NO_HEAD_REASON
-        self.record_dense_step(n, reason, provisional=True)
+        self.record_dense_step(n, self._eager_head_reason(reason), provisional=True)
 
     def record_dense_graph(self, n: int, reason: str) -> None:
         """A refused graph's dense backward (string backend): the step's stats, once per backward, unless
         a selecting graph already recorded this backward."""
         if self.clock.claim():
-            self.last.fallback = self.last.fallback or reason
+            # a refused graph says why no rule ran better than a body graph's "no head" (its backward ran first)
+            provisional_no_head = self.last.provisional and fallback_kind(self.last._fallback) is RefusalKind.NO_HEAD
+            self.last.fallback = reason if provisional_no_head else self.last.fallback or reason
             return
-        self.record_dense_step(n, reason, provisional=True)
+        self.record_dense_step(n, self._eager_head_reason(reason), provisional=True)
+
+    def _eager_head_reason(self, reason: str) -> str:
+        """A graph with no head, in a model whose head runs outside its compiled blocks: the step's reason is
+        the eager head (what the model's forward hook records from its second step on), not the block's."""
+        if fallback_kind(reason) is RefusalKind.NO_HEAD and \
+                _head_outside_compiled(self.published.owner() if self.published.owner else None):
+            return UNBOUND_REASON
+        return reason
 
     # -- stateful backwards --------------------------------------------------------------
     def add_runner(self, runner) -> None:

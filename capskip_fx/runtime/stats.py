@@ -177,14 +177,18 @@ class RunSummary:
 
     def __str__(self) -> str:
         modes = ", ".join(f"{m} {self.modes[m]}" for m in STEP_MODES if self.modes[m])
-        out = (f"capskip_fx: {self.steps} steps, kept {self.kept_pct:.1f}% of {self.n} rows, backward ran on "
+        out = (f"capskip_fx: {_steps(self.steps)}, kept {self.kept_pct:.1f}% of {self.n} rows, backward ran on "
                f"{self.rows_pct:.1f}% ({modes or 'no steps'})")
         if self.all_rows_by_design:
-            out += (f"\n  {self.all_rows_by_design} steps kept more than gather_below of the rows: all rows ran, "
+            out += (f"\n  {_steps(self.all_rows_by_design)} kept more than gather_below of the rows: all rows ran, "
                     f"by design (no fallback)")
         for kind, c in sorted(self.fallbacks.items(), key=lambda kc: (-kc[1], kc[0])):
-            out += f"\n  {c} steps fell back ({kind}): {self.details.get(kind)}"
+            out += f"\n  {_steps(c)} fell back ({kind}): {self.details.get(kind)}"
         return out
+
+
+def _steps(n: int) -> str:
+    return f"{n} step" if n == 1 else f"{n} steps"
 
 
 class RunLog:
@@ -201,5 +205,5 @@ class RunLog:
             self._logged_at = now
             run = self.totals
             log.info("capskip_fx step %d (%s): kept %d/%d rows, backward ran on %d; run: kept %.1f%%, ran %.1f%% "
-                     "of rows over %d steps%s", st.step, st.mode, st.kept, st.n, st.rows, run.kept_pct, run.rows_pct,
-                     run.steps, f"; this step: {st._fallback}" if st._fallback else "")
+                     "of rows over %s%s", st.step, st.mode, st.kept, st.n, st.rows, run.kept_pct, run.rows_pct,
+                     _steps(run.steps), f"; this step: {st._fallback}" if st._fallback else "")
