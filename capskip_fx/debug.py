@@ -1,4 +1,5 @@
-"""Count the host reads (device syncs) a piece of code makes: each stalls a GPU's queue.
+"""Count the host reads (device syncs) a piece of code makes: each stalls a GPU's queue; and the aten ops
+it runs eagerly, outside compiled graphs (:func:`count_eager_ops`).
 
     with capskip_fx.debug.count_host_reads() as reads:
         loss.backward()
@@ -13,6 +14,7 @@ Device-agnostic: a CPU run counts the reads a CUDA run would sync on.  On CUDA,
 """
 from __future__ import annotations
 
+import collections
 import contextlib
 from typing import Iterator
 
@@ -60,3 +62,46 @@ def count_host_reads() -> Iterator[list[str]]:
             yield mode.ops
     finally:
         torch.Tensor.tolist = orig
+
+
+_GRAPH_MARK = "## Call CompiledFxGraph"  # Inductor's profiler range around each compiled graph's run
+
+
+class EagerOps:
+    """What :func:`count_eager_ops` counted: ``eager`` (aten op name -> calls made outside compiled graphs)
+    and ``in_graphs`` (the aten ops compiled graphs dispatch themselves: extern kernels such as mm, and what
+    Inductor could not fuse, such as a Python custom op's body)."""
+
+    def __init__(self) -> None:
+        self.eager: collections.Counter = collections.Counter()
+        self.in_graphs: collections.Counter = collections.Counter()
+
+    def __len__(self) -> int:
+        return sum(self.eager.values())
+
+    def __repr__(self) -> str:
+        return f"EagerOps(eager={len(self)}, in_graphs={sum(self.in_graphs.values())})"
+
+
+@contextlib.contextmanager
+def count_eager_ops() -> Iterator[EagerOps]:
+    """Counts the aten ops the block dispatches outside Inductor's compiled graphs (filled when the block
+    ends).  An op counts once, where it is called: the aten ops it calls itself are not counted again.  Read
+    with torch.profiler (every thread, the autograd engine's included); Inductor marks each compiled graph's
+    run while profiling.  Graphs of other backends (aot_eager interprets its graphs op by op) are not
+    marked: their ops count as eager."""
+    from torch.profiler import ProfilerActivity, profile
+
+    out = EagerOps()
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        yield out
+    for e in prof.events():
+        if not e.name.startswith("aten::"):
+            continue
+        p = e.cpu_parent
+        while p is not None and not (p.name.startswith("aten::") or p.name.startswith(_GRAPH_MARK)):
+            p = p.cpu_parent
+        if p is None:
+            out.eager[e.name] += 1
+        elif p.name.startswith(_GRAPH_MARK):
+            out.in_graphs[e.name] += 1
