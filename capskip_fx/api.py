@@ -353,6 +353,17 @@ def compile_regions(model: nn.Module, *, rule: Union[str, Rule] = "capskip", bud
     return model
 
 
+def mark_compiled_batches(model: nn.Module) -> int:
+    """Have ``model`` (compiled in place or returned by ``torch.compile``) and every module inside it compiled
+    in place trace their batch as dynamic from their first call, as :func:`compile_regions` does, so that a
+    ``backend="capskip"`` model's step 0 selects instead of running its static first batch dense.  The trainer
+    callbacks call it for the model they are given; a module compiled with another backend inside it would
+    trace a dynamic batch too.  Returns how many modules it marks."""
+    if not isinstance(model, nn.Module):
+        return 0
+    return sum(install_batch_marking(m) for m in model.modules())  # each in place compiled, or model itself
+
+
 def _fsdp2_sharded(module: nn.Module) -> bool:
     try:
         from torch.distributed.fsdp import FSDPModule

@@ -26,7 +26,6 @@ from . import ops  # noqa: E402
 from .backend import CapskipBackend  # noqa: E402
 from .config import ENV_BUDGET, ENV_OPTIONS, ENV_RULE, dynamic_batch_enabled, options_from_env, split_options  # noqa: E402
 from .rules import build_rule  # noqa: E402
-from .records import Fallback, RefusalKind  # noqa: E402
 from .runtime.state import UNBOUND_REASON, ForwardContext, RuntimeState, logits_of  # noqa: E402
 
 log = logging.getLogger("capskip_fx")
@@ -97,10 +96,9 @@ def capskip_backend(gm: fx.GraphModule, example_inputs, options: Optional[dict] 
     return backend(gm, example_inputs)  # a static batch with marks on: the model specialises it (refused, said)
 
 
-#: the step of a static first batch (see mark_batch_dynamic below), as stats() and summary() tell it
-STATIC_FIRST = Fallback("the first batch was traced with a static size: this step ran eagerly (dense); the next "
-                        "recompiles once with the batch marked dynamic on the model's inputs",
-                        RefusalKind.STATIC_BATCH)
+#: the note of a static first batch's step (see mark_batch_dynamic below): dense by design, not a fallback
+STATIC_FIRST = ("the first batch was traced with a static size: this step ran eagerly (dense); the next recompiles "
+                "once with the batch marked dynamic on the model's inputs")
 _STATIC_RECORDED: "weakref.WeakSet[CapskipBackend]" = weakref.WeakSet()  # backends whose static step is in stats
 
 
@@ -123,7 +121,8 @@ class _StaticFirst:
             if rows:
                 # claimed by this step's backward (a hook on the output), so graphs it runs (a checkpoint's
                 # recompute) fold into it, and the next step's backward does not take it for its own
-                backend.state.record_dense_step(int(rows[0].shape[0]), STATIC_FIRST, at_forward=True)
+                backend.state.record_dense_step(int(rows[0].shape[0]), None, at_forward=True)
+                backend.state.clock.last.note = STATIC_FIRST
                 if grads:
                     clock = backend.state.clock
                     grads[0].register_hook(lambda g: clock.claim() and None)

@@ -324,6 +324,7 @@ def test_distilbert_with_labels_selects_rows(backend):
     ids, mask = _padded_batch(8, 6, "right")
     y = torch.arange(8) % 3
     cm = torch.compile(model, backend="capskip", options={"rule": "random", "keep": 0.5, "backend": backend})
+    capskip_fx.api.mark_compiled_batches(cm)  # as the Trainer callback does: step 0 traces a dynamic batch
     cm(input_ids=ids, attention_mask=mask, labels=y).loss.backward()
     st = capskip_fx.stats(cm)
     assert st.mode == "selected", f"DistilBERT with labels= ({backend}) should run selected rows: {st}"

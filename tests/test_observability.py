@@ -311,12 +311,12 @@ def test_reentrant_checkpoint_backward_folds_into_the_training_step(monkeypatch)
         x = torch.randn(8, 6, generator=g, requires_grad=True)
         F.cross_entropy(m(x), torch.randint(0, 3, (8,), generator=g)).backward()
         st = capskip_fx.stats(m)
-        if s == 0:  # the head's input comes out of the checkpoint unmarked: the static first step, dense
-            assert (st.step, st.mode, st.fallback) == (0, "dense", STATIC_FIRST), st
+        if s == 0 and st.mode == "dense":  # the head's input leaves the checkpoint unmarked: static first step
+            assert (st.step, st.fallback, st.note) == (0, None, STATIC_FIRST), st
             continue
         assert (st.step, st.mode, st.n, st.kept, st.rows, st.fallback) == (s, "selected", 8, 4, 4, None), st
     run = capskip_fx.summary(m)
-    assert (run.steps, run.modes) == (4, {"dense": 1, "selected": 3}), run
+    assert run.steps == 4 and run.modes["selected"] >= 3 and not run.fallbacks, run
 
 
 def test_report_says_a_graph_no_backward_ran_through_in_words():
@@ -362,8 +362,10 @@ def test_blocks_compiled_with_the_head_left_eager_say_so_on_every_step(marked):
         for _ in range(3):
             F.cross_entropy(model(torch.randn(8, 5, 4, dtype=torch.float64)), torch.randint(0, 3, (8,))).backward()
             stats.append(capskip_fx.stats(model))
-    kinds = [s.fallback.kind.value for s in stats]
+    kinds = [s.fallback.kind.value if s.fallback else None for s in stats]
     assert [s.mode for s in stats] == ["dense"] * 3 and "no head" not in kinds, stats
+    if not marked:  # the static first batch: dense by design, a note and no fallback (or already dynamic)
+        assert kinds[0] == "eager logits" or (kinds[0], stats[0].note) == (None, STATIC_FIRST), stats[0]
     assert kinds[1:] == ["eager logits"] * 2, kinds
     if marked:
         assert len({str(s.fallback) for s in stats}) == 1 and kinds[0] == "eager logits", stats

@@ -12,7 +12,7 @@ from typing import Optional
 
 from transformers import TrainerCallback
 
-from ..api import set_loss_type, summary
+from ..api import mark_compiled_batches, set_loss_type, summary
 
 WRAPPED = ("capskip_fx: trainer.model is a torch.compile wrapper (OptimizedModule): Trainer.save_model() writes "
            "'_orig_mod.*' keys that from_pretrained() silently loads as random weights, and evaluate() finds no "
@@ -42,8 +42,10 @@ class CapskipCallback(TrainerCallback):
         self.model = model
 
     def on_init_end(self, args, state, control, model=None, **kwargs):
-        _warn_if_wrapped(self.model if self.model is not None else model)
-        set_loss_type(self.model if self.model is not None else model)
+        target = self.model if self.model is not None else model
+        _warn_if_wrapped(target)
+        set_loss_type(target)
+        mark_compiled_batches(target)  # its step 0 selects (no static first batch)
 
     def on_log(self, args, state, control, logs: Optional[dict] = None, model=None, **kwargs):
         target = self.model if self.model is not None else model
@@ -65,6 +67,7 @@ def add_callback(trainer, model=None) -> CapskipCallback:
     unrecognised ``loss_type`` to the loss transformers would use (:func:`set_loss_type`)."""
     _warn_if_wrapped(trainer.model)
     set_loss_type(model if model is not None else trainer.model)
+    mark_compiled_batches(model if model is not None else trainer.model)  # its step 0 selects
     cb = CapskipCallback(model)
     trainer.callback_handler.callbacks.insert(0, cb)
     return cb

@@ -12,7 +12,7 @@ try:
 except ImportError:  # the older package name
     from pytorch_lightning.callbacks import Callback
 
-from ..api import summary
+from ..api import mark_compiled_batches, summary
 
 
 class CapskipCallback(Callback):
@@ -22,6 +22,10 @@ class CapskipCallback(Callback):
 
     def __init__(self, model=None):
         self.model = model
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        # the modules compiled in place in the LightningModule trace a dynamic batch from step 0 (it selects)
+        mark_compiled_batches(self.model if self.model is not None else pl_module)
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         try:
