@@ -310,6 +310,7 @@ class CapskipBackend:
             if rec.error is not None:
                 return _RaiseOnCall(rec.error), None
             out_idx = _batch_outputs(gm)
+            pipeline.forward(gm)
             compiled = base(gm, example_inputs, **kwargs)
             return compiled, Built("forward", out_idx=out_idx, training=rec.backward != BackwardMode.INFERENCE)
         _no_donated_buffers()

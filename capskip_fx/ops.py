@@ -3,7 +3,8 @@
 - ``capskip::select(h, z, g, key) -> w``: the head graph's selection (runs the rule).
 - ``capskip::shared(g, key) -> w``: graphs without the head: the rows that carry gradient.
 - ``capskip::saved_copy(z) -> z'``: the copy of the logits a head graph returns, ``z`` being saved for
-  ``select`` (a clone Inductor's no-op removal would fold back into ``z``).
+  ``select`` (a clone Inductor's no-op removal would fold back into ``z`` in the joint graph; the
+  partitioned forward compiles it as ``aten.clone``, passes/insert_select.fusable_copies).
 
 The ops are opaque to AOTAutograd/Inductor (fake implementations below), so the partitioner saves
 ``h`` and ``z`` for the backward.  The selected-row backward replaces select/shared by a

@@ -8,6 +8,7 @@ the ``b``-th slice of that dim viewed ``(outer, s, factor)``.
 """
 from __future__ import annotations
 
+import collections
 import math
 from typing import Optional
 
@@ -70,12 +71,16 @@ def gather_all(args: list, specs: list, idx: torch.Tensor, n: int, shapes: list)
         if rb is not None:
             key = rb[:3]
             blocks[key] = blocks.get(key, 0) + rb[3]
-    # a block pays when its views cover at least half of it (else gather just the view)
+    # a block pays when its views cover at least half of it (else gather just the view); a block that is
+    # one contiguous batch-major argument is that argument's own index_select (one op, no views around it)
     use = {k for k, covered in blocks.items() if 2 * covered >= k[2]}
+    views = collections.Counter(rb[:3] for rb in row_blocks if rb is not None)
     gathered: dict = {}
     out = []
     for a, s, shape, rb in zip(args, specs, shapes, row_blocks):
-        if rb is not None and rb[:3] in use:
+        if rb is not None and views[rb[:3]] == 1 and s.factor == 1 and a.is_contiguous():
+            out.append(conform(a.index_select(0, idx), *shape))
+        elif rb is not None and rb[:3] in use:
             key = rb[:3]
             _, start, r = key
             if key not in gathered:

@@ -100,6 +100,19 @@ def _return_a_copy(graph: fx.Graph, z: fx.Node) -> fx.Node:
     return c
 
 
+def fusable_copies(gm: fx.GraphModule) -> int:
+    """In a partitioned forward graph, the returned copies of the logits as ``aten.clone``: a kernel the
+    compiler fuses, where the custom op is a Python call into eager ops.  Safe after the partition only: the
+    saved ``z`` and the copy are then both outputs, and Inductor's no-op removal keeps a clone between two
+    outputs (it would fold it into ``z`` in the joint graph).  Returns how many it replaced."""
+    copies = list(gm.graph.find_nodes(op="call_function", target=SAVED_COPY))
+    for c in copies:
+        c.target = aten.clone.default
+    if copies:
+        gm.recompile()
+    return len(copies)
+
+
 def _sizes(graph: fx.Graph, z: fx.Node, dims: tuple, before: fx.Node) -> list:
     """z's sizes in ``dims``: ints, or sym_size nodes where symbolic (a dynamic sequence length)."""
     out = []

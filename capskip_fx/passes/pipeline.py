@@ -10,6 +10,9 @@ joint graph (Inductor's ``joint_custom_pre_pass``, before partitioning), :func:`
                                     the graph returns a copy of z (z itself is saved)
      (or select_body)
 
+forward graph (Inductor's ``inner_compile``), :func:`forward`:
+     insert_select.fusable_copies   the returned copy of z becomes a clone the compiler fuses
+
 backward graph (Inductor's ``inner_compile``), :func:`backward`:
   5. selected_rows.plan_backward    the selection node -> a new last input w; every gathered input
                                     checked against step 3's proof; an in-graph loss's prefix split off
@@ -161,6 +164,13 @@ class JointPass(CustomGraphPass):
         result = joint(graph, self.ctx)
         if result is not None:
             self.deliver(result)
+
+
+# -- the forward graph -----------------------------------------------------------------------------
+
+def forward(gm: fx.GraphModule) -> None:
+    """The partitioned forward graph, rewritten in place before it compiles."""
+    insert_select.fusable_copies(gm)
 
 
 # -- the backward graph ----------------------------------------------------------------------------

@@ -216,7 +216,7 @@ def prefix_sq_norms(d: Tensor, x: Tensor, route: Optional[str] = None, block: Op
     if route not in PREFIX_ROUTES:
         raise ValueError(f"prefix route must be one of {PREFIX_ROUTES} or None, got {route!r}")
     if route == "gram" or n == 0:
-        K = (d @ d.T) * (x @ x.T)
+        K = torch.inner(d, d) * torch.inner(x, x)
         return K.cumsum(0).cumsum(1).diagonal(), "gram"
     bs = max(1, int(block or prefix_block(c, e)))
     nb = -(-n // bs)
@@ -232,6 +232,23 @@ def prefix_sq_norms(d: Tensor, x: Tensor, route: Optional[str] = None, block: Op
     sf = s.reshape(nb, c * e)
     out = (sf * sf).sum(1)[:, None] + 2 * cross.cumsum(1) + own
     return out.reshape(-1)[:n], "running"
+
+
+_POSITIONS: dict = {}
+
+
+def positions(n: int, device: torch.device) -> Tensor:
+    """``1..n`` (int64) on ``device``, made once per (n, device): rules compare against it every step (an
+    arange is one more eager op).  Never modify it in place."""
+    if torch.compiler.is_compiling():
+        return torch.arange(1, n + 1, device=device)
+    key = (n, torch.device(device))
+    t = _POSITIONS.get(key)
+    if t is None:
+        if len(_POSITIONS) >= 64:  # ragged batch sizes: keep the memory bounded
+            _POSITIONS.clear()
+        t = _POSITIONS[key] = torch.arange(1, n + 1, device=device)
+    return t
 
 
 @dataclass

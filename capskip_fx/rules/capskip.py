@@ -23,11 +23,11 @@ import math
 from typing import Optional
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
-from .base import (PREFIX_ROUTES, HeadView, Rule, Selection, check_normalize, head_gram, is_cosine, prefix_route,
-                   prefix_sq_norms,
-                   selection_dtype)
+from .base import (PREFIX_ROUTES, HeadView, Rule, Selection, check_normalize, head_gram, is_cosine, positions,
+                   prefix_route, prefix_sq_norms, selection_dtype)
 from .labels import correct_mask
 
 
@@ -49,47 +49,43 @@ def capskip_weights(delta: Tensor, h: Tensor, correct: Tensor, budget: float, bi
     n = delta.shape[0]
     d = delta
     if d.dim() == 2 and not is_cosine(d, h):
-        dd, x = d.to(dt), h.to(dt)
-        one = 1 if bias else 0
+        dd = d if d.dtype == dt else d.to(dt)
+        x = h if h.dtype == dt else h.to(dt)
+        if bias:
+            x = F.pad(x, (0, 1), value=1.0)  # [h, 1]
         # the sort key from row-wise sums: exactly tied rows (duplicates, cancelling pairs) keep batch order
-        diag = (dd * dd).sum(1) * ((x * x).sum(1) + one)
+        diag = torch.linalg.vecdot(dd, dd) * torch.linalg.vecdot(x, x)
         if sketch:
             dev = generator.device if generator is not None else dd.device
             p = torch.randn(dd.shape[1], sketch, generator=generator, device=dev, dtype=dt).to(dd.device)
             dd = dd @ (p / math.sqrt(sketch))
-        if bias:
-            x = torch.cat([x, torch.ones_like(x[:, :1])], 1)
-        key = torch.where(correct, diag, torch.full_like(diag, math.inf))
-        order = torch.argsort(key, stable=True)
+        key = torch.where(correct, diag, math.inf)
+        key_sorted, order = torch.sort(key, stable=True)
         prefix_sq, _ = prefix_sq_norms(dd.index_select(0, order), x.index_select(0, order), route, block)
     else:
         # the sort key from row-wise sums, not diag(K): GEMM may round equal rows differently, and
         # exactly tied rows (duplicates, cancelling pairs) must keep batch order
         K, diag, _ = head_gram(delta, h, bias, sketch, generator)
-        key = torch.where(correct, diag, torch.full_like(diag, math.inf))
-        order = torch.argsort(key, stable=True)
+        key = torch.where(correct, diag, math.inf)
+        key_sorted, order = torch.sort(key, stable=True)
         Ks = K.index_select(0, order).index_select(1, order)
         prefix_sq = Ks.cumsum(0).cumsum(1).diagonal()
     # correct rows first, by increasing ||g_i||^2 (stable: batch order for ties)
     prefix_sq = prefix_sq.clamp_min(0)  # ||S_k||^2, k = 1..N
-    # ||G||^2 as the full prefix, so S_N == G exactly when every row is a candidate
+    # ||G||^2 as the full prefix, so S_N == G exactly when every row is a candidate; as a ratio to it
+    # (0 when G = 0: every prefix meets b * 0 only with norm 0)
     total = prefix_sq[-1] if n > 0 else prefix_sq.new_zeros(())
-    ks = torch.arange(1, n + 1, device=d.device)
-    m = correct.sum()
-    if budget == 0:
-        ok = prefix_sq == 0  # b = 0: only rows that contribute nothing are free
-        ok = ok & (diag.index_select(0, order) == 0).cumprod(0).bool()
-    else:
-        ok = prefix_sq <= (budget * budget) * total
-    ok = ok & (ks <= m)
+    ratio = prefix_sq / total.clamp_min(torch.finfo(dt).tiny)
+    ks = positions(n, d.device)
+    if budget == 0:  # only rows that contribute nothing are free (key 0: correct, zero gradient)
+        ok = (prefix_sq == 0) & (key_sorted == 0).cumprod(0).bool()
+    else:  # only correct rows: the others sort last with key inf, and ratio + 0 * inf is NaN, never <= b^2
+        ok = ratio.add(key_sorted, alpha=0) <= budget * budget
     n_skip = (ks * ok).max() if n > 0 else torch.zeros((), dtype=torch.long, device=d.device)
-    skip_sorted = ks <= n_skip
-    skip = torch.zeros(n, dtype=torch.bool, device=d.device).index_put((order,), skip_sorted)
-    weight = (~skip).to(dt)
-    last = (n_skip - 1).clamp_min(0).reshape(1)
-    chosen_sq = torch.where(n_skip > 0, prefix_sq.gather(0, last).squeeze(0), prefix_sq.new_zeros(()))
-    bound = torch.where(total > 0, chosen_sq.sqrt() / total.sqrt().clamp_min(torch.finfo(dt).tiny),
-                        prefix_sq.new_zeros(()))
+    # row order[i] is skipped for i < n_skip; order is a permutation: the scatter writes every row
+    kept_sorted = (ks > n_skip).to(dt)
+    weight = kept_sorted.scatter(0, order, kept_sorted)
+    bound = torch.take(F.pad(ratio, (1, 0)), n_skip).sqrt()  # ||S_0|| = 0 first; no read of n_skip
     return weight, bound, n_skip
 
 
@@ -152,7 +148,7 @@ class CAPSkip(Rule):
         if view.tokens or self.sketch:  # eager: the sketch draws from a generator
             weight, bound, correct = _select_eager(view.delta, view.h, view.z, view.targets, self.budget, bias,
                                                    self.sketch, view.generator, self.route)
-            return self.finish(Selection(weight=weight, bound=bound, info={"n_correct": correct.sum()}))
+            return self.finish(Selection(weight=weight, bound=bound, info={"correct": correct}))
         route = self.route
         if route is None and not is_cosine(view.delta, view.h):
             route = prefix_route(view.n, view.delta.shape[1], view.h.shape[1] + int(bias))[0]
@@ -160,7 +156,7 @@ class CAPSkip(Rule):
         # padded blocks under a dynamic N
         fn = _select_eager if route == "running" else self._fn(view.delta.device)
         weight, bound, correct = fn(view.delta, view.h, view.z, view.targets, self.budget, bias, route=route)
-        return self.finish(Selection(weight=weight, bound=bound, info={"n_correct": correct.sum()}))
+        return self.finish(Selection(weight=weight, bound=bound, info={"correct": correct}))
 
     def __repr__(self) -> str:
         norm = "" if self.normalize == "batch" else f", normalize={self.normalize!r}"

@@ -25,16 +25,18 @@ class Forced(Rule):
 
     def select(self, view: HeadView) -> Selection:
         n = view.n
-        w = view.z.new_zeros(n)
         if callable(self.keep):
+            w = view.z.new_zeros(n)
             sel = torch.as_tensor(self.keep(n), device=w.device)
             if sel.dtype == torch.bool:
                 w[sel] = 1
             else:
                 w[sel.long()] = 1
-        else:
-            w[: max(1, round(float(self.keep) * n))] = 1
-        count = None if callable(self.keep) else min(n, max(1, round(float(self.keep) * n)))  # the host knows k
+            return self.finish(Selection(weight=w))
+        count = min(n, max(1, round(float(self.keep) * n)))  # the host knows k
+        # two ops (each runs eagerly every step); the row numbers in a dtype that holds them exactly
+        dt = view.z.dtype if view.z.dtype in (torch.float32, torch.float64) else torch.float32
+        w = torch.arange(n, device=view.z.device, dtype=dt).lt_(count)
         return self.finish(Selection(weight=w, count=count))
 
     def __repr__(self) -> str:

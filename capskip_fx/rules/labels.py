@@ -26,12 +26,13 @@ def infer_targets(delta: Tensor) -> Tensor:
     """(N,) int64 labels from dL/dz; -1 where no negative entry exists (label unknown);
     (N, T) per token for token-shaped ``delta`` (N, T, C)."""
     mn, arg = delta.min(dim=-1)
-    return torch.where(mn < 0, arg, torch.full_like(arg, -1))
+    return torch.where(mn < 0, arg, -1)
 
 
 def zero_rows(delta: Tensor) -> Tensor:
     """(N,) rows (sequences, for token-shaped delta) whose gradient is exactly zero."""
-    return (delta == 0).flatten(1).all(dim=1)
+    zero = delta == 0
+    return (zero if delta.dim() == 2 else zero.flatten(1)).all(dim=1)
 
 
 def correct_mask(delta: Tensor, z: Tensor, targets: Optional[Tensor]) -> Tensor:
@@ -39,9 +40,18 @@ def correct_mask(delta: Tensor, z: Tensor, targets: Optional[Tensor]) -> Tensor:
     every sequence (a sequence has no one class; CAPSkip's bound alone decides, docs/rules.md)."""
     if delta.dim() == 3:
         return torch.ones(delta.shape[0], dtype=torch.bool, device=delta.device)
-    y = infer_targets(delta) if targets is None else targets.to(z.device).long()
-    correct = (z.argmax(dim=1) == y) & (y >= 0)
-    return correct | zero_rows(delta)
+    if targets is None:  # infer_targets inline: a row with a negative entry has its argmin as label (and is
+        mn, arg = delta.min(dim=-1)  # not zero); any other row's label is unknown: correct only if zero
+        return torch.where(mn < 0, z.argmax(dim=1) == arg, zero_rows(delta))
+    # an unknown label (-1) never equals an argmax
+    return (z.argmax(dim=1) == _labels(targets, z.device)) | zero_rows(delta)
+
+
+def _labels(targets: Tensor, device: torch.device) -> Tensor:
+    """``targets`` as int64 on ``device`` (no op where they already are)."""
+    if targets.device != device:
+        targets = targets.to(device)
+    return targets if targets.dtype == torch.long else targets.long()
 
 
 def sequence_losses(delta: Tensor, z: Tensor, targets: Optional[Tensor]) -> Tensor:
@@ -101,6 +111,14 @@ def softmax_residual(delta: Tensor) -> Tensor:
     d = d.flatten(0, -2) if d.dim() > 2 else d  # token-shaped: one row per token
     den = torch.linalg.vector_norm(d, dim=1).sum()
     return d.sum(1).abs().sum() / den.clamp_min(torch.finfo(d.dtype).tiny)
+
+
+def softmax_residual_parts(delta: Tensor) -> tuple[Tensor, Tensor]:
+    """:func:`softmax_residual`'s numerator and denominator, 0-dim each (the residual is their ratio, 0
+    where the denominator is 0): four ops, no conversion of ``delta``."""
+    dt = torch.float64 if delta.dtype == torch.float64 else torch.float32
+    return (torch.linalg.vector_norm(delta.sum(-1, dtype=dt), 1),
+            torch.linalg.vector_norm(delta, dim=-1, dtype=dt).sum())
 
 
 def bad_targets(targets: Tensor, num_classes: int) -> Tensor:

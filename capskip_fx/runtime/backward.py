@@ -78,7 +78,7 @@ class SelectedRowBackward:
                 waiting.clear()
             return self.dense_masked(args, weight)
         if not step.reuse:  # kept rows first; the pad rows are skipped rows and carry weight 0
-            idx = torch.argsort((weight == 0).to(torch.int8), stable=True)[:step.rows]
+            idx = torch.argsort(state.skipped(weight), stable=True)[:step.rows]
         w_kb = weight.index_select(0, idx)
         ready: frozenset = frozenset()  # the rest's inputs already at kb rows (the loss backward's outputs)
         if waiting is not None:  # the loss's backward on the kept rows; the reference runs it on all rows

@@ -5,38 +5,77 @@ are asked (:func:`deferred_reason`).  Also the refusal of compiled autograd, whi
 """
 from __future__ import annotations
 
+import math
 from typing import Callable, Optional
 
 import torch
 from torch import Tensor
 
-from ..rules.labels import SOFTMAX_RESIDUAL_TOL, softmax_residual
+from ..rules.labels import SOFTMAX_RESIDUAL_TOL, softmax_residual_parts
+
+
+class HeadChecks:
+    """One head step's checks as 0-dim device tensors (``parts``, no read), and the labels the rule may
+    index with (out-of-range ones clamped: a step with one raises after the read, its rule state undone).
+    The host reads the parts together with the kept count (:meth:`flags` interprets them), or, after a
+    fixed-count step, only when its stats are asked (:func:`deferred_reason`).  Few ops: every op here runs
+    eagerly on each step (benchmarks/eager_ops.py)."""
+
+    def __init__(self, parts: list, kinds: list, targets: Optional[Tensor], classes: int, dtype: torch.dtype,
+                 finite: int):
+        self.parts = parts  # 0-dim tensors, in ``kinds`` order
+        self.kinds = kinds  # (check name, how many parts it reads)
+        self.finite = finite  # the first parts: L1 norms of z, h and g (when given)
+        self.targets = targets
+        self.classes = classes
+        self.tiny = torch.finfo(dtype).tiny
+
+    @property
+    def names(self) -> list[str]:
+        return [name for name, _ in self.kinds]
+
+    def flags(self, values: list) -> dict:
+        """The checks (name -> True where it fails, "finite" -> True where it holds) from the parts' values."""
+        out, i = {}, 0
+        for name, m in self.kinds:
+            v, i = values[i:i + m], i + m
+            if name == "finite":  # L1 norms: non-finite where an entry is (or a norm overflows: dense, never wrong)
+                out[name] = all(math.isfinite(x) for x in v)
+            elif name == "bad_targets":  # the labels' (min, max)
+                out[name] = v[0] < -1 or v[1] >= self.classes
+            elif name == "zero":  # dL/dz's L1 norm (the finite check's last part): a sum of |x|, so no
+                out[name] = values[self.finite - 1] == 0  # underflow hides a nonzero entry
+            else:  # "not_softmax": softmax_residual's numerator and denominator
+                out[name] = v[0] / max(v[1], self.tiny) > SOFTMAX_RESIDUAL_TOL
+        return out
 
 
 def head_checks(h: Tensor, z: Tensor, g: Optional[Tensor], targets: Optional[Tensor],
-                needs_labels: bool) -> tuple[list[str], Tensor, Optional[Tensor]]:
-    """The checks' names and values as one (m,) int64 device tensor (no read); and the labels with
-    out-of-range ones as -1 (unknown), so the rule, run before the read, never indexes with them.
-    ``g`` None (chosen before an in-graph loss's backward): the finite check reads h and z; a kept row's
-    non-finite dL/dz then reaches the gradient as it would in a dense step, a skipped row's is never made."""
-    # one reduction per tensor: a NaN or inf anywhere makes its sum non-finite (a sum overflowing float32,
-    # ~1e38, would read as non-finite too: a dense step, never a wrong one)
-    acc = torch.float64 if z.dtype == torch.float64 else torch.float32
-    total = z.sum(dtype=acc) + h.sum(dtype=acc)
-    checks = {"finite": torch.isfinite(total + g.sum(dtype=acc) if g is not None else total)}
-    if targets is not None:
-        targets = targets.to(z.device)
+                needs_labels: bool) -> HeadChecks:
+    """The step's checks (no read).  ``g`` None (chosen before an in-graph loss's backward): the finite
+    check reads h and z; a kept row's non-finite dL/dz then reaches the gradient as it would in a dense
+    step, a skipped row's is never made."""
+    given = [t for t in (z, h, g) if t is not None]
+    acc = torch.float64 if any(t.dtype == torch.float64 for t in given) else torch.float32
+    # one op for every tensor's finiteness: the L1 norm is non-finite where an entry is
+    parts = list(torch._foreach_norm(given, 1, dtype=acc))
+    kinds = [("finite", len(parts))]
+    finite = len(parts)
+    if targets is not None and targets.numel():
+        if targets.device != z.device:
+            targets = targets.to(z.device)
         if z.dim() == 3:  # token-shaped logits: per-token labels, -100 (cross_entropy's ignore_index) ignored
-            targets = torch.where(targets == -100, torch.full_like(targets, -1), targets)
-        bad = (targets < -1) | (targets >= z.shape[-1])
-        checks["bad_targets"] = bad.any()
-        targets = torch.where(bad, torch.full_like(targets, -1), targets)
+            targets = torch.where(targets == -100, -1, targets)
+        parts += list(torch.aminmax(targets))
+        kinds.append(("bad_targets", 2))
+        targets = targets.clamp(-1, z.shape[-1] - 1)  # the rule never indexes with a bad label
     if g is not None and g.shape[0] > 0 and needs_labels:
         # an unused 2-D output picked as the logits reads as "every row free": CAPSkip would skip all
-        checks["zero"] = (g == 0).all()
+        kinds.append(("zero", 0))
         if targets is None:
-            checks["not_softmax"] = softmax_residual(g) > SOFTMAX_RESIDUAL_TOL
-    return list(checks), torch.stack(list(checks.values())).long(), targets
+            parts += list(softmax_residual_parts(g))
+            kinds.append(("not_softmax", 2))
+    return HeadChecks(parts, kinds, targets, z.shape[-1], acc, finite)
 
 
 def fallback_reason(checks: dict, deferred: bool = False) -> Optional[str]:
@@ -58,10 +97,11 @@ def fallback_reason(checks: dict, deferred: bool = False) -> Optional[str]:
     return None
 
 
-def deferred_reason(names: list, flags: Tensor, warn: Callable[[str], None]) -> Callable[[], Optional[str]]:
-    """A fixed-count step's fallback reason, read from the device (and warned once) when stats ask for it."""
+def deferred_reason(checks: HeadChecks, values: Tensor, warn: Callable[[str], None]) -> Callable[[], Optional[str]]:
+    """A fixed-count step's fallback reason, read from the device (``values``: its checks' parts stacked;
+    one read) and warned once, when stats ask for it."""
     def read() -> Optional[str]:
-        reason = fallback_reason(dict(zip(names, flags.tolist())), deferred=True)
+        reason = fallback_reason(checks.flags(values.tolist()), deferred=True)
         if reason is not None:
             warn(reason)
         return reason

@@ -18,7 +18,6 @@ gradient is the one a gathered backward returned (runtime/published.py, runtime/
 from __future__ import annotations
 
 import atexit
-import math
 import sys
 import time
 import warnings
@@ -57,6 +56,11 @@ def _head_outside_compiled(owner: Any) -> bool:
         head = next((m for m in reversed(list(owner.modules())) if isinstance(m, torch.nn.Linear)), None)
     compiled = [m for m in owner.modules() if getattr(m, "_compiled_call_impl", None) is not None]
     return head is not None and bool(compiled) and not any(head is m for c in compiled for m in c.modules())
+
+
+def _detached(t: Optional[Tensor]) -> Optional[Tensor]:
+    """``t`` outside autograd: itself when it already is (a backward's saved tensors: no op to run)."""
+    return t.detach() if t is not None and t.requires_grad else t
 
 
 def _f32(t: Optional[Tensor]) -> Optional[Tensor]:
@@ -98,6 +102,7 @@ class RuntimeState:
         _LIVE.add(self)
         self._pending_runners: list = []  # their states from a checkpoint loaded before they compiled
         self.published = PublishedRows()  # this backward's gathered input gradients, for the body graphs
+        self._skipped: tuple = (None, None)  # (the last selection's weight, its rows of weight 0 or None)
         # (graph task, its selecting heads' nodes, the compiled nodes upstream of them, heads walked so far)
         self._upstream: tuple = (None, [], set(), 0)
 
@@ -191,10 +196,10 @@ class RuntimeState:
         if fwd.targets is not None and fwd.targets.shape != z.shape[:-1]:
             raise ValueError(f"capskip_targets has shape {tuple(fwd.targets.shape)}; logits of shape {tuple(z.shape)} "
                              f"need one label per {'token (N, T), aligned with the logits' if z.dim() == 3 else 'row (N,)'}")
-        view = global_view(self.scope, h.detach(), z.detach(), g.detach() if g is not None else None, fwd.targets,
-                           fwd.index)
+        view = global_view(self.scope, _detached(h), _detached(z), _detached(g), fwd.targets, fwd.index)
         h, z, g, targets = view.h, view.z, view.g, view.targets
-        names, flags, safe_targets = head_checks(h, z, g, targets, self.rule.needs_labels)
+        checks = head_checks(h, z, g, targets, self.rule.needs_labels)
+        names, safe_targets = checks.names, checks.targets
         # The rule runs before the checks are read, so that one read serves both.  A step that falls back
         # (or raises) puts the rule's state back: stateful rules (SB's history, UB's EMA, the generators
         # KABENA and the others draw from) never keep an update from a NaN or unusable step.  The step is a
@@ -210,35 +215,50 @@ class RuntimeState:
         except BaseException:
             self.rule.commit_step()  # as before transactions: a raising rule keeps what it changed
             raise
-        weight = view.local_rows(sel.weight.to((g if g is not None else z).dtype), n)  # every rank decided over the global batch
-        fallback, pending = None, None
+        dtype = (g if g is not None else z).dtype
+        weight = view.local_rows(sel.weight if sel.weight.dtype == dtype else sel.weight.to(dtype), n)  # every rank decided over the global batch
+        fallback, pending, skipped = None, None, None
         if sel.count is not None and view.lo is None and "bad_targets" not in names:
             # the host knows k: no read.  The checks stay on the device: a non-finite step's kept rows
-            # weigh NaN, so its gradient is non-finite as a dense step's (GradScaler skips it);
-            # stats().fallback reads the checks when asked
+            # weigh NaN (x + 0 * inf is NaN), so its gradient is non-finite as a dense step's (GradScaler
+            # skips it); stats().fallback reads the checks when asked
             k = sel.count
-            weight = torch.where(flags[0].bool() | (weight == 0), weight, torch.full_like(weight, math.nan))
-            pending = deferred_reason(names, flags, self.warn_once)
+            parts = torch.stack(checks.parts)
+            nonfinite = parts.amax()  # finite, or NaN / inf where a check's part is (no sum to overflow)
+            if k < n:
+                skipped = weight == 0
+                weight = torch.where(skipped, weight, weight.add(nonfinite, alpha=0))
+            else:
+                weight = weight.add(nonfinite, alpha=0)
+            pending = deferred_reason(checks, parts, self.warn_once)
         else:
-            *vals, k = torch.cat([flags, (weight != 0).sum().reshape(1)]).tolist()  # the one host read
-            checks = dict(zip(names, vals))
-            fallback = fallback_reason(checks)
-            if fallback is not None or checks.get("bad_targets"):
+            skipped = weight == 0
+            *vals, n_skipped = torch.stack([*checks.parts, skipped.sum()]).tolist()  # the one host read
+            k = n - int(n_skipped)
+            flags = checks.flags(vals)
+            fallback = fallback_reason(flags)
+            if fallback is not None or flags.get("bad_targets"):
                 self.rule.undo_step()
                 gen.set_state(gen_state)
-            if checks.get("bad_targets"):
+            if flags.get("bad_targets"):
                 raise bad_targets_error(targets.to(z.device), z.shape[-1])
             if fallback is not None:
                 self.warn_once(fallback)
                 sel = Selection(weight=weight.new_ones(n))  # no bound either
-                weight, k = sel.weight, n
+                weight, k, skipped = sel.weight, n, None
+        self._skipped = (weight, skipped)
         self.rule.commit_step()  # accepted (a step undone above has nothing left to commit)
         step = self.clock.begin(self.variants)
         fwd.stats = StepStats(step=step, n=n, kept=int(k), rows=n, _fallback=fallback, dense=fallback is not None,
-                              variants=self.variants, weight=weight.detach(), _bound=sel.bound, _pending=pending,
+                              variants=self.variants, weight=_detached(weight), _bound=sel.bound, _pending=pending,
                               selection_ms=(time.perf_counter() - t0) * 1e3)
         self.last.add(fwd.stats)
         return weight, int(k)
+
+    def skipped(self, weight: Tensor) -> Tensor:
+        """The rows ``weight`` skips (weight 0), as :meth:`select` found them when it returned ``weight``."""
+        last, mask = self._skipped
+        return mask if last is weight and mask is not None else weight == 0
 
     def select_op(self, h: Tensor, z: Tensor, g: Tensor) -> Tensor:
         """ops.select in a head graph whose backward runs dense-masked (not rewritten): the rule's weight
