@@ -523,6 +523,8 @@ def reason_recorded(cm) -> Optional[str]:
     st_ = capskip_fx.stats(cm)
     if st_.fallback is not None:
         return st_.fallback
+    if st_.mode == "dense" and st_.note:  # dense by design, said so (the string backend's static first batch)
+        return st_.note
     return next((r["reason"] for r in capskip_fx.report(cm) if r.get("reason")), None)
 
 
