@@ -13,7 +13,6 @@ from . import compat
 
 compat.check()  # a moved torch internal fails here, loudly
 
-import logging  # noqa: E402
 import sys  # noqa: E402
 import weakref  # noqa: E402
 from typing import Optional  # noqa: E402
@@ -27,8 +26,6 @@ from .backend import CapskipBackend  # noqa: E402
 from .config import ENV_BUDGET, ENV_OPTIONS, ENV_RULE, dynamic_batch_enabled, options_from_env, split_options  # noqa: E402
 from .rules import build_rule  # noqa: E402
 from .runtime.state import UNBOUND_REASON, ForwardContext, RuntimeState, logits_of  # noqa: E402
-
-log = logging.getLogger("capskip_fx")
 
 # -- the string backend: torch.compile(model, backend="capskip"[, options={...}]) ----------------------
 # One CapskipBackend (one rule state, one record list) per model and settings, so all graphs of a model
