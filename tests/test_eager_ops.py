@@ -5,7 +5,8 @@ once where it is called (forward, the loss outside the model, backward).  Under 
 would count, so these tests compile with Inductor (a tiny MLP: seconds).  The bounds are on the ops a rule
 adds to a plain torch.compile step, which the same counter measures in the same process (its own ops
 depend on torch's autograd, not on us).  Totals per step before (benchmarks/results/cpu_eager_ops_before.md)
-and now (cpu_eager_ops.md): plain 8; dense 28 -> 13, forced 49 -> 24, capskip 123 -> 61."""
+and now (cpu_eager_ops.md): plain 8; dense 28 -> 13, forced 49 -> 24, capskip 123 -> 61, sb 102 -> 61,
+random 58 -> 28."""
 from __future__ import annotations
 
 import pytest
@@ -26,6 +27,8 @@ BOUNDS = {
     "dense": (dict(rule="dense"), 6, "dense-masked"),  # was 20
     "forced": (dict(rule="forced", keep=0.5), 16, "selected"),  # was 41 (49 in all)
     "capskip": (dict(rule="capskip", budget=0.5), 53, "selected"),  # was 115 (123 in all)
+    "sb": (dict(rule="sb", keep=0.5, start=0, end=1, interrupt=0), 53, "selected"),  # was 94
+    "random": (dict(rule="random", keep=0.5), 20, "selected"),  # was 50
 }
 
 

@@ -419,7 +419,7 @@ class SeededRule(Rule):
         """``n`` U[0, 1) draws on the view's device (drawn where the generator lives)."""
         g = self.generator(view)
         u = torch.rand(n, generator=g, device=g.device, dtype=dtype)
-        return u.to(view.z.device)
+        return u if u.device == view.z.device else u.to(view.z.device)
 
     @property
     def generator_state(self) -> Optional[dict[str, Any]]:

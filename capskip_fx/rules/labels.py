@@ -89,10 +89,9 @@ def sequence_losses(delta: Tensor, z: Tensor, targets: Optional[Tensor]) -> Tens
 def per_example_ce(z: Tensor, targets: Tensor) -> Tensor:
     """Per-example cross-entropy in float32 (float64 for float64 logits); NaN where label unknown."""
     dt = torch.float64 if z.dtype == torch.float64 else torch.float32
-    lse = torch.logsumexp(z.to(dt), dim=1)
-    y = targets.clamp_min(0)
-    loss = lse - z.to(dt).gather(1, y[:, None]).squeeze(1)
-    return torch.where(targets >= 0, loss, torch.full_like(loss, float("nan")))
+    z = z if z.dtype == dt else z.to(dt)
+    loss = torch.logsumexp(z, dim=1) - z.gather(1, targets.clamp_min(0).unsqueeze(1)).squeeze(1)
+    return torch.where(targets >= 0, loss, math.nan)
 
 
 #: softmax_residual above this: dL/dz is not from a loss of softmax(z); labels can't be inferred.

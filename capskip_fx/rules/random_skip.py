@@ -98,17 +98,19 @@ class RandomSkip(SeededRule):
         n = view.n
         dt = selection_dtype(view.z)
         info: dict[str, Any] = {}
-        if self.match is None:
-            k = torch.tensor(max(1, round(self.keep * n)), device=view.z.device)
-        else:
-            other = self.match.select(view)
-            k = (other.weight > 0).sum()  # stays on the device: no host sync
-            info["matched"] = other
+        if self.match is None:  # the host knows k
+            count = min(n, max(1, round(self.keep * n)))
+            keep = random_ranks(self.uniform(view, n, dt)) < count
+            info["n_keep"] = count
+            info["prob"] = torch.full((n,), count / max(n, 1), dtype=dt, device=view.z.device)
+            return self.finish(Selection(weight=keep.to(dt), info=info, count=count))
+        other = self.match.select(view)
+        k = (other.weight > 0).sum()  # stays on the device: no host sync
+        info["matched"] = other
         keep = random_ranks(self.uniform(view, n, dt)) < k
         info["n_keep"] = k
         info["prob"] = (k.to(dt) / max(n, 1)).expand(n)
-        count = None if self.match is not None else min(n, max(1, round(self.keep * n)))  # the host knows k
-        return self.finish(Selection(weight=keep.to(dt), info=info, count=count))
+        return self.finish(Selection(weight=keep.to(dt), info=info))
 
     def __repr__(self) -> str:
         what = f"match={self.match!r}" if self.match is not None else f"keep={self.keep}"

@@ -59,7 +59,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from .base import HeadView, SeededRule, Selection, check_normalize, selection_dtype, view_losses
+from .base import HeadView, SeededRule, Selection, check_normalize, positions, selection_dtype, view_losses
 
 
 def percentile_below(loss: Tensor, history: Tensor) -> Tensor:
@@ -79,17 +79,17 @@ def sb_keep_prob(loss: Tensor, history: Tensor, beta: float, p_min: float = 0.0)
 
 def top_loss_mask(loss: Tensor, k: int) -> Tensor:
     """Exactly ``k`` rows with the highest loss (NaN counts as highest; ties: batch order)."""
-    key = torch.where(torch.isnan(loss), torch.full_like(loss, math.inf), loss)
+    key = torch.nan_to_num(loss, nan=math.inf, posinf=math.inf, neginf=-math.inf)
     order = torch.argsort(key, descending=True, stable=True)
-    keep_sorted = torch.arange(loss.shape[0], device=loss.device) < k
-    return torch.zeros_like(keep_sorted).index_put((order,), keep_sorted)
+    keep_sorted = positions(loss.shape[0], loss.device) <= k
+    return keep_sorted.scatter(0, order, keep_sorted)  # order is a permutation: every row written
 
 
 def composer_sample_mask(loss: Tensor, k: int, keep: float, u: Tensor) -> Tensor:
     """Composer's draw: ``k`` rows without replacement, weight ``((r+0.5)/N)^(1/keep-1)`` by
     ascending-loss rank ``r``; Efraimidis-Spirakis keys ``log(u) / w``, top k."""
     n = loss.shape[0]
-    key = torch.where(torch.isnan(loss), torch.full_like(loss, math.inf), loss)
+    key = torch.nan_to_num(loss, nan=math.inf, posinf=math.inf, neginf=-math.inf)
     rank = torch.argsort(torch.argsort(key, stable=True))
     w = ((rank.to(loss.dtype) + 0.5) / n).pow(1.0 / keep - 1.0)
     es = torch.log(u.clamp_min(torch.finfo(u.dtype).tiny)) / w
