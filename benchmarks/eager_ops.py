@@ -5,10 +5,11 @@ Inductor's compiled graphs, each once where it is called (not the ops it calls i
 the loss (cross-entropy outside the model) and the backward; ``in graphs`` counts what the compiled graphs
 dispatch themselves (matmuls as extern kernels, and anything Inductor could not fuse).  Inductor, because
 aot_eager interprets its graphs op by op (all of them would count as eager).  A tiny MLP (12 -> 16 GELU
--> 5), N = 16, float32; steps 0-3 warm up (compile, verify), then the median over ``--steps`` steps.
+-> 5), N = 16, float32; steps 0-3 warm up (compile, verify), then the median over ``--steps`` steps;
+``--timed``: the median time of that many more steps, unprofiled (forward, loss, backward).
 -> benchmarks/results/<stem>.{md,json}
 
-    python benchmarks/eager_ops.py [--threads 1] [--steps 3] [--ops] [--out STEM]
+    python benchmarks/eager_ops.py [--threads 1] [--steps 3] [--timed 200] [--ops] [--out STEM]
 """
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ import argparse
 import pathlib
 import statistics
 import sys
+import time
 
 import torch
 import torch.nn as nn
@@ -41,8 +43,9 @@ def make_model() -> nn.Module:
     return nn.Sequential(nn.Linear(D, HIDDEN), nn.GELU(), nn.Linear(HIDDEN, C))
 
 
-def measure(opts, steps: int = 3, warmup: int = WARMUP, backend: str = "inductor"):
-    """(eager ops per measured step, in-graph ops per measured step, the last step's op counts, its stats)."""
+def measure(opts, steps: int = 3, warmup: int = WARMUP, backend: str = "inductor", timed: int = 0):
+    """(eager ops per measured step, in-graph ops per measured step, the last step's op counts, its stats,
+    the median step time in microseconds over ``timed`` more steps, unprofiled, or None)."""
     torch.manual_seed(0)
     model = make_model()
     cm = torch.compile(model, backend=backend) if opts is None else capskip_fx.compile(model, backend=backend, **opts)
@@ -58,7 +61,14 @@ def measure(opts, steps: int = 3, warmup: int = WARMUP, backend: str = "inductor
             in_graphs.append(sum(ops.in_graphs.values()))
             last = ops
             st = capskip_fx.stats(cm) if opts is not None else None
-    return eager, in_graphs, last, st
+    times = []
+    for _ in range(timed):
+        x, y = torch.randn(N, D, generator=g), torch.randint(0, C, (N,), generator=g)
+        model.zero_grad(set_to_none=True)
+        t0 = time.perf_counter()
+        F.cross_entropy(cm(x), y).backward()
+        times.append((time.perf_counter() - t0) * 1e6)
+    return eager, in_graphs, last, st, statistics.median(times) if times else None
 
 
 def main(argv=None) -> None:
@@ -66,15 +76,16 @@ def main(argv=None) -> None:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--ops", action="store_true", help="print each case's eager ops by name")
+    ap.add_argument("--timed", type=int, default=0, help="also time this many unprofiled steps (median us)")
     ap.add_argument("--out", default=None, help="results stem (default benchmarks/results/cpu_eager_ops)")
     a = ap.parse_args(argv)
     torch.set_num_threads(a.threads)
     rows = []
     for label, opts in CASES:
-        eager, in_graphs, ops, st = measure(opts, a.steps)
+        eager, in_graphs, ops, st, us = measure(opts, a.steps, timed=a.timed)
         rows.append({"case": label, "eager_ops": statistics.median(eager), "in_graphs": statistics.median(in_graphs),
                      "steps": eager, "mode": st.mode if st else "", "kept": st.kept if st else N,
-                     "rows": st.rows if st else N, "ops": dict(ops.eager)})
+                     "rows": st.rows if st else N, "step_us": us, "ops": dict(ops.eager)})
         print({k: v for k, v in rows[-1].items() if k != "ops"}, flush=True)
         if a.ops:
             for name, c in ops.eager.most_common():
@@ -82,9 +93,11 @@ def main(argv=None) -> None:
     cmd = "python benchmarks/eager_ops.py " + " ".join(sys.argv[1:] if argv is None else argv)
     md = [f"# Eager aten ops per training step (cpu, Inductor, torch {torch.__version__}, {a.threads} thread(s), "
           f"MLP {D}-{HIDDEN}-{C}, N={N}, median of {a.steps} steps after {WARMUP})", "", f"`{cmd.strip()}`", "",
-          "| case | eager aten ops | in compiled graphs | mode (kept / rows of N) |", "|---|---|---|---|"]
+          "| case | eager aten ops | in compiled graphs | mode (kept / rows of N) | step us (median) |",
+          "|---|---|---|---|---|"]
+    us = lambda r: "" if r["step_us"] is None else f"{r['step_us']:.0f}"
     md += [f"| {r['case']} | {r['eager_ops']:g} | {r['in_graphs']:g} | {r['mode'] or 'plain'} "
-           f"({r['kept']} / {r['rows']} of {N}) |" for r in rows]
+           f"({r['kept']} / {r['rows']} of {N}) | {us(r)} |" for r in rows]
     stem = pathlib.Path(a.out) if a.out else pathlib.Path(__file__).parent / "results" / "cpu_eager_ops"
     write_results(stem, rows, "\n".join(md))
     print("\n".join(md))
