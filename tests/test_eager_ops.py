@@ -16,6 +16,7 @@ import torch.nn.functional as F
 
 import capskip_fx
 from capskip_fx.debug import count_eager_ops
+from torch._inductor.utils import fresh_inductor_cache
 
 pytestmark = pytest.mark.inductor
 
@@ -36,7 +37,14 @@ def _steps(opts):
     """Per measured step: (eager ops, ops run inside the compiled graphs, the step's stats or None)."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(D, HIDDEN), nn.GELU(), nn.Linear(HIDDEN, C))
-    cm = torch.compile(model) if opts is None else capskip_fx.compile(model, backend="inductor", **opts)
+    # compiled into a fresh cache: a graph another test's cache entry serves may run without Inductor's
+    # profiler range around it, and its ops would count as eager
+    with fresh_inductor_cache():
+        cm = torch.compile(model) if opts is None else capskip_fx.compile(model, backend="inductor", **opts)
+        return _run(model, cm, opts)
+
+
+def _run(model, cm, opts):
     g = torch.Generator().manual_seed(0)
     out = []
     for step in range(WARMUP + STEPS):
