@@ -298,7 +298,7 @@ class CapskipBackend:
         if built.kind == "forward":
             wrapper = _Forward(compiled, built.out_idx, built.training, self.state.published)
         elif built.kind == "dense":
-            wrapper = Dense(compiled, self.state, rec.reason, built.batch_arg) if rec.reason else compiled
+            wrapper = Dense(compiled, self.state, rec.reason, built.batch_arg, rec) if rec.reason else compiled
         else:
             wrapper = SelectedRowBackward(compiled, rec.plan, self.state, self.config, rec)
         return aot_cache.carry_cache_attrs(wrapper, compiled)

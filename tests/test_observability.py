@@ -372,3 +372,22 @@ def test_blocks_compiled_with_the_head_left_eager_say_so_on_every_step(marked):
         assert dict(capskip_fx.summary(model).fallbacks) == {"eager logits": 3}, capskip_fx.summary(model)
     ours = [str(w.message) for w in caught if str(w.message).startswith("capskip_fx")]
     assert len(ours) == 1 and "not the output of a compiled graph" in ours[0], ours
+
+
+def test_report_counts_a_refused_graphs_dense_backwards():
+    """A refused graph's backwards are steps in report() too ("steps -" read as if it never ran)."""
+    class RowMix(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.head = torch.nn.Linear(6, 8), torch.nn.Linear(8, 3)
+
+        def forward(self, x):
+            h = self.a(x)
+            return self.head(h - h.mean(0, keepdim=True))  # mixes rows: refused
+
+    cm = capskip_fx.compile(RowMix(), rule="forced", keep=0.5, backend="aot_eager")
+    with pytest.warns(UserWarning, match="cross-example"):
+        for s in range(3):
+            _step(cm, seed=s)
+    rep = capskip_fx.report(cm)
+    assert [(r["backward"], r["steps"], r["last"]) for r in rep] == [("dense", {"dense": 3}, "dense")], rep.rows

@@ -212,13 +212,16 @@ class Dense:
     """Backward of a refused graph: plain dense.  Without bound forwards (the string backend) it is what
     records the step (n rows, all kept, the reason) in stats(); CapskipModule records it at its forward."""
 
-    def __init__(self, compiled, state, reason: Optional[str], batch_arg: Optional[int]):
+    def __init__(self, compiled, state, reason: Optional[str], batch_arg: Optional[int], record=None):
         self._boxed_call = True
         self.compiled, self.state, self.reason, self.batch_arg = compiled, state, reason, batch_arg
+        self.record = record  # the graph's record: report() counts its backwards (steps, last)
 
     def __call__(self, args):
         if not self.state.bound_forwards and self.batch_arg is not None:
             self.state.record_dense_graph(int(args[self.batch_arg].shape[0]), self.reason)
+        if self.record is not None:
+            self.record.ran("dense", self.reason)
         return self.compiled(args)
 
     def __getattr__(self, name):
