@@ -37,8 +37,9 @@ def _steps(opts):
     """Per measured step: (eager ops, ops run inside the compiled graphs, the step's stats or None)."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(D, HIDDEN), nn.GELU(), nn.Linear(HIDDEN, C))
-    # compiled into a fresh cache: a graph another test's cache entry serves may run without Inductor's
-    # profiler range around it, and its ops would count as eager
+    # compiled into a fresh cache and a reset Dynamo: a graph another test's cache entry serves may run without
+    # Inductor's profiler range around it, and its ops would count as eager
+    torch._dynamo.reset()
     with fresh_inductor_cache():
         cm = torch.compile(model) if opts is None else capskip_fx.compile(model, backend="inductor", **opts)
         return _run(model, cm, opts)
