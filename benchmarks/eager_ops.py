@@ -24,7 +24,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import capskip_fx
-from capskip_fx.debug import count_eager_ops
+from capskip_fx.debug import eager_ops_per_step
 from results_io import write_results
 
 CASES = [  # (label, capskip_fx.compile options; None: plain torch.compile)
@@ -50,17 +50,11 @@ def measure(opts, steps: int = 3, warmup: int = WARMUP, backend: str = "inductor
     model = make_model()
     cm = torch.compile(model, backend=backend) if opts is None else capskip_fx.compile(model, backend=backend, **opts)
     g = torch.Generator().manual_seed(0)
-    eager, in_graphs, last, st = [], [], None, None
-    for step in range(warmup + steps):
-        x, y = torch.randn(N, D, generator=g), torch.randint(0, C, (N,), generator=g)
-        model.zero_grad(set_to_none=True)
-        with count_eager_ops() as ops:
-            F.cross_entropy(cm(x), y).backward()
-        if step >= warmup:
-            eager.append(len(ops))
-            in_graphs.append(sum(ops.in_graphs.values()))
-            last = ops
-            st = capskip_fx.stats(cm) if opts is not None else None
+    batches = ((torch.randn(N, D, generator=g), torch.randint(0, C, (N,), generator=g)) for _ in range(warmup + steps))
+    measured = eager_ops_per_step(cm, model, batches, warmup, capskip_fx.stats if opts is not None else None)
+    eager = [len(ops) for ops, _ in measured]
+    in_graphs = [sum(ops.in_graphs.values()) for ops, _ in measured]
+    last, st = measured[-1]
     times = []
     for _ in range(timed):
         x, y = torch.randn(N, D, generator=g), torch.randint(0, C, (N,), generator=g)

@@ -105,3 +105,18 @@ def count_eager_ops() -> Iterator[EagerOps]:
             out.eager[e.name] += 1
         elif p.name.startswith(_GRAPH_MARK):
             out.in_graphs[e.name] += 1
+
+
+def eager_ops_per_step(cm, model: torch.nn.Module, batches, warmup: int, stats=None) -> list:
+    """One cross-entropy training step of ``cm`` per ``(x, y)`` in ``batches``, each counted by
+    :func:`count_eager_ops`; for every step after the first ``warmup``: ``(its EagerOps, stats(cm))``, the
+    stats from ``stats`` (e.g. ``capskip_fx.stats``; None for a model capskip did not compile).  The eager-op
+    benchmark (benchmarks/eager_ops.py) and its test share it."""
+    out = []
+    for step, (x, y) in enumerate(batches):
+        model.zero_grad(set_to_none=True)
+        with count_eager_ops() as ops:
+            torch.nn.functional.cross_entropy(cm(x), y).backward()
+        if step >= warmup:
+            out.append((ops, stats(cm) if stats is not None else None))
+    return out

@@ -15,7 +15,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import capskip_fx
-from capskip_fx.debug import count_eager_ops
+from capskip_fx.debug import eager_ops_per_step
 from torch._inductor.utils import fresh_inductor_cache
 
 pytestmark = pytest.mark.inductor
@@ -47,16 +47,9 @@ def _steps(opts):
 
 def _run(model, cm, opts):
     g = torch.Generator().manual_seed(0)
-    out = []
-    for step in range(WARMUP + STEPS):
-        x, y = torch.randn(N, D, generator=g), torch.randint(0, C, (N,), generator=g)
-        model.zero_grad(set_to_none=True)
-        with count_eager_ops() as ops:
-            F.cross_entropy(cm(x), y).backward()
-        if step >= WARMUP:
-            out.append((len(ops), sum(ops.in_graphs.values()), capskip_fx.stats(cm) if opts is not None else None,
-                        ops))
-    return out
+    batches = ((torch.randn(N, D, generator=g), torch.randint(0, C, (N,), generator=g)) for _ in range(WARMUP + STEPS))
+    measured = eager_ops_per_step(cm, model, batches, WARMUP, capskip_fx.stats if opts is not None else None)
+    return [(len(ops), sum(ops.in_graphs.values()), st, ops) for ops, st in measured]
 
 
 @pytest.fixture(scope="module")
