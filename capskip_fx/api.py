@@ -16,7 +16,7 @@ compat.check()  # a moved torch internal fails here, loudly, never as a silently
 from . import ops
 from .backend import CapskipBackend
 from .dynamo_entry import (backend_of, capskip_backend, install_batch_marking, load_pending_state,
-                           process_wide_batch_dynamic)
+                           mark_batch_dynamic, process_wide_batch_dynamic)
 from .config import CapskipConfig, split_options
 from .hf_loss import set_loss_type
 from .records import Report
@@ -89,7 +89,7 @@ class CapskipModule(nn.Module):
             self._state.record_dense_step(1, _N1_REASON)
             return out
         if self.config.dynamic_batch and n >= 2:
-            _mark_batch_dynamic((args, kwargs), n)
+            mark_batch_dynamic((args, kwargs))  # n, as _batch_size finds it: the first tensor's dim 0
         out = self._compiled(*args, **kwargs)
         if capskip_targets is not None and capskip_targets.dim() == 2:
             z = logits_of(out, self._backend.logits_index)
@@ -197,15 +197,6 @@ def _batch_size(args, kwargs=None) -> int:
     """The batch: dim 0 of the first tensor argument (positional first, then keyword)."""
     leaves = torch.utils._pytree.tree_leaves((args, kwargs or {}))
     return next((a.shape[0] for a in leaves if isinstance(a, Tensor) and a.dim() > 0), 0)
-
-
-def _mark_batch_dynamic(inputs, n: int) -> None:
-    """Mark dim 0 dynamic on every input tensor whose dim 0 is the batch (positional or keyword, in any
-    container).  ``maybe_mark_dynamic``: a model that fixes the batch size specialises it without an
-    error (and its graph runs dense, with the reason).  Other tensors stay static."""
-    for a in torch.utils._pytree.tree_leaves(inputs):
-        if isinstance(a, Tensor) and a.dim() > 0 and a.shape[0] == n:
-            torch._dynamo.maybe_mark_dynamic(a, 0)
 
 
 def _last_linear(model: nn.Module) -> nn.Linear:
