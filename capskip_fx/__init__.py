@@ -17,8 +17,8 @@ __version__ = "0.1.0"
 
 #: public name -> the module that defines it
 _EXPORTS = {
-    **{n: "api" for n in ("compile", "compile_regions", "stats", "report", "summary", "state_dict",
-                          "load_state_dict", "CapskipModule")},
+    **{n: "api" for n in ("compile", "compile_regions", "mark_compiled_batches", "stats", "report", "summary",
+                          "state_dict", "load_state_dict", "CapskipModule")},
     "CapskipConfig": "config",
     "rowwise": "functions",
     **{n: "rules" for n in ("RULES", "Rule", "HeadView", "Selection", "make_rule")},

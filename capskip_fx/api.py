@@ -15,7 +15,7 @@ compat.check()  # a moved torch internal fails here, loudly, never as a silently
 
 from . import ops
 from .backend import CapskipBackend
-from .dynamo_entry import (backend_of, capskip_backend, install_batch_marking, load_pending_state,
+from .dynamo_entry import (backend_of, bind, capskip_backend, install_batch_marking, load_pending_state,
                            mark_batch_dynamic, process_wide_batch_dynamic)
 from .config import CapskipConfig, split_options
 from .hf_loss import set_loss_type
@@ -341,6 +341,7 @@ def compile_regions(model: nn.Module, *, rule: Union[str, Rule] = "capskip", bud
     for m in blocks + [head]:
         m.compile(backend="capskip", options=opts)
         install_batch_marking(m)  # before the first call: step 0 traces a dynamic batch and selects
+    bind(model)  # every block's graphs belong to the model: one rule state, its forward bound to its logits
     return model
 
 
@@ -349,9 +350,11 @@ def mark_compiled_batches(model: nn.Module) -> int:
     in place trace their batch as dynamic from their first call, as :func:`compile_regions` does, so that a
     ``backend="capskip"`` model's step 0 selects instead of running its static first batch dense.  The trainer
     callbacks call it for the model they are given; a module compiled with another backend inside it would
-    trace a dynamic batch too.  Returns how many modules it marks."""
+    trace a dynamic batch too.  It also binds ``model`` as the owner of its ``backend="capskip"`` graphs, so
+    none of them reads the call stack to find it.  Returns how many modules it marks."""
     if not isinstance(model, nn.Module):
         return 0
+    bind(model)
     return sum(install_batch_marking(m) for m in model.modules())  # each in place compiled, or model itself
 
 

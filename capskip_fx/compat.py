@@ -96,3 +96,23 @@ def weak_marks_recompile() -> bool:
         return "_dynamo_weak_dynamic_indices" in inspect.getsource(guards)
     except (OSError, TypeError):  # no source (a frozen install): assume the older behaviour
         return False
+
+
+def traced_module():
+    """The module whose call Dynamo is tracing now: the original of a ``torch.compile``'d module or a module
+    compiled in place (the callable Dynamo wraps, ``fn``, or the traced method's ``self``); None for a
+    function, outside tracing, or where this torch keeps its translator elsewhere (optional: the string
+    backend then reads the call stack, dynamo_entry.py)."""
+    try:
+        from torch._dynamo.symbolic_convert import InstructionTranslator
+
+        tx = InstructionTranslator.current_tx()
+        local = tx.output.root_tx.f_locals
+    except (ImportError, AttributeError, AssertionError, IndexError):
+        return None
+    for name in ("fn", "self"):
+        obj = local.get(name)
+        obj = getattr(obj, "__self__", obj)  # m.compile(): Dynamo traces the bound method m._call_impl
+        if isinstance(obj, torch.nn.Module):
+            return obj
+    return None

@@ -24,14 +24,16 @@ from torch.utils.weak import WeakIdKeyDictionary  # noqa: E402
 from . import ops  # noqa: E402
 from .backend import CapskipBackend  # noqa: E402
 from .config import ENV_BUDGET, ENV_OPTIONS, ENV_RULE, dynamic_batch_enabled, options_from_env, split_options  # noqa: E402
+from .records import counters  # noqa: E402
 from .rules import build_rule  # noqa: E402
 from .runtime.state import UNBOUND_REASON, ForwardContext, RuntimeState, logits_of  # noqa: E402
 
 # -- the string backend: torch.compile(model, backend="capskip"[, options={...}]) ----------------------
 # One CapskipBackend (one rule state, one record list) per model and settings, so all graphs of a model
 # (graph breaks, recompiles, every block of a regional compile, every layer compiled in place) share it,
-# and it is freed with the model.  The model is settled by the module tree (_owning_module): the outermost
-# module being called that holds the graph's parameters.  A forward hook on it binds each forward to the
+# and it is freed with the model.  The model is bound explicitly (``bind``: compile_regions and
+# mark_compiled_batches, hence the trainer callbacks, bind the model they are given before its first call);
+# an unbound model is bound at its first graph from the call stack (_owning_module).  A forward hook on it binds each forward to the
 # autograd node of its logits, so exactly one graph per forward (the one returning the logits) runs the
 # rule, and every other graph drops only the rows that reach it with no gradient.  For torch.compile of a
 # function (no module): the backend that compiled a graph taking the same parameters, else the one that
@@ -59,6 +61,8 @@ def capskip_backend(gm: fx.GraphModule, example_inputs, options: Optional[dict] 
     key = repr(sorted(opts.items(), key=lambda kv: kv[0]))
     params = [t for t in example_inputs if isinstance(t, torch.nn.Parameter)]
     owner, frame_module = _owning_module(params)
+    if owner is not None:
+        bind(owner)  # its later graphs find it without the call stack
     backend = _BY_OWNER.get(owner, {}).get(key) if owner is not None else None
     if backend is None:
         backend = next((b for b in (_BY_PARAM.get(p, {}).get(key) for p in params) if b is not None), None)
@@ -71,13 +75,13 @@ def capskip_backend(gm: fx.GraphModule, example_inputs, options: Optional[dict] 
     if owner is not None and key not in _BY_OWNER.get(owner, {}):
         _BY_OWNER.setdefault(owner, {})[key] = backend
         backend.state.published.owner = weakref.ref(owner)
-        bind = _BindLogits(backend, owner)
+        binder = _BindLogits(backend, owner)
         if getattr(owner, "_compiled_call_impl", None) is not None:
             # compiled in place (m.compile()): Dynamo traced its _call_impl, hooks included, and does not guard
             # on hooks added later; the compiled call itself is wrapped so that the binding runs eagerly
-            owner._compiled_call_impl = _BoundCall(owner._compiled_call_impl, bind)
+            owner._compiled_call_impl = _BoundCall(owner._compiled_call_impl, binder)
         else:
-            owner.register_forward_hook(bind)
+            owner.register_forward_hook(binder)
         for m in (owner, getattr(owner, "_orig_mod", None), getattr(owner, "module", None)):
             pending = _PENDING_STATE.pop(m, None) if m is not None else None
             if pending is not None:  # capskip_fx.load_state_dict before the first step: restore now
@@ -182,16 +186,73 @@ def _pin_to_module(gm: fx.GraphModule) -> None:
             return
 
 
-def _owning_module(params: list) -> tuple[Optional[torch.nn.Module], Optional[torch.nn.Module]]:
-    """(owner, frame module) of a graph.  The owner is the model the graph belongs to: the torch.compile'd
-    module (OptimizedModule) being called, else the outermost module being called that holds all the graph's
-    parameters: the root model for ``m.compile()`` and for layers or blocks compiled in place (regional
-    compile), under DDP or a trainer's wrapper alike; without parameters, the innermost module being called;
-    None outside any module.  The frame module is the one whose compiled call Dynamo is tracing: the
-    OptimizedModule, else the innermost module being called that is compiled in place (None for a function).
+# -- the model a graph belongs to -------------------------------------------------------------------------
+_ROOT_OF: "WeakIdKeyDictionary" = WeakIdKeyDictionary()  # Parameter -> weakref of the model bound for it
+_WRAPPER_OF: "weakref.WeakKeyDictionary[torch.nn.Module, weakref.ref]" = weakref.WeakKeyDictionary()  # orig -> OptimizedModule
 
-    Read from the Python frames of the call being traced: Dynamo hands a backend the graph only, and the
-    caller that holds the OptimizedModule, or the root model of a regional compile, is known only there."""
+
+def bind(model: torch.nn.Module) -> None:
+    """Bind ``model`` (the module ``torch.compile`` returned, or one compiled in place or holding modules
+    compiled in place) as the owner of every string-backend graph whose parameters are all its own: the model
+    that graph's rule state, forward binding and published rows belong to.  A parameter keeps the outermost
+    model bound for it.  Idempotent."""
+    from torch._dynamo.eval_frame import OptimizedModule
+
+    inner = model._orig_mod if isinstance(model, OptimizedModule) else model
+    if inner is not model:
+        _WRAPPER_OF[inner] = weakref.ref(model)
+    ref = weakref.ref(model)
+    for p in inner.parameters():
+        old = _ROOT_OF.get(p)
+        old = old() if old is not None else None
+        if old is None or (old is not model and _holds(model, old)):
+            _ROOT_OF[p] = ref
+
+
+def _holds(outer: torch.nn.Module, inner: torch.nn.Module) -> bool:
+    outer = getattr(outer, "_orig_mod", outer)
+    return any(m is inner or getattr(inner, "_orig_mod", None) is m for m in outer.modules())
+
+
+def _owning_module(params: list) -> tuple[Optional[torch.nn.Module], Optional[torch.nn.Module]]:
+    """(owner, frame module) of a graph.  The owner is the model the graph belongs to: the model bound for
+    all its parameters (``bind``), else the one found on the call stack (``_stack_owner``, counted).  The
+    frame module is the one whose compiled call Dynamo is tracing (compat.traced_module): the
+    ``torch.compile``'d module around it, else the module itself if compiled in place, else None (a function,
+    or a frame resumed inside a submodule after a graph break)."""
+    from torch._dynamo.eval_frame import OptimizedModule
+
+    traced = compat.traced_module()
+    frame = None
+    if traced is not None:
+        wrapper = _WRAPPER_OF.get(traced)
+        frame = wrapper() if wrapper is not None else None
+        if frame is None and getattr(traced, "_compiled_call_impl", None) is not None:
+            frame = traced
+    owner = _bound_root(params if params else (list(traced.parameters()) if traced is not None else []))
+    if owner is not None:
+        if frame is None and isinstance(owner, OptimizedModule):
+            frame = owner  # a frame resumed inside it after a graph break: its compiled call marks the batch
+        return owner, frame
+    counters()["owner from the call stack"] += 1
+    owner, stack_frame = _stack_owner(params)
+    return owner, stack_frame if stack_frame is not None else frame
+
+
+def _bound_root(params: list) -> Optional[torch.nn.Module]:
+    """The one live model bound for every parameter in ``params``; None if any is unbound or they differ."""
+    roots = {id(r): r for r in ((_ROOT_OF.get(p) or (lambda: None))() for p in params)}
+    return next(iter(roots.values())) if len(roots) == 1 and None not in roots.values() else None
+
+
+def _stack_owner(params: list) -> tuple[Optional[torch.nn.Module], Optional[torch.nn.Module]]:
+    """(owner, frame module) from the Python frames of the call being traced, for a model not bound yet:
+    Dynamo hands a backend the graph only, and the caller that holds the module ``torch.compile`` returned, or
+    the root model of a regional compile, is known only there.  The owner: the torch.compile'd module
+    (OptimizedModule) being called, else the outermost module being called that holds all the graph's
+    parameters (the root model for ``m.compile()`` and for layers compiled in place, under DDP or a trainer's
+    wrapper alike); without parameters, the innermost module being called; None outside any module.  The
+    frame module: that OptimizedModule, else the innermost module being called that is compiled in place."""
     from torch._dynamo.eval_frame import OptimizedModule
 
     called: list[torch.nn.Module] = []  # innermost first

@@ -167,3 +167,75 @@ def test_torch_compile_mode_reaches_the_backend(monkeypatch):
     assert all(r["row_counts"] == [4] for r in capskip_fx.report(opt)), (
         f"3 kept rows of 16 should be padded to the bucket size 4; row counts "
         f"{[r['row_counts'] for r in capskip_fx.report(opt)]}")  # 3 kept rows, padded to a multiple of 16 / 8
+
+
+class _WithLoss(torch.nn.Module):
+    """The loss computed in a wrapper that holds the model (Lightning's training_step, a loss module): the
+    outermost module being called is not the model."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.model = model
+
+    def forward(self, x, y):
+        return F.cross_entropy(self.model(x), y)
+
+
+def _stack_reads() -> int:
+    from capskip_fx.records import counters
+
+    return counters()["owner from the call stack"]
+
+
+@pytest.mark.parametrize("idiom", ["regions", "marked"])
+def test_bound_model_owns_its_graphs_without_reading_the_call_stack(idiom):
+    """compile_regions and mark_compiled_batches (the trainer callbacks) bind the model they are given: every
+    graph belongs to it (not to the wrapper the loss is computed in), no graph reads the call stack, and the
+    kept rows' gradients are exact."""
+    torch.manual_seed(0)
+    model = GraphBreak().double()
+    opts = {"rule": "forced", "keep": 0.5, "backend": "aot_eager", "verify": False}
+    if idiom == "regions":
+        compiled = capskip_fx.compile_regions(model, blocks=[model.a, model.b], head=model.head, **opts)
+    else:
+        compiled = torch.compile(model, backend="capskip", options=opts)
+        capskip_fx.mark_compiled_batches(compiled)
+    outer = _WithLoss(compiled)
+    before = _stack_reads()
+    for step in range(3):
+        x, y = torch.randn(8 + step, 6, dtype=torch.float64), torch.randint(0, 3, (8 + step,))
+        model.zero_grad()
+        outer(x, y).backward()
+        st = capskip_fx.stats(compiled)
+        assert st.mode == "selected" and st.kept == (8 + step) // 2, (
+            f"step {step}: a bound model's step should select half its rows; mode {st.mode!r}, kept {st.kept}")
+    assert _stack_reads() == before, (
+        f"a bound model's graphs should find it without the call stack; {_stack_reads() - before} read it")
+    from capskip_fx.dynamo_entry import backend_of
+
+    owner = backend_of(compiled).state.published.owner()
+    assert owner is compiled, f"the bound model should own its graphs, not {type(owner).__name__}"
+    grads = {k: p.grad.clone() for k, p in model.named_parameters()}
+    ref = copy.deepcopy(model)
+    ref.zero_grad()
+    (F.cross_entropy(ref(x), y, reduction="none") * st.weight).mean().backward()
+    err = max_rel_err(grads, {k: p.grad for k, p in ref.named_parameters()})
+    assert err < 1e-10, f"gradients of a bound model differ from the kept-row reference: rel. error {err!r}"
+
+
+def test_unbound_model_reads_the_call_stack_once(monkeypatch):
+    """A raw ``torch.compile(model, backend="capskip")`` is bound at its first graph: the graphs after it (the
+    other side of a graph break, recompiles for new batch sizes) find it without the call stack."""
+    torch.manual_seed(0)
+    model = GraphBreak().double()
+    compiled = torch.compile(model, backend="capskip", options={"rule": "forced", "keep": 0.5,
+                                                              "backend": "aot_eager", "verify": False})
+    before = _stack_reads()
+    for n in (8, 8, 9, 10):
+        x = torch.randn(n, 6, dtype=torch.float64)
+        F.cross_entropy(compiled(x), torch.randint(0, 3, (n,))).backward()
+    graphs = len(capskip_fx.report(compiled))
+    assert graphs >= 2, f"expected the graph break's two graphs at least, got {graphs}"
+    assert _stack_reads() - before == 1, (
+        f"only the first of {graphs} graphs should read the call stack; {_stack_reads() - before} did")
+    assert capskip_fx.stats(compiled).mode == "selected"
