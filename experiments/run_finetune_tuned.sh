@@ -244,6 +244,7 @@ publish() {  # the per-run files (no checkpoints), the select tables and compare
 for s in $SEEDS; do
   ft "$R/dense-s$s" --rule dense --seed "$s" --label "dense"
   ft "$R/capskip-s$s" "${capskip_flags[@]}" --seed "$s" --lr "$C_LR" --label "capskip b=$B"
+  wait_for "$R/capskip-s$s"  # another copy may be running it: its steps set the budgets below
   # shellcheck disable=SC2046
   ft "$R/dense-tuned-capskip-s$s" --rule dense --seed "$s" $(grid_flags "$TUNED_CAP") \
     --steps-of "$R/capskip-s$s" --ratio "$r_cap" --label "dense tuned at capskip's budget"
@@ -282,6 +283,7 @@ TUNED_KAB=${tuned[0]} TUNED_KAB_ANY=${tuned[1]}
 echo "== KABENA's lr: $K_LR; dense at KABENA's budget: $TUNED_KAB (batch 128), $TUNED_KAB_ANY (any batch)"
 for s in $SEEDS; do
   ft "$R/kabena-s$s" --rule kabena --seed "$s" --lr "$K_LR" --label "kabena"
+  wait_for "$R/kabena-s$s"  # another copy may be running it: its steps set the budgets below
   # shellcheck disable=SC2046
   ft "$R/dense-tuned-kabena-s$s" --rule dense --seed "$s" $(grid_flags "$TUNED_KAB") \
     --steps-of "$R/kabena-s$s" --ratio "$r_kab" --label "dense tuned at kabena's budget"
