@@ -1,6 +1,7 @@
 """capskip's custom ops and the key registry they use to reach run-time objects.
 
-- ``capskip::select(h, z, g, key) -> w``: the head graph's selection (runs the rule).
+- ``capskip::select(h, z, g, key, loss) -> w``: the head graph's selection (runs the rule); ``loss``: the
+  graph inputs an in-graph cross-entropy's dL/dz is derived from (empty otherwise).
 - ``capskip::shared(g, key) -> w``: graphs without the head: the rows that carry gradient.
 - ``capskip::saved_copy(z) -> z'``: the copy of the logits a head graph returns, ``z`` being saved for
   ``select`` (a clone Inductor's no-op removal would fold back into ``z`` in the joint graph; the
@@ -41,12 +42,15 @@ def lookup(key: int) -> Any:
 
 
 @torch.library.custom_op("capskip::select", mutates_args=())
-def select(h: Tensor, z: Tensor, g: Tensor, key: int) -> Tensor:
+def select(h: Tensor, z: Tensor, g: Tensor, key: int, loss: list[Tensor]) -> Tensor:
+    """``loss`` (a keyword in the graph, ``[]`` when none): an in-graph cross-entropy's inputs
+    (passes/loss_grad.py), read so that the partitioner hands them to the backward; the backward pass takes
+    them off the node (the eager op ignores them)."""
     return lookup(key).select_op(h, z, g).clone()
 
 
 @select.register_fake
-def _select_fake(h: Tensor, z: Tensor, g: Tensor, key: int) -> Tensor:
+def _select_fake(h: Tensor, z: Tensor, g: Tensor, key: int, loss: list[Tensor]) -> Tensor:
     return g.new_empty(g.shape[0])
 
 

@@ -239,6 +239,8 @@ class GraphRecord:
     host_reads: int = 0  # body backwards that read their rows from the device (their own nonzero rows)
     rows_reused: int = 0  # body backwards that ran on the rows of the gathered backward that fed them (no read)
     prefix_rows: int = 0  # backwards whose in-graph loss's backward ran on the kept rows only (chosen first)
+    derived_grads: int = 0  # ... of those, the rule read a dL/dz derived from the forward (passes/loss_grad.py)
+    loss_rows: Optional[int] = None  # the rows the in-graph loss's backward ran on in the latest backward
     modes: Counter = field(default_factory=Counter)  # step mode (selected, dense-masked, dense) -> backwards run
     last_mode: Optional[str] = None  # the mode of this graph's latest backward
     step_reason: Optional[str] = None  # why its latest backward that was not ``selected`` ran all rows
@@ -311,10 +313,21 @@ class GraphRecord:
                 "gathered_inputs": c.plan.gathered_inputs if c.plan else 0,
                 "row_counts": sorted(self.row_counts), "verified": self.verified, "vcas": c.vcas,
                 "host_reads": self.host_reads, "rows_reused": self.rows_reused, "prefix_rows": self.prefix_rows,
-                "loss_backward": None if c.plan is None or c.plan.prefix is None else
-                "all rows: " + c.plan.prefix.whole_rows if c.plan.prefix.whole_rows else "row-wise: kept rows when the rule reads no dL/dz",
+                "derived_grads": self.derived_grads, "loss_rows": self.loss_rows,
+                "loss_backward": None if c.plan is None or c.plan.prefix is None else _loss_backward(c.plan.prefix),
                 "steps": {m: self.modes[m] for m in STEP_MODES if self.modes[m]}, "last": self.last_mode,
                 "step_reason": self.step_reason}
+
+
+def _loss_backward(prefix: Any) -> str:
+    """Where an in-graph loss's backward runs, in words (``report()``'s ``loss_backward``)."""
+    if prefix.whole_rows:
+        return "all rows: " + prefix.whole_rows
+    if prefix.grad is not None:
+        return (f"row-wise: kept rows (rules that read dL/dz get it derived from the forward: "
+                f"{prefix.grad.describe()})")
+    why = f"; dL/dz not derived: {prefix.grad_why}" if prefix.grad_why else ""
+    return f"row-wise: kept rows when the rule reads no dL/dz (a rule that reads it runs it on all rows{why})"
 
 
 # the other compile fields read through: record.plan, record.vcas, ... (read-only)

@@ -138,7 +138,7 @@ def test_every_rule_declares_whether_it_reads_labels():
 # runtime/'s parts, bottom first: each imports only parts before it (state.py composes them; backward.py
 # is called by AOTAutograd and reads the state it is given: it asks plan.py for the step's plan and has
 # executors.py carry it out)
-RUNTIME_PARTS = ["stats", "forwards", "clock", "view", "checks", "published", "state", "plan", "executors",
+RUNTIME_PARTS = ["stats", "forwards", "clock", "view", "checks", "published", "loss_grad", "state", "plan", "executors",
                  "backward"]
 
 

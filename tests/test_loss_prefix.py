@@ -41,8 +41,12 @@ class Loss:
     # the batch size used as a value keeps the loss's backward on every row (layout.py's "uses the batch size")
     per_batch: bool = False
     mixing: str = ""  # "mean": z - z.mean(0); "roll": z.roll(1, 0): the loss's backward mixes rows
+    squared: bool = False  # the summed squares of the tokens' cross-entropies: row-wise, not a cross-entropy
 
     def __call__(self, z, y):
+        if self.squared:
+            per = F.cross_entropy(z.reshape(-1, z.shape[-1]), y.reshape(-1), ignore_index=-100, reduction="none")
+            return (per ** 2).sum()
         if self.mixing == "mean":
             z = z - z.mean(0, keepdim=True)
         elif self.mixing == "roll":
@@ -111,27 +115,35 @@ def test_the_loss_backward_runs_on_the_kept_rows(backend, tokens):
     assert err < 1e-10, f"{backend}: gradients off the float64 reference by {err}"
 
 
-def test_a_rule_reading_dl_dz_runs_the_loss_backward_on_every_row():
+def test_a_rule_reading_dl_dz_runs_an_underived_loss_backward_on_every_row():
+    """A loss whose dL/dz the library does not derive (not a cross-entropy; tests/test_loss_grad.py has those
+    it derives): a rule that reads dL/dz runs the loss's backward on every row first."""
+    torch._dynamo.reset()
     torch.manual_seed(0)
-    model = InModelLoss(Loss()).double()
+    loss = Loss(squared=True)
+    model = InModelLoss(loss).double()
     cm = capskip_fx.compile(model, rule="capskip", budget=0.5, backend="aot_eager")
-    x, y = _batch(8, Loss(), 0)
+    x, y = _batch(8, loss, 0)
     cm(x, y)[0].backward()
     head = next(r for r in cm.backend.records if r.head)
     assert head.prefix_rows == 0, f"capskip reads dL/dz: the loss's backward must run on every row first: {head.prefix_rows}"
+    assert head.loss_rows == 8, f"the loss's backward should have run on all 8 rows: {head.loss_rows}"
+    how = capskip_fx.report(cm)[0]["loss_backward"]
+    assert how.startswith("row-wise: kept rows when the rule reads no dL/dz") and "dL/dz not derived: " in how, how
     err = max_rel_err(grads(model), _reference(model, x, y, capskip_fx.stats(cm).weight.double()))
     assert err < 1e-10, f"capskip with an in-graph loss: gradients off the float64 reference by {err}"
 
 
 @pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
 def test_a_rule_set_after_compiling_runs_the_loss_backward_on_the_kept_rows(backend):
-    """Compiled under CAPSkip (the prefix's fused gather is not built), then a forced rule: its kept rows are
-    gathered eagerly for the loss's backward, exactly."""
+    """Compiled under CAPSkip with a loss whose dL/dz is not derived (the prefix's fused gather is not built),
+    then a forced rule: its kept rows are gathered eagerly for the loss's backward, exactly."""
     torch._dynamo.reset()
     torch.manual_seed(0)
-    model = InModelLoss(Loss(tokens=True)).double()
+    loss = Loss(tokens=True, squared=True)
+    model = InModelLoss(loss).double()
     cm = capskip_fx.compile(model, rule="capskip", budget=0.5, backend=backend)
-    x, y = _batch(8, Loss(tokens=True), 0)
+    x, y = _batch(8, loss, 0)
     cm(x, y)[0].backward()
     cm.rule = Forced(keep=lambda n: torch.tensor([0, 5]))
     model.zero_grad(set_to_none=True)

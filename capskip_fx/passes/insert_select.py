@@ -58,21 +58,24 @@ def prove_layout(graph: fx.Graph, sym, exclude=()) -> dict:
     return result.layouts
 
 
-def select_head(graph: fx.Graph, head: Head, loss: Optional[InGraphLoss], key: int, layouts: dict) -> int:
+def select_head(graph: fx.Graph, head: Head, loss: Optional[InGraphLoss], key: int, layouts: dict,
+                loss_inputs: Optional[list] = None) -> int:
     """Insert ``w = select(h, z, g, key)`` (``g``: the gradient into the logits computed in the backward,
     for an in-graph loss), mask the batch-shaped tangents with it and return a copy of the logits (its
-    layout added to ``layouts``); returns how many tangents it masked."""
+    layout added to ``layouts``); returns how many tangents it masked.  ``loss_inputs``: the graph inputs a
+    recognised cross-entropy's dL/dz is derived from (passes/loss_grad.py), read by the node as ``loss=``."""
     sym = batch_symbol_of(head.z.meta["val"])
     masked = _batch_tangents(graph, sym)
     if loss is None:
-        w = _insert(graph, head.z, SELECT, (head.h, head.z, head.g, key))
+        w = _insert(graph, head.z, SELECT, (head.h, head.z, head.g, key), {"loss": []})
     else:  # select on the gradient into the logits, in the backward (runtime: prefix on all rows)
         outs = _output_nodes(graph)
         masked = [t for t, o in zip(*outs) if t in masked and o not in loss.nodes and o is not head.z]
         grad = loss.grad
         if head.tokens is not None:  # (s*T, C): select and mask its (s, T, C) view, the flat users read it back
             grad = _view(graph, loss.grad, [-1] + _sizes(graph, head.z, (1, 2), loss.grad), after=loss.grad)
-        w = _insert(graph, grad, SELECT, (head.h, head.z, grad, key))
+        w = _insert(graph, grad, SELECT, (head.h, head.z, grad, key),
+                    {"loss": list(loss_inputs or [])})
         masked = [grad] + masked
     _mask_tangents(graph, w, masked)
     if loss is None or head.tokens is None:  # a causal LM's (N, T, vocab) logits: a copy costs a logits' memory
@@ -152,12 +155,13 @@ def select_body(graph: fx.Graph, sym, key: int) -> int:
     return len(masked)
 
 
-def _insert(graph: fx.Graph, after: fx.Node, op, args) -> fx.Node:
+def _insert(graph: fx.Graph, after: fx.Node, op, args, kwargs: Optional[dict] = None) -> fx.Node:
     vals = [a.meta["val"] if isinstance(a, fx.Node) else a for a in args]
+    kvals = {k: [a.meta["val"] for a in v] for k, v in (kwargs or {}).items()}
     with graph.inserting_after(after):
-        w = graph.call_function(op, args)
+        w = graph.call_function(op, args, kwargs or {})
     with vals[0].fake_mode:
-        w.meta["val"] = op(*vals)
+        w.meta["val"] = op(*vals, **kvals)
     return w
 
 

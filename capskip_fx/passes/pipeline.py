@@ -4,6 +4,8 @@ joint graph (Inductor's ``joint_custom_pre_pass``, before partitioning), :func:`
   1. find_head.find_head            the logits output z, its tangent g, the head input h
                                     (no head: the body path, step 4 with capskip::shared)
   2. in_graph_loss.find_in_graph_loss  a loss computed in the graph from the logits
+     loss_grad.match_cross_entropy  that loss recognised as a cross-entropy whose dL/dz the runtime can
+                                    derive from the forward (its inputs then read by the selection node)
      row_index.recompute_row_indices the backward's reads of arange(N) get their own arange
   3. insert_select.prove_layout     where the batch lies in every forward value (layout.py)
   4. insert_select.select_head      w = capskip::select(h, z, g); every batch-shaped tangent *= w;
@@ -46,6 +48,7 @@ from . import insert_select
 from .find_head import find_head
 from .in_graph_loss import find_in_graph_loss
 from .insert_select import SELECT
+from .loss_grad import NotDerivable, match_cross_entropy
 from .prefix_gather import compile_gathering
 from .prefix_rows import prove_prefix_rows
 from .row_index import recompute_row_indices
@@ -78,6 +81,9 @@ class JointResult:
     inference: bool = False  # no tangents: nothing to do
     no_head: Optional[str] = None
     in_graph_loss: bool = False
+    # a recognised in-graph cross-entropy: the recipe its dL/dz is derived by (passes/loss_grad.py), or why not
+    loss_grad: Any = None
+    loss_grad_why: Optional[str] = None
     masked_tangents: int = 0
     head_bias: Optional[bool] = None  # the head Linear has a bias (the rules' head view needs it)
     layouts: Mapping = field(default_factory=lambda: MappingProxyType({}), repr=False)  # value name -> Layout
@@ -110,14 +116,20 @@ def joint(graph: fx.Graph, ctx: JointContext) -> Optional[JointResult]:
             return _body(graph, ctx, no_head.refusal)
         sym = batch_symbol_of(head.z.meta["val"])
         loss = find_in_graph_loss(graph, head, backward_nodes(graph))
+        recipe, loss_inputs, why = None, None, None
+        if loss is not None:
+            try:
+                recipe, loss_inputs = match_cross_entropy(graph, head, loss)
+            except NotDerivable as e:
+                why = str(e)
         recompute_row_indices(graph, sym)  # before the proof: the backward must not read arange(N)
         layouts = insert_select.prove_layout(graph, sym, exclude=loss.nodes if loss else ())
         layouts = dict(layouts)
-        masked = insert_select.select_head(graph, head, loss, ctx.key, layouts)
+        masked = insert_select.select_head(graph, head, loss, ctx.key, layouts, loss_inputs)
     except Refused as e:
         return _refused(e.refusal, ctx)
     return JointResult(head=True, in_graph_loss=loss is not None, masked_tangents=masked, head_bias=head.bias,
-                       layouts=MappingProxyType(layouts))
+                       layouts=MappingProxyType(layouts), loss_grad=recipe, loss_grad_why=why)
 
 
 def _body(graph: fx.Graph, ctx: JointContext, no_head: Refusal) -> JointResult:
@@ -227,10 +239,12 @@ def backward(gm: fx.GraphModule, example_inputs, joint_result: Optional[JointRes
                               refusal=e.refusal, select_in_graph=any(n.target is SELECT for n in gm.graph.nodes))
     prefix, prefix_gathered = None, None
     if plan.prefix is not None:  # an in-graph loss: its backward runs first (on the kept rows if row-wise)
-        plan = _prefix_rows(plan)
+        plan = _prefix_rows(_loss_grad(plan, joint_result))
         pre, pre_kwargs = plan.prefix, dict(kwargs, static_input_idxs=())
         prefix = compile_graph(pre.gm, list(pre.examples), **pre_kwargs)
-        if pre.specs is not None and ctx.fused_prefix:  # kept rows gathered inside (fused into its first reads)
+        # kept rows gathered inside (fused into its first reads) when the rule may choose first: it reads no
+        # dL/dz at compile time, or that dL/dz is derived from the forward
+        if pre.specs is not None and (ctx.fused_prefix or pre.grad is not None):
             try:
                 prefix_gathered = compile_gathering(pre.gm, pre.specs, plan.sym, list(pre.examples), w_val.shape[0],
                                                     compile_graph, pre_kwargs)
@@ -257,6 +271,19 @@ def backward(gm: fx.GraphModule, example_inputs, joint_result: Optional[JointRes
             refusal, mode = e.refusal, BackwardMode.DENSE_MASKED
     return BackwardResult(compiled, mode, plan, prefix, refusal, vcas=vcas_note, segmented=segmented, graph=gm,
                           prefix_gathered=prefix_gathered)
+
+
+def _loss_grad(plan: BackwardPlan, joint_result: Optional[JointResult]) -> BackwardPlan:
+    """The plan with the recognised cross-entropy's recipe on its prefix, when the backward has its inputs;
+    else why a rule that reads dL/dz needs the loss's backward on every row first."""
+    pre = plan.prefix
+    recipe = joint_result.loss_grad if joint_result is not None else None
+    if recipe is None:
+        why = joint_result.loss_grad_why if joint_result is not None else None
+        return replace(plan, prefix=replace(pre, grad_why=why or pre.grad_why or "the loss was not analysed"))
+    if pre.grad_args is None:
+        return replace(plan, prefix=replace(pre, grad_why=pre.grad_why or "the loss's inputs are not backward inputs"))
+    return replace(plan, prefix=replace(pre, grad=recipe))
 
 
 def _prefix_rows(plan: BackwardPlan) -> BackwardPlan:

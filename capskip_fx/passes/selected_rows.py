@@ -46,6 +46,11 @@ class Prefix:
     keep: tuple[int, ...]  # which backward inputs the rest of the backward takes (then the prefix's outputs)
     specs: Optional[list] = None  # row-wise: its inputs' specs (how the kept rows are gathered); None: all rows
     whole_rows: Optional[str] = None  # why it runs on every row whatever the rule (not proven row-wise)
+    # a recognised cross-entropy (passes/loss_grad.py): which backward inputs its dL/dz is derived from, in the
+    # recipe's ``inputs`` order, and the recipe; then a rule that reads dL/dz also chooses before the prefix
+    grad_args: Optional[tuple[int, ...]] = None
+    grad: Any = None
+    grad_why: Optional[str] = None  # why dL/dz is not derived (a rule that reads it runs the prefix on every row)
 
 
 @dataclass
@@ -88,7 +93,9 @@ def plan_backward(gm: fx.GraphModule, example_inputs, layouts: dict) -> tuple[fx
         graph.output(graph.graph_copy(gm.graph, {}))  # split a copy: the caller's gm stays the exact fallback
         gm = fx.GraphModule(gm, graph)
         sel = next(n for n in gm.graph.nodes if n.target in SELECTION_OPS)
+        grad_args, grad_why = _loss_inputs(gm, sel)
         prefix, example_inputs = _split_prefix(gm, list(example_inputs), sel.args[-2], sel)
+        prefix = replace(prefix, grad_args=grad_args, grad_why=grad_why)
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     pos = {n: i for i, n in enumerate(placeholders)}
     tensors = sel.args[:-1]  # (h, z, g) or (g,); the last arg is the state key
@@ -126,6 +133,21 @@ def plan_backward(gm: fx.GraphModule, example_inputs, layouts: dict) -> tuple[fx
     plan = BackwardPlan(tuple(pos[a] for a in tensors), tangents, specs, out_specs, sym, prefix, tuple(strides),
                         unread)
     return gm, plan, w_val, example_inputs
+
+
+def _loss_inputs(gm: fx.GraphModule, sel: fx.Node) -> tuple[Optional[tuple[int, ...]], Optional[str]]:
+    """(the backward inputs a recognised cross-entropy's dL/dz is derived from, or None; why not).  Takes
+    them off the selection node: the rest of the backward does not read them (the runtime reads them from
+    the backward's own inputs)."""
+    nodes = sel.kwargs.get("loss")
+    if not nodes:
+        return None, None
+    sel.kwargs = {**sel.kwargs, "loss": []}
+    pos = {n: i for i, n in enumerate(n for n in gm.graph.nodes if n.op == "placeholder")}
+    missing = [n.name for n in nodes if n not in pos]
+    if missing:
+        return None, f"the loss's inputs {missing} are computed in the backward, not passed to it"
+    return tuple(pos[n] for n in nodes), None
 
 
 def _split_prefix(gm: fx.GraphModule, example_inputs: list, g: fx.Node, sel: fx.Node) -> tuple[Prefix, list]:

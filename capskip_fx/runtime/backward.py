@@ -10,8 +10,9 @@ Per call (one backward of one forward), three parts:
       whose incoming gradient is nonzero (one host read), exact whatever code lies between the graphs (it
       is not traced, so it is not assumed row-wise);
     * an in-graph loss (computed inside the model): its backward (up to dL/dz) runs first, on all rows, and
-      the rule reads its dL/dz; or, when ``plan.rows_before_loss`` allows (a rule that reads no dL/dz, a
-      loss backward proven row-wise), the rule chooses first and the loss's backward waits for the rows;
+      the rule reads its dL/dz; or, when ``plan.rows_before_loss`` allows (a loss backward proven row-wise,
+      and a rule that reads no dL/dz or a cross-entropy whose dL/dz runtime/loss_grad.py derives from the
+      forward for the rule), the rule chooses first and the loss's backward waits for the rows;
   - the plan (runtime/plan.py, ``plan_step``): from host numbers only, which rows run and how;
   - its executor (runtime/executors.py): the kept rows gathered (``kb = bucket(k)`` rows, pad rows weigh
     0), the compiled graph run on them, input gradients scattered back to N rows; or all N rows with the
@@ -26,6 +27,7 @@ import torch
 
 from .executors import DenseMasked, Gathered, LossBackward, Verified, compiled_backward
 from .forwards import current_node
+from .loss_grad import derived_grad
 from .plan import FUSED, SELECTED, Rows, plan_step, rows_before_loss
 
 
@@ -59,6 +61,7 @@ class SelectedRowBackward:
             if self.loss is not None:  # on all rows: the rule reads dL/dz (or the loss backward is not row-wise)
                 given, args = args, self.loss.all_rows(args)
                 given.clear()
+                rec.loss_rows = args[self.plan.select_args[-1]].shape[0]
             weight, k, stats, idx = self._rows_of(args)
         n = weight.shape[0]
         self.compiled.size(k)  # VCAS sizes its budgets by the rows that carry gradient
@@ -76,6 +79,7 @@ class SelectedRowBackward:
             if waiting is not None:
                 args = self.loss.all_rows(waiting)
                 waiting.clear()
+                rec.loss_rows = n
             return self.dense_masked(args, weight)
         if not step.reuse:  # kept rows first; the pad rows are skipped rows and carry weight 0
             idx = torch.argsort(state.skipped(weight), stable=True)[:step.rows]
@@ -87,6 +91,7 @@ class SelectedRowBackward:
             waiting.clear()
             ready = frozenset(range(len(self.plan.prefix.keep), len(args)))
             rec.prefix_rows += 1
+            rec.loss_rows = step.rows
         else:
             full_args = list(args) if step.verify else None
         new_args = self.gathered.gather(args, idx, n, w_kb, ready)
@@ -111,8 +116,16 @@ class SelectedRowBackward:
         head, fwd = state.running_forward()
         if not head:
             return None
-        keep = p.prefix.keep
-        weight, k = state.select(full[keep[p.select_args[0]]], full[keep[p.select_args[1]]], None, fwd)
+        pre = p.prefix
+        h, z = full[pre.keep[p.select_args[0]]], full[pre.keep[p.select_args[1]]]
+        if state.rule.reads_gradient:  # dL/dz derived from the forward's values (a recognised cross-entropy)
+            g, targets = derived_grad(pre.grad, z, [full[i] for i in pre.grad_args])
+            self.record.derived_grads += 1
+            weight, k = state.select(h, z, g, fwd, targets)
+            if weight.dtype != z.dtype:  # the graph's weight input has the logits' gradient's dtype
+                weight = weight.to(z.dtype)
+        else:
+            weight, k = state.select(h, z, None, fwd)
         return weight, k, state.last.forwards[-1]
 
     def _rows_of(self, args: list):

@@ -55,11 +55,13 @@ class StepPlan:
 
 def rows_before_loss(record: Any, plan: Any, reads_gradient: bool) -> bool:
     """Whether the rule may choose before an in-graph loss's backward runs: that backward proven row-wise
-    (passes/prefix_rows.py), a graph that gathers and whose rule reads h and z, a rule that reads no dL/dz,
-    and h and z among the graph's own inputs (not the loss's outputs).  ``plan``: the graph's BackwardPlan."""
+    (passes/prefix_rows.py), a graph that gathers and whose rule reads h and z, a rule that reads no dL/dz or
+    a loss whose dL/dz is derived from the forward (a recognised cross-entropy, passes/loss_grad.py), and h
+    and z among the graph's own inputs (not the loss's outputs).  ``plan``: the graph's BackwardPlan."""
     pre = plan.prefix
     return (pre is not None and pre.specs is not None and record.backward == BackwardMode.SELECTED and plan.head
-            and not reads_gradient and max(plan.select_args[:2]) < len(pre.keep))
+            and (not reads_gradient or getattr(pre, "grad", None) is not None)
+            and max(plan.select_args[:2]) < len(pre.keep))
 
 
 def plan_step(record: Any, rows: Rows, config: Any, informative_steps: int = 0, fused_loss: bool = False) -> StepPlan:

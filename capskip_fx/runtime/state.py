@@ -183,11 +183,13 @@ class RuntimeState:
             warnings.warn(f"capskip_fx: {reason}", stacklevel=3)
 
     # -- the selection ---------------------------------------------------------------
-    def select(self, h: Tensor, z: Tensor, g: Optional[Tensor], fwd: Optional[ForwardContext]) -> tuple[Tensor, int]:
+    def select(self, h: Tensor, z: Tensor, g: Optional[Tensor], fwd: Optional[ForwardContext],
+               targets: Optional[Tensor] = None) -> tuple[Tensor, int]:
         """Run the rule on one forward's head.  Returns ``(weight (N,), k)``.  One host read (k with the
         fallback checks), none when the rule's Selection carries a host-known ``count``.  ``g`` None: dL/dz
         is not computed yet (an in-graph loss whose backward runs on the kept rows): the rule must not read
-        it (``Rule.reads_gradient``), and the finite check reads h and z."""
+        it (``Rule.reads_gradient``), and the finite check reads h and z.  ``targets``: the labels the loss
+        read (an in-graph cross-entropy's, with its dL/dz derived), used where no ``capskip_targets`` were given."""
         t0 = time.perf_counter()
         n = z.shape[0]
         fwd = fwd if fwd is not None else ForwardContext()
@@ -196,7 +198,8 @@ class RuntimeState:
         if fwd.targets is not None and fwd.targets.shape != z.shape[:-1]:
             raise ValueError(f"capskip_targets has shape {tuple(fwd.targets.shape)}; logits of shape {tuple(z.shape)} "
                              f"need one label per {'token (N, T), aligned with the logits' if z.dim() == 3 else 'row (N,)'}")
-        view = global_view(self.scope, _detached(h), _detached(z), _detached(g), fwd.targets, fwd.index)
+        view = global_view(self.scope, _detached(h), _detached(z), _detached(g),
+                           fwd.targets if fwd.targets is not None else targets, fwd.index)
         h, z, g, targets = view.h, view.z, view.g, view.targets
         checks = head_checks(h, z, g, targets, self.rule.needs_labels)
         names, safe_targets = checks.names, checks.targets
