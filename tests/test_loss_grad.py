@@ -198,9 +198,13 @@ def test_property_the_derived_dl_dz_is_the_prefix_s(loss, n, t, vocab, seed):
     with pytest.MonkeyPatch.context() as mp:
         spy = _Spy(mp)
         model, ref, cm, st_, head, inputs = _step(loss, n=n, t=t, vocab=vocab, seed=seed)
-    g, prefix = spy.derived[0][0], spy.prefix[0].view(spy.derived[0][0].shape)
-    err = (g - prefix).abs().max().item()
-    assert err <= 1e-13 * max(prefix.abs().max().item(), 1e-30), f"{loss} n={n} t={t} V={vocab}: off by {err}"
+    if not spy.derived:  # the loss's backward not proven row-wise at this shape (the partitioner recomputed a
+        # batch reduction in it): the old path, whatever the rule, and the report says so
+        assert _how(cm).startswith("all rows: ") and head.loss_rows == n, (loss, n, t, vocab, _how(cm))
+    else:
+        g, prefix = spy.derived[0][0], spy.prefix[0].view(spy.derived[0][0].shape)
+        err = (g - prefix).abs().max().item()
+        assert err <= 1e-13 * max(prefix.abs().max().item(), 1e-30), f"{loss} n={n} t={t} V={vocab}: off by {err}"
     err = max_rel_err(grads(model), _reference(ref, inputs, st_.weight.double()))
     assert err < 1e-10, f"{loss}: gradients off the float64 reference by {err}"
 
