@@ -220,7 +220,8 @@ class CapskipBackend:
         if unproven is not None:  # the joint pass then leaves the graph alone: a plain dense backward
             refused = Refusal(RefusalKind.UNDECLARED_FUNCTION, unproven)
             self._settle(rec, {"refusal": refused})
-        ctx = pipeline.JointContext(self.key, self.logits_index, self.config.on_coupling, refused)
+        ctx = pipeline.JointContext(self.key, self.logits_index, self.config.on_coupling, refused,
+                                    derive_loss_grad=self.config.loss_grad == "derived")
         joint = pipeline.JointPass(ctx, self.config, functools.partial(self._joint_done, rec))
         patches = {**self.config.inductor_options(), "joint_custom_pre_pass": joint}
         if self._aot_cache():  # a hit rebuilds our wrappers around the served graphs

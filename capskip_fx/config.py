@@ -42,6 +42,12 @@ class CapskipConfig:
                 the dense-masked backward and compare; on mismatch, run dense-masked from then on.  A spot
                 check: the batch layout itself is proven from the graph before the first step.
     verify_every: also re-check every K-th informative gathered step of a graph (None: only the first).
+    loss_grad:  how a rule that reads dL/dz (CAPSkip, KABENA, SB, UB) gets it from a loss computed inside
+                the model: "prefix" (default) runs that loss's backward on every row, compiled, and the rule
+                reads its dL/dz; "derived" computes dL/dz of a recognised cross-entropy from the forward's
+                values (passes/loss_grad.py) and runs the loss's backward on the kept rows only.  Measured
+                slower ("derived" computes on every row what the loss's backward computes, eagerly:
+                docs/benchmarks.md), so opt-in.  Rules that read no dL/dz run it on the kept rows either way.
     on_coupling: "dense" (warn once, run the exact dense backward, record why) or "error".
     vcas:       a :class:`~capskip_fx.VCAS` (or True / a dict of its options): sample inside
                 the backward (activation rows at residual forks, token rows of weight gradients) on
@@ -61,6 +67,7 @@ class CapskipConfig:
     gather: str = "eager"
     verify: bool = True
     verify_every: Optional[int] = None
+    loss_grad: str = "prefix"
     on_coupling: str = "dense"
     dynamic_batch: bool = True
     scope: str = "per_rank"
@@ -103,6 +110,8 @@ class CapskipConfig:
             raise ValueError(f"scope must be 'per_rank' or 'global', got {self.scope!r}")
         if self.verify_every is not None and not (isinstance(self.verify_every, int) and self.verify_every >= 1):
             raise ValueError(f"verify_every must be a positive int or None, got {self.verify_every!r}")
+        if self.loss_grad not in ("prefix", "derived"):
+            raise ValueError(f"loss_grad must be 'prefix' or 'derived', got {self.loss_grad!r}")
         if self.on_coupling not in ("dense", "error"):
             raise ValueError(f"on_coupling must be 'dense' or 'error', got {self.on_coupling!r}")
 

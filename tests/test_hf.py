@@ -362,7 +362,7 @@ def _weighted_token_loss(logits, labels, w, shift: bool):
 
 @pytest.mark.parametrize("kind,rule,backend", [("gpt2", "random", "aot_eager"), ("llama", "random", "aot_eager"),
                                                ("qwen2", "random", "aot_eager"), ("llama", "capskip", "aot_eager"),
-                                               ("llama", "random", "inductor")])
+                                               ("llama", "capskip+derived", "aot_eager"), ("llama", "random", "inductor")])
 def test_causal_lm_with_labels_selects_sequences_exactly(kind, rule, backend):
     """labels= with padding: the loss inside the model, in one graph (GPT-2 too: capskip_fx.compile sets the
     loss_type its lookup would otherwise break the graph for); the backward runs the kept sequences, exactly.
@@ -374,7 +374,10 @@ def test_causal_lm_with_labels_selects_sequences_exactly(kind, rule, backend):
     ids, mask = _padded_batch(8, 6, "right")
     labels = ids.masked_fill(mask == 0, -100)
     opts = {"keep": 0.5} if rule == "random" else {"budget": 0.6}
-    cm = capskip_fx.compile(model, rule=rule, backend=backend, **opts)
+    derived = rule.endswith("+derived")
+    if derived:
+        opts["loss_grad"] = "derived"
+    cm = capskip_fx.compile(model, rule=rule.split("+")[0], backend=backend, **opts)
     cm(input_ids=ids, attention_mask=mask, labels=labels).loss.backward()
     st = capskip_fx.stats(cm)
     assert st.mode == "selected", f"{kind}: the step should select sequences: {st}"
@@ -386,12 +389,14 @@ def test_causal_lm_with_labels_selects_sequences_exactly(kind, rule, backend):
     head = next(r for r in cm.backend.records if r.head)
     assert head.in_graph_loss, f"{kind}: in-graph loss {head.in_graph_loss}"
     assert head.verified, "the gathered backward was not checked against the dense-masked one"
-    # random reads no dL/dz, capskip reads the dL/dz derived from Hugging Face's cross-entropy (passes/loss_grad.py):
-    # either way the loss's backward runs on the kept sequences only
-    assert (head.prefix_rows, head.loss_rows) == (1, st.rows), (
+    # random reads no dL/dz, and with loss_grad="derived" capskip reads the dL/dz derived from Hugging Face's
+    # cross-entropy (passes/loss_grad.py): the loss's backward runs on the kept sequences only; by default
+    # capskip reads the dL/dz of that backward run on every sequence
+    kept_rows = rule != "capskip"
+    assert (head.prefix_rows, head.loss_rows) == ((1, st.rows) if kept_rows else (0, 8)), (
         f"{kind} ({rule}): the in-graph loss's backward ran on the kept rows {head.prefix_rows} times, last on "
         f"{head.loss_rows} rows; {capskip_fx.report(cm)[0]['loss_backward']}")
-    assert head.derived_grads == (rule == "capskip"), f"{kind} ({rule}): dL/dz derived {head.derived_grads} times"
+    assert head.derived_grads == derived, f"{kind} ({rule}): dL/dz derived {head.derived_grads} times"
     _weighted_token_loss(ref(input_ids=ids, attention_mask=mask).logits, labels, st.weight.double(), True).backward()
     _assert_reference_grads(model, ref, f"{kind} ({rule}, {backend})")
 

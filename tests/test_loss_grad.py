@@ -115,6 +115,7 @@ def _step(loss: CE, rule="capskip", n=8, t=5, vocab=7, seed=0, dtype=torch.float
     ref = copy.deepcopy(model).double()
     if not opts:
         opts = {"budget": 0.5} if rule == "capskip" else {"keep": 0.5}
+    opts.setdefault("loss_grad", "derived")  # the opt-in these tests are about (the default: test_the_default_...)
     cm = capskip_fx.compile(model, rule=rule, backend="aot_eager", **opts)
     ids, labels = _batch(n, t, vocab, seed)
     items = _items(loss, labels)
@@ -247,3 +248,28 @@ def test_an_unrecognised_loss_runs_its_backward_on_every_row_and_says_why():
     assert st_.mode == "selected" and st_.rows < 8, f"the rest of the backward still runs on the kept rows: {st_}"
     err = max_rel_err(grads(model), _reference(ref, inputs, st_.weight.double()))
     assert err < 1e-10, f"unrecognised loss: gradients off the float64 reference by {err}"
+
+
+@pytest.mark.parametrize("rule", ["capskip", "sb"])
+def test_the_default_runs_the_loss_backward_on_every_row_for_a_rule_reading_dl_dz(rule):
+    """``loss_grad="prefix"`` (the default, measured faster: docs/benchmarks.md): a rule that reads dL/dz reads
+    the loss backward's own, run on every row; the same rows as the derived path, exact."""
+    loss = CE(shift=True)
+    opts = dict(RULE_OPTS[rule], verify=False, loss_grad="prefix")
+    model, ref, cm, st_, head, inputs = _step(loss, rule=rule, n=16, t=6, **opts)
+    how = _how(cm)
+    assert "loss_grad='prefix'" in how, f"{rule}: report should say why dL/dz is not derived: {how}"
+    assert (head.derived_grads, head.prefix_rows, head.loss_rows) == (0, 0, 16), (
+        f"{rule}: the loss's backward should run on all 16 rows by default: {head.loss_rows}")
+    *_, derived, _, _ = _step(loss, rule=rule, n=16, t=6, **dict(opts, loss_grad="derived"))
+    assert torch.equal(st_.weight, derived.weight), f"{rule}: the default keeps {st_.weight}, derived {derived.weight}"
+    assert st_.mode == "selected", st_
+    err = max_rel_err(grads(model), _reference(ref, inputs, st_.weight.double()))
+    assert err < 1e-10, f"{rule} (default loss_grad): gradients off the float64 reference by {err}"
+
+
+def test_an_unknown_loss_grad_setting_is_refused_with_the_values():
+    from capskip_fx.config import CapskipConfig
+
+    with pytest.raises(ValueError, match="loss_grad must be 'prefix' or 'derived'"):
+        CapskipConfig(loss_grad="fast")

@@ -70,6 +70,7 @@ class JointContext:
     logits_index: Optional[int] = None
     on_coupling: str = "dense"
     refused: Optional[Refusal] = None
+    derive_loss_grad: bool = False  # CapskipConfig.loss_grad == "derived": recognise an in-graph cross-entropy
 
 
 @dataclass(frozen=True)
@@ -117,7 +118,9 @@ def joint(graph: fx.Graph, ctx: JointContext) -> Optional[JointResult]:
         sym = batch_symbol_of(head.z.meta["val"])
         loss = find_in_graph_loss(graph, head, backward_nodes(graph))
         recipe, loss_inputs, why = None, None, None
-        if loss is not None:
+        if loss is not None and not ctx.derive_loss_grad:
+            why = "loss_grad='prefix' (the default: the loss's backward on every row is the cheaper way to dL/dz)"
+        elif loss is not None:
             try:
                 recipe, loss_inputs = match_cross_entropy(graph, head, loss)
             except NotDerivable as e:
