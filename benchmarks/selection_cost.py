@@ -28,6 +28,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from capskip_fx.cpu import retain_freed_memory
 from capskip_fx.rules import CAPSkip, HeadView, KABENA, SelectiveBackprop
 from capskip_fx.rules.base import prefix_route
 from capskip_fx.rules.capskip import capskip_weights
@@ -47,6 +48,9 @@ def parse(argv=None):
     p.add_argument("--mlp", action="store_true", help="the compiled MLP step check instead of the table")
     p.add_argument("--steps", type=int, default=30, help="--mlp: timed steps per arm")
     p.add_argument("--out", default=None, help="write the results as JSON here")
+    p.add_argument("--no-malloc-tuning", action="store_true",
+                   help="keep glibc's malloc defaults (by default capskip_fx.cpu.retain_freed_memory(), as the "
+                        "training CLI, step_time.py and interleaved.py set it)")
     return p.parse_args(argv)
 
 
@@ -170,7 +174,9 @@ def mlp_check(a) -> dict:
 def main(argv=None):
     a = parse(argv)
     torch.set_num_threads(a.threads)
+    malloc_tuned = not a.no_malloc_tuning and retain_freed_memory()
     head = {"date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"), "threads": a.threads,
+            "malloc_tuned": malloc_tuned,
             "torch": torch.__version__, "load": os.getloadavg(), "argv": sys.argv[1:]}
     print(f"# {head}", flush=True)
     res = mlp_check(a) if a.mlp else table(a)
