@@ -33,11 +33,11 @@ from .runtime.state import UNBOUND_REASON, ForwardContext, RuntimeState, logits_
 # (graph breaks, recompiles, every block of a regional compile, every layer compiled in place) share it,
 # and it is freed with the model.  The model is bound explicitly (``bind``: compile_regions and
 # mark_compiled_batches, hence the trainer callbacks, bind the model they are given before its first call);
-# an unbound model is bound at its first graph from the call stack (_owning_module).  A forward hook on it binds each forward to the
-# autograd node of its logits, so exactly one graph per forward (the one returning the logits) runs the
-# rule, and every other graph drops only the rows that reach it with no gradient.  For torch.compile of a
-# function (no module): the backend that compiled a graph taking the same parameters, else the one that
-# compiled the previous graph.
+# an unbound model is bound at its first graph from the call stack (_owning_module).  A forward hook on it
+# binds each forward to the autograd node of its logits, so exactly one graph per forward (the one returning
+# the logits) runs the rule, and every other graph drops only the rows that reach it with no gradient.  For
+# torch.compile of a function (no module): the backend that compiled a graph taking the same parameters, else
+# the one that compiled the previous graph.
 _BY_OWNER: "weakref.WeakKeyDictionary[torch.nn.Module, dict[str, CapskipBackend]]" = weakref.WeakKeyDictionary()
 _BY_PARAM: "WeakIdKeyDictionary" = WeakIdKeyDictionary()  # Parameter -> {settings: backend}
 _LAST: list = [None]  # weakref of the backend that compiled the last graph
@@ -61,8 +61,6 @@ def capskip_backend(gm: fx.GraphModule, example_inputs, options: Optional[dict] 
     key = repr(sorted(opts.items(), key=lambda kv: kv[0]))
     params = [t for t in example_inputs if isinstance(t, torch.nn.Parameter)]
     owner, frame_module = _owning_module(params)
-    if owner is not None:
-        bind(owner)  # its later graphs find it without the call stack
     backend = _BY_OWNER.get(owner, {}).get(key) if owner is not None else None
     if backend is None:
         backend = next((b for b in (_BY_PARAM.get(p, {}).get(key) for p in params) if b is not None), None)
@@ -188,7 +186,8 @@ def _pin_to_module(gm: fx.GraphModule) -> None:
 
 # -- the model a graph belongs to -------------------------------------------------------------------------
 _ROOT_OF: "WeakIdKeyDictionary" = WeakIdKeyDictionary()  # Parameter -> weakref of the model bound for it
-_WRAPPER_OF: "weakref.WeakKeyDictionary[torch.nn.Module, weakref.ref]" = weakref.WeakKeyDictionary()  # orig -> OptimizedModule
+# the module torch.compile returned, by the module it wraps
+_WRAPPER_OF: "weakref.WeakKeyDictionary[torch.nn.Module, weakref.ref]" = weakref.WeakKeyDictionary()
 
 
 def bind(model: torch.nn.Module) -> None:
@@ -201,11 +200,13 @@ def bind(model: torch.nn.Module) -> None:
     inner = model._orig_mod if isinstance(model, OptimizedModule) else model
     if inner is not model:
         _WRAPPER_OF[inner] = weakref.ref(model)
-    ref = weakref.ref(model)
+    ref, held = weakref.ref(model), {}  # held: id of a model bound before -> whether ``model`` holds it
     for p in inner.parameters():
         old = _ROOT_OF.get(p)
         old = old() if old is not None else None
-        if old is None or (old is not model and _holds(model, old)):
+        if old is not None and old is not model and id(old) not in held:
+            held[id(old)] = _holds(model, old)
+        if old is None or (old is not model and held[id(old)]):
             _ROOT_OF[p] = ref
 
 
@@ -236,6 +237,8 @@ def _owning_module(params: list) -> tuple[Optional[torch.nn.Module], Optional[to
         return owner, frame
     counters()["owner from the call stack"] += 1
     owner, stack_frame = _stack_owner(params)
+    if owner is not None:
+        bind(owner)  # its later graphs find it without the call stack
     return owner, stack_frame if stack_frame is not None else frame
 
 
