@@ -29,7 +29,7 @@ Invariants:
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Optional, Union
 
 import torch
@@ -244,7 +244,7 @@ class _Matcher:
 
     def _labels(self, lab: _Labels) -> _Labels:
         if self.labels is None:
-            self.labels = replace_col(lab, False)
+            self.labels = replace(lab, col=False)
         elif (self.labels.leaf, self.labels.ops) != (lab.leaf, lab.ops):
             raise NotDerivable("the loss reads two different label tensors")
         return lab
@@ -323,7 +323,7 @@ class _Matcher:
                 self._fail(n, "pads the labels in more than the last dim")
             return _Labels(x.leaf, (("pad", tuple(pad), int(value)),))
         if t is aten.unsqueeze.default and isinstance(x, (_Labels, _Index)) and a[1] in (1, -1):
-            return replace_col(x, True)
+            return replace(x, col=True)
         if t in (aten.mul.Scalar, aten.div.Scalar) and isinstance(x, (_Logits, _Token, _Sum)):
             c = float(a[1]) if t is aten.mul.Scalar else 1.0 / float(a[1])
             return _scaled(x, c)
@@ -445,12 +445,6 @@ class _Matcher:
 
 def _keepdim(n: fx.Node) -> bool:
     return bool(n.args[2] if len(n.args) > 2 else n.kwargs.get("keepdim", False))
-
-
-def replace_col(x, col: bool):
-    if isinstance(x, _Labels):
-        return _Labels(x.leaf, x.ops, col)
-    return _Index(x.labels, x.ii, col)
 
 
 def _scaled(x, c: float):
