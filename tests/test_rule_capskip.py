@@ -9,7 +9,7 @@ from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from capskip_fx.rules import CAPSkip, HeadView
-from capskip_fx.rules.base import prefix_route, prefix_sq_norms
+from capskip_fx.rules.base import prefix_diagonal, prefix_route, prefix_sq_norms
 from capskip_fx.rules.capskip import capskip_weights
 from capskip_fx.rules.labels import correct_mask, infer_targets
 from helpers.examples import examples
@@ -222,6 +222,17 @@ def test_prefix_norms_every_route_equals_bruteforce(n, c, e, block, seed, cancel
         assert err <= 1e-12 * scale.item(), (
             f"route {route!r} (block {blk}, used {used!r}): ||S_k||^2 differs from the brute force by {err!r} "
             f"(n={n}, C={c}, e={e})")
+
+
+@settings(max_examples=examples(50), deadline=None)
+@given(st.integers(1, 3), st.integers(1, 70), st.integers(0, 2**31 - 1))
+def test_prefix_diagonal_is_the_2d_cumsum_diagonal(b, n, seed):
+    """The contiguous-scan form equals the diagonal of the 2-D cumulative sum, batched, in float64."""
+    K = torch.randn(b, n, n, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
+    ref = K.cumsum(1).cumsum(2).diagonal(dim1=1, dim2=2)
+    got = prefix_diagonal(K)
+    assert torch.allclose(got, ref, rtol=1e-12, atol=1e-12 * n * n), (
+        f"prefix_diagonal differs from the 2-D cumsum's diagonal by {(got - ref).abs().max().item()!r} (n={n})")
 
 
 def test_routes_give_the_same_selection_on_a_large_batch():

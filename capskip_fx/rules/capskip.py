@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from .base import (PREFIX_ROUTES, HeadView, Rule, Selection, check_normalize, head_gram, is_cosine, positions,
-                   prefix_route, prefix_sq_norms, selection_dtype)
+                   prefix_diagonal, prefix_route, prefix_sq_norms, selection_dtype)
 from .labels import correct_mask
 
 
@@ -69,7 +69,7 @@ def capskip_weights(delta: Tensor, h: Tensor, correct: Tensor, budget: float, bi
         key = torch.where(correct, diag, math.inf)
         key_sorted, order = torch.sort(key, stable=True)
         Ks = K.index_select(0, order).index_select(1, order)
-        prefix_sq = Ks.cumsum(0).cumsum(1).diagonal()
+        prefix_sq = prefix_diagonal(Ks)
     # correct rows first, by increasing ||g_i||^2 (stable: batch order for ties)
     prefix_sq = prefix_sq.clamp_min(0)  # ||S_k||^2, k = 1..N
     # ||G||^2 as the full prefix, so S_N == G exactly when every row is a candidate; as a ratio to it
