@@ -63,7 +63,10 @@ class CapskipModule(nn.Module):
 
     @rule.setter
     def rule(self, rule: Rule) -> None:
-        """Swap the rule without recompiling (the graphs don't depend on it)."""
+        """Swap the rule without recompiling.  The graphs depend on the rule in one way: a head graph of
+        token logits (N, T, C) with the loss outside, compiled for a rule that reads none of their values
+        (``Rule.reads_logits``: CAPSkip, UB, random, forced), keeps none; a rule set later that reads them
+        (SB, Stale-SB, K-ABENA) then runs dense steps, with a note, until the model is compiled again."""
         self._state.rule = make_rule(rule)
 
     def set_epoch(self, epoch: int) -> None:

@@ -221,7 +221,8 @@ class CapskipBackend:
             refused = Refusal(RefusalKind.UNDECLARED_FUNCTION, unproven)
             self._settle(rec, {"refusal": refused})
         ctx = pipeline.JointContext(self.key, self.logits_index, self.config.on_coupling, refused,
-                                    derive_loss_grad=self.config.loss_grad == "derived")
+                                    derive_loss_grad=self.config.loss_grad == "derived",
+                                    keep_token_logits=self.state.rule.reads_logits)
         joint = pipeline.JointPass(ctx, self.config, functools.partial(self._joint_done, rec))
         patches = {**self.config.inductor_options(), "joint_custom_pre_pass": joint}
         if self._aot_cache():  # a hit rebuilds our wrappers around the served graphs

@@ -63,6 +63,7 @@ class RefusalKind(str, enum.Enum):
     OTHER = "other"
     BACKWARD = "backward not row-wise"  # passes/validate.py: the backward that runs is not proven row-wise
     RANDOM_BACKWARD = "random in the backward"  # the backward draws or replays random numbers
+    LOGITS_NOT_KEPT = "logits not kept"  # the rule reads token logits its graph (built for another) did not keep
 
 
 #: The one vocabulary for why a step was not ``selected``: compile-time refusals and run-time causes.
@@ -209,6 +210,9 @@ class CompileRecord:
     coupled: bool = False  # refused for row mixing (RefusalKind.CROSS_EXAMPLE)
     masked_tangents: int = 0
     in_graph_loss: bool = False  # the loss is computed in the graph: rows selected on dL/dz in the backward
+    # False: token logits whose values the rule reads none of; the graph keeps a (N, T, 1) stand-in for them,
+    # and returns them uncopied (passes/insert_select.py; Rule.reads_logits)
+    logits_kept: bool = True
     backward: BackwardMode = BackwardMode.NOT_COMPILED
     refusal: Optional[Refusal] = None  # why this graph runs dense, if it does (the first refusal)
     plan: Any = None  # passes.selected_rows.BackwardPlan
@@ -313,7 +317,7 @@ class GraphRecord:
                 "gathered_inputs": c.plan.gathered_inputs if c.plan else 0,
                 "row_counts": sorted(self.row_counts), "verified": self.verified, "vcas": c.vcas,
                 "host_reads": self.host_reads, "rows_reused": self.rows_reused, "prefix_rows": self.prefix_rows,
-                "derived_grads": self.derived_grads, "loss_rows": self.loss_rows,
+                "derived_grads": self.derived_grads, "loss_rows": self.loss_rows, "logits_kept": c.logits_kept,
                 "loss_backward": None if c.plan is None or c.plan.prefix is None else _loss_backward(c.plan.prefix),
                 "steps": {m: self.modes[m] for m in STEP_MODES if self.modes[m]}, "last": self.last_mode,
                 "step_reason": self.step_reason}

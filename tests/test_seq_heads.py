@@ -16,7 +16,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import capskip_fx
+from capskip_fx.rules import Rule
 from capskip_fx.rules.base import HeadView, head_gram, sequence_gram_exact, view_losses
+from capskip_fx.rules.registry import RULES as RULES_BY_NAME
 from capskip_fx.rules.capskip import capskip_weights
 
 N, T, C, D, V = 8, 5, 11, 6, 20
@@ -110,6 +112,109 @@ def test_the_logits_are_not_gathered_when_the_backward_never_reads_them():
     _loss(cm(x), y).backward()
     plan = next(r for r in cm.backend.records if r.head).plan
     assert plan.select_args[1] in plan.unread, f"logits input {plan.select_args[1]} gathered (unread {plan.unread})"
+
+
+def _saved_shapes(fn):
+    """Shapes of the tensors autograd saves while ``fn`` runs (the compiled graph's saved activations)."""
+    shapes = []
+
+    def pack(t):
+        shapes.append(tuple(t.shape))
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = fn()
+    return out, shapes
+
+
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+@pytest.mark.parametrize("rule,options", RULES, ids=[r for r, _ in RULES])
+def test_token_logits_are_kept_only_for_rules_that_read_them(rule, options, backend):
+    """The loss outside the model: a rule that reads no logits' values (Rule.reads_logits False) gets a
+    graph that saves a (N, T, 1) stand-in, not the (N, T, C) logits, and returns them uncopied; SB and
+    K-ABENA (per-sequence losses) keep them.  Either way the returned logits can be edited in place before
+    the loss, and the gradients equal the float64 reference of the same selection and edit."""
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    torch.manual_seed(0)
+    model = TokenModel().double() if backend == "aot_eager" else TokenModel()
+    ref_model = copy.deepcopy(model).double()
+    x, y = _batch()
+    cm = capskip_fx.compile(model, rule=rule, backend=backend, **options)
+    z, saved = _saved_shapes(lambda: cm(x))
+    z.mul_(2.0)  # the returned logits are nobody's saved tensor, or a copy of it
+    _loss(z, y).backward()
+    st = capskip_fx.stats(cm)
+    reads = cm.rule.reads_logits
+    assert reads == (rule in ("sb", "kabena")), f"{rule}: reads_logits {reads}"
+    assert st.mode == "selected" and st.rows < N, f"{rule}: {st}"
+    assert ((N, T, C) in saved) == reads, f"{rule} (reads_logits {reads}): saved {saved}"
+    assert ((N, T, 1) in saved) == (not reads), f"{rule}: the stand-in should be saved iff the logits are not: {saved}"
+    if not next(r for r in cm.backend.records if r.head).cached:  # a cached graph's pass ran when it was stored
+        assert counters["capskip"]["token logits not kept"] == int(not reads), dict(counters["capskip"])
+    head = next(r for r in capskip_fx.report(cm) if r["role"] == "head")
+    assert head["logits_kept"] == reads, head
+    ref = copy.deepcopy(ref_model)
+    per = _loss(ref(x) * 2.0, y, reduction="none").view(N, T)
+    ((per * st.weight.double()[:, None]).sum() / (y != -100).sum()).backward()
+    err = _rel_err(_grads(model), {k: p.grad.to(_grads(model)[k].dtype) for k, p in ref.named_parameters()})
+    assert err < (1e-10 if backend == "aot_eager" else 1e-5), f"{rule} ({backend}): gradients differ by {err}"
+
+
+def test_a_rule_that_reads_logits_set_later_runs_dense_with_the_reason():
+    """A graph compiled for CAPSkip keeps no token logits; SB set afterwards reads them: its steps run dense
+    (exact), the rule's state untouched, with a warning that names the fix."""
+    from capskip_fx.records import RefusalKind
+
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = TokenModel().double()
+    x, y = _batch()
+    cm = capskip_fx.compile(model, rule="capskip", budget=0.6, backend="aot_eager")
+    _loss(cm(x), y).backward()
+    assert capskip_fx.stats(cm).mode == "selected", capskip_fx.stats(cm)
+    cm.rule = capskip_fx.rules.make_rule("sb", **SB)
+    ref_model = copy.deepcopy(model)
+    model.zero_grad()
+    with pytest.warns(UserWarning, match=r"reads token logits.*torch\._dynamo\.reset\(\)"):
+        _loss(cm(x), y).backward()
+    st = capskip_fx.stats(cm)
+    assert st.mode == "dense" and st.kept == st.rows == N, st
+    assert st.fallback is not None and st.fallback.kind is RefusalKind.LOGITS_NOT_KEPT, st.fallback
+    assert cm.rule.hist_pos == 0, f"SB's history advanced {cm.rule.hist_pos} rows: the rule ran"
+    err = _rel_err(_grads(model), _weighted_reference(ref_model, x, y, torch.ones(N, dtype=torch.float64)))
+    assert err < 1e-10, f"the dense step's gradients differ from the reference by {err}"
+
+
+NO_LOGITS = sorted(n for n, make in RULES_BY_NAME.items() if isinstance(make(), Rule) and not make().reads_logits)
+
+
+def test_the_rules_that_read_no_logits():
+    assert NO_LOGITS == ["capskip", "dense", "forced", "random", "ub"], (
+        f"registered rules declaring reads_logits=False: {NO_LOGITS}")
+
+
+@pytest.mark.parametrize("name", NO_LOGITS)
+def test_a_rule_that_reads_no_logits_chooses_the_same_from_the_stand_in(name):
+    """``reads_logits = False`` is a promise the compiled graph acts on (it keeps a (N, T, 1) stand-in for
+    token logits): every registered rule that makes it chooses the same weights from the stand-in as from
+    the logits, from the same generator state."""
+    g = torch.Generator().manual_seed(0)
+    z = torch.randn(N, T, C, generator=g, dtype=torch.float64)
+    y = torch.randint(0, C, (N, T), generator=g)
+    delta = (z.softmax(-1) - F.one_hot(y, C).double()) / (N * T)
+    h = torch.randn(N, T, D, generator=g, dtype=torch.float64)
+    stand_in = z.abs().amax(-1, keepdim=True)
+    out = []
+    for zz, kept in ((z, True), (stand_in, False)):
+        rule = RULES_BY_NAME[name]()
+        view = HeadView(delta=delta, h=h, z=zz, generator=torch.Generator().manual_seed(1), logits=kept)
+        rule.begin_step()
+        out.append(rule.select(view).weight)
+        rule.commit_step()
+    assert torch.equal(out[0], out[1]), f"{name}: weights from the logits {out[0]} vs from the stand-in {out[1]}"
 
 
 def test_stale_sb_pairs_sequence_losses_with_dataset_indices():

@@ -14,7 +14,10 @@ the graphs; it tells the backward pass which rows it may drop.
 Invariants: at most one selection node per graph (``has_selection``: the pipeline skips a graph that
 has one, since some torch versions ran joint pre-passes twice); ``select`` reads ``h``, ``z`` and ``g``
 so the partitioner saves ``h`` and ``z``, and the graph returns a copy of ``z`` (``_return_a_copy``:
-what the user's code receives is never the saved tensor); graphs with cross-example coupling, or with
+what the user's code receives is never the saved tensor), except for token-shaped logits (N, T, C) with the
+loss outside the graph and a rule that reads none of their values (``keep_logits`` False): ``select`` then
+reads a (N, T, 1) stand-in (``_logits_stand_in``), z is neither saved nor copied; graphs with cross-example
+coupling, or with
 no batch-shaped output, get no node (``Refused``: dense backward, reason recorded).  The functions here only rewrite
 the graph; ``passes/pipeline.py`` calls them in order and returns what they found.
 """
@@ -59,15 +62,23 @@ def prove_layout(graph: fx.Graph, sym, exclude=()) -> dict:
 
 
 def select_head(graph: fx.Graph, head: Head, loss: Optional[InGraphLoss], key: int, layouts: dict,
-                loss_inputs: Optional[list] = None) -> int:
+                loss_inputs: Optional[list] = None, keep_logits: bool = True) -> tuple[int, bool]:
     """Insert ``w = select(h, z, g, key)`` (``g``: the gradient into the logits computed in the backward,
     for an in-graph loss), mask the batch-shaped tangents with it and return a copy of the logits (its
-    layout added to ``layouts``); returns how many tangents it masked.  ``loss_inputs``: the graph inputs a
-    recognised cross-entropy's dL/dz is derived from (passes/loss_grad.py), read by the node as ``loss=``."""
+    layout added to ``layouts``).  ``loss_inputs``: the graph inputs a recognised cross-entropy's dL/dz is
+    derived from (passes/loss_grad.py), read by the node as ``loss=``.  ``keep_logits`` False (the rule reads
+    no logits' values, Rule.reads_logits): token-shaped logits with the loss outside are replaced in
+    ``select``'s arguments by a stand-in, and neither saved nor copied.  Returns (how many tangents it
+    masked, whether the stand-in replaced the logits)."""
     sym = batch_symbol_of(head.z.meta["val"])
     masked = _batch_tangents(graph, sym)
+    stand_in = None
+    if loss is None and head.tokens is not None and not keep_logits and _vocab(head.z) > 1:
+        stand_in = _logits_stand_in(graph, head.z)
+        layouts[stand_in.name] = layouts[stand_in.args[0].name] = layouts[head.z.name]  # the batch where z has it
     if loss is None:
-        w = _insert(graph, head.z, SELECT, (head.h, head.z, head.g, key), {"loss": []})
+        z = head.z if stand_in is None else stand_in
+        w = _insert(graph, z, SELECT, (head.h, z, head.g, key), {"loss": []})
     else:  # select on the gradient into the logits, in the backward (runtime: prefix on all rows)
         outs = _output_nodes(graph)
         masked = [t for t, o in zip(*outs) if t in masked and o not in loss.nodes and o is not head.z]
@@ -78,7 +89,9 @@ def select_head(graph: fx.Graph, head: Head, loss: Optional[InGraphLoss], key: i
                     {"loss": list(loss_inputs or [])})
         masked = [grad] + masked
     _mask_tangents(graph, w, masked)
-    if loss is None or head.tokens is None:  # a causal LM's (N, T, vocab) logits: a copy costs a logits' memory
+    # a causal LM's (N, T, vocab) logits: a copy costs a logits' memory (none with the loss inside; none
+    # where select reads the stand-in and nothing saves z)
+    if (loss is None and stand_in is None) or head.tokens is None:
         copy = _return_a_copy(graph, head.z)
         layouts[copy.name] = layouts[head.z.name]
     if loss is not None and head.tokens is not None:  # the flat gradient's other readers get the masked one
@@ -86,7 +99,28 @@ def select_head(graph: fx.Graph, head: Head, loss: Optional[InGraphLoss], key: i
         flat = _view(graph, masked_3d, [-1] + _sizes(graph, head.z, (2,), masked_3d), after=masked_3d)
         loss.grad.replace_all_uses_with(flat, delete_user_cb=lambda u: u is not grad)
     graph.lint()
-    return len(masked)
+    return len(masked), stand_in is not None
+
+
+def _vocab(z: fx.Node) -> int:
+    """The logits' last size; 0 where it is symbolic."""
+    c = z.meta["val"].shape[-1]
+    return c if isinstance(c, int) else 0
+
+
+def _logits_stand_in(graph: fx.Graph, z: fx.Node) -> fx.Node:
+    """``amax(|z|, -1, keepdim=True)``, (N, T, 1), after ``z``: what ``select`` reads in place of token logits
+    whose values the rule never reads.  It keeps their shape's leading dims and their finiteness (|NaN| and
+    |inf| carry into the max), at 1/C of their memory; the partitioner saves it, not z (a reduction is not
+    recomputed in the backward), so the returned logits are nobody's saved tensor and need no copy."""
+    with graph.inserting_after(z):
+        a = graph.call_function(aten.abs.default, (z,))
+    with graph.inserting_after(a):
+        m = graph.call_function(aten.amax.default, (a, [-1], True))
+    with z.meta["val"].fake_mode:
+        a.meta["val"] = aten.abs.default(z.meta["val"])
+        m.meta["val"] = aten.amax.default(a.meta["val"], [-1], True)
+    return m
 
 
 def _return_a_copy(graph: fx.Graph, z: fx.Node) -> fx.Node:

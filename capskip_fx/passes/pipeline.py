@@ -42,7 +42,7 @@ from torch import fx
 from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
 
 from ..layout import backward_nodes
-from ..records import BackwardMode, Refusal, RefusalKind, Refused
+from ..records import BackwardMode, Refusal, RefusalKind, Refused, counters
 from ..symbolic import batch_symbol_of, check_not_specialised
 from . import insert_select
 from .find_head import find_head
@@ -71,6 +71,7 @@ class JointContext:
     on_coupling: str = "dense"
     refused: Optional[Refusal] = None
     derive_loss_grad: bool = False  # CapskipConfig.loss_grad == "derived": recognise an in-graph cross-entropy
+    keep_token_logits: bool = True  # the rule reads token logits' values (Rule.reads_logits)
 
 
 @dataclass(frozen=True)
@@ -86,6 +87,7 @@ class JointResult:
     loss_grad: Any = None
     loss_grad_why: Optional[str] = None
     masked_tangents: int = 0
+    logits_stand_in: bool = False  # select reads a stand-in of token logits: they are neither saved nor copied
     head_bias: Optional[bool] = None  # the head Linear has a bias (the rules' head view needs it)
     layouts: Mapping = field(default_factory=lambda: MappingProxyType({}), repr=False)  # value name -> Layout
     refusal: Optional[Refusal] = None
@@ -94,6 +96,7 @@ class JointResult:
     def record_fields(self) -> dict:
         """The CompileRecord fields this result sets."""
         fields = dict(head=self.head, body=self.body, no_head=self.no_head, in_graph_loss=self.in_graph_loss,
+                      logits_kept=not self.logits_stand_in,
                       masked_tangents=self.masked_tangents, error=self.error, refusal=self.refusal,
                       coupled=self.refusal is not None and self.refusal.kind is RefusalKind.CROSS_EXAMPLE)
         if self.inference:
@@ -128,10 +131,14 @@ def joint(graph: fx.Graph, ctx: JointContext) -> Optional[JointResult]:
         recompute_row_indices(graph, sym)  # before the proof: the backward must not read arange(N)
         layouts = insert_select.prove_layout(graph, sym, exclude=loss.nodes if loss else ())
         layouts = dict(layouts)
-        masked = insert_select.select_head(graph, head, loss, ctx.key, layouts, loss_inputs)
+        masked, stand_in = insert_select.select_head(graph, head, loss, ctx.key, layouts, loss_inputs,
+                                                     keep_logits=ctx.keep_token_logits)
     except Refused as e:
         return _refused(e.refusal, ctx)
+    if stand_in:
+        counters()["token logits not kept"] += 1
     return JointResult(head=True, in_graph_loss=loss is not None, masked_tangents=masked, head_bias=head.bias,
+                       logits_stand_in=stand_in,
                        layouts=MappingProxyType(layouts), loss_grad=recipe, loss_grad_why=why)
 
 
@@ -169,11 +176,13 @@ class JointPass(CustomGraphPass):
 
     def uuid(self) -> Optional[bytes]:
         # what Inductor's FX graph cache and AOTAutogradCache key our rewrite on: the source of the code that
-        # shapes the graphs, the config and the logits choice.  Not the model's registry key: a compiled graph
+        # shapes the graphs, the config, the logits choice and whether token logits are kept (the rule's
+        # Rule.reads_logits at compile).  Not the model's registry key: a compiled graph
         # that calls back into a run-time object (select in a refused backward, VCAS's sampled_wgrad) carries
         # the key as an argument, so the FX graph's own hash tells models apart, and the backend keeps such
         # graphs out of AOTAutogradCache (whose key is Dynamo's graph, before this pass).
-        return get_hash_for_files(source_files(), extra=f"capskip:{self.config}:{self.ctx.logits_index}")
+        return get_hash_for_files(source_files(), extra=f"capskip:{self.config}:{self.ctx.logits_index}:"
+                                   f"{self.ctx.keep_token_logits}")
 
     def __call__(self, graph: fx.Graph) -> None:
         result = joint(graph, self.ctx)

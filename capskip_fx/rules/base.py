@@ -61,6 +61,10 @@ class HeadView:
     epoch: int = 0
     generator: Optional[torch.Generator] = None
     head_bias: bool = True  # the head Linear has a bias (CAPSkip's Gram gets the +1)
+    # z holds the logits' values.  False (token-shaped logits, the loss outside the graph, a rule that reads
+    # none: Rule.reads_logits): z is the (N, T, 1) stand-in the head graph kept instead, each token's
+    # largest |z| (finite where the logits are)
+    logits: bool = True
 
     @property
     def n(self) -> int:
@@ -98,6 +102,9 @@ def view_losses(view: HeadView, dtype: torch.dtype) -> Tensor:
     """Per-example CE in ``dtype``; NaN where the label is unknown.  Token-shaped heads: the per-sequence
     loss over the tokens that count (labels.sequence_losses)."""
     if view.tokens:
+        if not view.logits:
+            raise RuntimeError("capskip_fx: a rule read per-sequence losses from a head graph that kept no logits "
+                               "(Rule.reads_logits is False for it); set reads_logits = True on the rule")
         return sequence_losses(view.delta, view.z, view.targets).to(dtype)
     targets = infer_targets(view.delta) if view.targets is None else view.targets.to(view.z.device).long()
     return per_example_ce(view.z, targets).to(dtype)
@@ -356,6 +363,11 @@ class Rule:
     # with an in-graph loss the runtime may choose before that loss's backward and run it on the kept rows
     # (passes/prefix_rows.py); ``view.delta`` is None then.
     reads_gradient: bool = True
+    # reads the values of token-shaped logits (N, T, C) (per-sequence losses, view_losses).  False: with the
+    # loss outside the compiled graph, a head graph keeps a (N, T, 1) stand-in for the logits instead of the
+    # logits themselves and returns them uncopied (``view.logits`` False; passes/insert_select.py).  The graph
+    # is built for the rule set at its compile: a rule set later that reads them runs dense steps, with a note.
+    reads_logits: bool = True
     # notes its own state changes in ``self.journal`` (begin_step); False: undone from a state_dict() copy
     journaled: bool = False
     journal: Optional[Journal] = None

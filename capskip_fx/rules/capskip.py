@@ -117,6 +117,7 @@ class CAPSkip(Rule):
 
     name = "capskip"
     needs_labels = True  # skips among the correctly classified rows
+    reads_logits = False  # token-shaped heads: every sequence is a candidate, the Gram reads dL/dz and h
 
     def __init__(self, budget: float = 0.1, bias: bool = True, compile: Optional[bool] = None,
                  normalize: str = "batch", sketch: Optional[int] = None, route: Optional[str] = None):

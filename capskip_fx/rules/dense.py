@@ -8,6 +8,7 @@ class Dense(Rule):
     name = "dense"
     needs_labels = False
     reads_gradient = False
+    reads_logits = False
 
     def __init__(self, normalize: str = "batch"):  # every row kept: both modes give weight 1
         self.normalize = check_normalize(normalize, "dense")

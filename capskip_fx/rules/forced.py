@@ -16,6 +16,7 @@ class Forced(Rule):
     name = "forced"
     needs_labels = False
     reads_gradient = False
+    reads_logits = False
 
     def __init__(self, keep: Union[float, Callable[[int], torch.Tensor]] = 1.0, normalize: str = "batch"):
         self.normalize = check_normalize(normalize, "forced")

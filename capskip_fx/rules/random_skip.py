@@ -68,6 +68,11 @@ class RandomSkip(SeededRule):
         """Likewise dL/dz: a fixed fraction reads none."""
         return self.match is not None and self.match.reads_gradient
 
+    @property
+    def reads_logits(self) -> bool:
+        """And the logits."""
+        return self.match is not None and self.match.reads_logits
+
     journaled = True  # its generator is noted where it draws; the matched rule keeps its own transaction
 
     def begin_step(self) -> None:

@@ -100,6 +100,7 @@ class UpperBoundIS(SeededRule):
     needs_labels = True  # reads no label, but its scores need a real dL/dz: the runtime's zero / softmax checks
     _state_keys = ("tau_ema", "generator_state")
     journaled = True
+    reads_logits = False  # its scores are ||dL/dz_i||
 
     def __init__(self, b: Union[None, int, float] = None, tau_th: Optional[float] = 2.0,
                  momentum: float = 0.9, smooth: float = 0.0, seed: int = 0, off: str = "uniform",

@@ -51,10 +51,12 @@ class HeadChecks:
 
 
 def head_checks(h: Tensor, z: Tensor, g: Optional[Tensor], targets: Optional[Tensor],
-                needs_labels: bool) -> HeadChecks:
+                needs_labels: bool, classes: Optional[int] = None) -> HeadChecks:
     """The step's checks (no read).  ``g`` None (chosen before an in-graph loss's backward): the finite
     check reads h and z; a kept row's non-finite dL/dz then reaches the gradient as it would in a dense
-    step, a skipped row's is never made."""
+    step, a skipped row's is never made.  ``classes``: the logits' last size where z is a stand-in for them
+    (None: z's)."""
+    classes = z.shape[-1] if classes is None else classes
     given = [t for t in (z, h, g) if t is not None]
     acc = torch.float64 if any(t.dtype == torch.float64 for t in given) else torch.float32
     # one op for every tensor's finiteness: the L1 norm is non-finite where an entry is
@@ -68,14 +70,14 @@ def head_checks(h: Tensor, z: Tensor, g: Optional[Tensor], targets: Optional[Ten
             targets = torch.where(targets == -100, -1, targets)
         parts += list(torch.aminmax(targets))
         kinds.append(("bad_targets", 2))
-        targets = targets.clamp(-1, z.shape[-1] - 1)  # the rule never indexes with a bad label
+        targets = targets.clamp(-1, classes - 1)  # the rule never indexes with a bad label
     if g is not None and g.shape[0] > 0 and needs_labels:
         # an unused 2-D output picked as the logits reads as "every row free": CAPSkip would skip all
         kinds.append(("zero", 0))
         if targets is None:
             parts += list(softmax_residual_parts(g))
             kinds.append(("not_softmax", 2))
-    return HeadChecks(parts, kinds, targets, z.shape[-1], acc, finite)
+    return HeadChecks(parts, kinds, targets, classes, acc, finite)
 
 
 def fallback_reason(checks: dict, deferred: bool = False) -> Optional[str]:

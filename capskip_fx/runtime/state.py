@@ -27,7 +27,7 @@ from typing import Any, Optional
 import torch
 from torch import Tensor
 
-from ..records import RefusalKind, fallback_kind
+from ..records import Fallback, RefusalKind, fallback_kind
 from ..rules.base import HeadView, Rule, Selection
 from . import forwards
 from .checks import bad_targets_error, check_not_compiled_autograd, deferred_reason, fallback_reason, head_checks
@@ -198,10 +198,18 @@ class RuntimeState:
         if fwd.targets is not None and fwd.targets.shape != z.shape[:-1]:
             raise ValueError(f"capskip_targets has shape {tuple(fwd.targets.shape)}; logits of shape {tuple(z.shape)} "
                              f"need one label per {'token (N, T), aligned with the logits' if z.dim() == 3 else 'row (N,)'}")
+        # token logits the head graph did not keep (passes/insert_select.py): z is their (N, T, 1) stand-in
+        stand_in = g is not None and z.shape[-1] != g.shape[-1]
+        if stand_in and self.rule.reads_logits:
+            return self._dense_step(n, g, fwd, t0, Fallback(
+                f"the rule {self.rule.name!r} reads token logits, which this head graph does not keep: it was "
+                "compiled for a rule that reads none (Rule.reads_logits), so the step runs dense. Set the rule "
+                "before the model's first step, or call torch._dynamo.reset() after setting it",
+                RefusalKind.LOGITS_NOT_KEPT))
         view = global_view(self.scope, _detached(h), _detached(z), _detached(g),
                            fwd.targets if fwd.targets is not None else targets, fwd.index)
         h, z, g, targets = view.h, view.z, view.g, view.targets
-        checks = head_checks(h, z, g, targets, self.rule.needs_labels)
+        checks = head_checks(h, z, g, targets, self.rule.needs_labels, g.shape[-1] if stand_in else None)
         names, safe_targets = checks.names, checks.targets
         # The rule runs before the checks are read, so that one read serves both.  A step that falls back
         # (or raises) puts the rule's state back: stateful rules (SB's history, UB's EMA, the generators
@@ -212,7 +220,8 @@ class RuntimeState:
         self.rule.begin_step()
         # selection math in float32 whatever the autocast dtype (bf16 Grams/losses are too coarse)
         head = HeadView(delta=_f32(g), h=_f32(h), z=_f32(z), targets=safe_targets, index=view.index,
-                        step=self.clock.peek(), epoch=self.epoch, generator=gen, head_bias=self.head_bias)
+                        step=self.clock.peek(), epoch=self.epoch, generator=gen, head_bias=self.head_bias,
+                        logits=not stand_in)
         try:
             sel: Selection = self.rule.select(head) if z.shape[0] > 0 else Selection(weight=z.new_ones(0), count=0)
         except BaseException:
@@ -262,6 +271,16 @@ class RuntimeState:
         """The rows ``weight`` skips (weight 0), as :meth:`select` found them when it returned ``weight``."""
         last, mask = self._skipped
         return mask if last is weight and mask is not None else weight == 0
+
+    def _dense_step(self, n: int, g: Tensor, fwd: ForwardContext, t0: float, reason: str) -> tuple[Tensor, int]:
+        """A step that runs every row without running the rule (nothing of its state changes)."""
+        self.warn_once(reason)
+        weight = g.new_ones(n)
+        self._skipped = (weight, None)
+        fwd.stats = StepStats(step=self.clock.begin(self.variants), n=n, kept=n, rows=n, _fallback=reason, dense=True,
+                              variants=self.variants, weight=weight, selection_ms=(time.perf_counter() - t0) * 1e3)
+        self.last.add(fwd.stats)
+        return weight, n
 
     def select_op(self, h: Tensor, z: Tensor, g: Tensor) -> Tensor:
         """ops.select in a head graph whose backward runs dense-masked (not rewritten): the rule's weight
