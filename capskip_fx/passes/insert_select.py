@@ -94,6 +94,8 @@ def select_head(graph: fx.Graph, head: Head, loss: Optional[InGraphLoss], key: i
     if (loss is None and stand_in is None) or head.tokens is None:
         copy = _return_a_copy(graph, head.z)
         layouts[copy.name] = layouts[head.z.name]
+    elif stand_in is not None:
+        layouts[_return_unaliased(graph, head.z).name] = layouts[head.z.name]
     if loss is not None and head.tokens is not None:  # the flat gradient's other readers get the masked one
         masked_3d = next(u for u in grad.users if u.target is aten.mul.Tensor)
         flat = _view(graph, masked_3d, [-1] + _sizes(graph, head.z, (2,), masked_3d), after=masked_3d)
@@ -121,6 +123,22 @@ def _logits_stand_in(graph: fx.Graph, z: fx.Node) -> fx.Node:
         a.meta["val"] = aten.abs.default(z.meta["val"])
         m.meta["val"] = aten.amax.default(a.meta["val"], [-1], True)
     return m
+
+
+def _return_unaliased(graph: fx.Graph, z: fx.Node) -> fx.Node:
+    """Return the logits through ``aten._unsafe_view`` (no copy): a view of an intermediate (a per-token
+    Linear's ``view(addmm)``) that the stand-in also reads may reach the user as that view, which autograd
+    forbids modifying in place ("Output 0 of CompiledFunction is a view"; torch 2.15, aot_eager).  A plain
+    compile's AOTAutograd hides the aliasing the same way (its unsafe_view_alias outputs)."""
+    out = graph.output_node()
+    sizes = _sizes(graph, z, tuple(range(z.meta["val"].dim())), out)
+    with graph.inserting_before(out):
+        u = graph.call_function(aten._unsafe_view.default, (z, sizes))
+    vals = [s.meta["val"] if isinstance(s, fx.Node) else s for s in sizes]
+    with z.meta["val"].fake_mode:
+        u.meta["val"] = aten._unsafe_view.default(z.meta["val"], vals)
+    out.args = ([u if o is z else o for o in out.args[0]],)
+    return u
 
 
 def _return_a_copy(graph: fx.Graph, z: fx.Node) -> fx.Node:
