@@ -11,8 +11,9 @@ for --correct-frac of the rows; h (N, d) standard normal.  "dense" = an eager fo
 time is its whole ``select`` (labels, losses, the draw); CAPSkip's also ``capskip_weights`` by route.
 
 --mlp: the issue's check.  A 3-layer MLP (in 512, hidden 512, C = 10), N = 1024, compiled with
-capskip_fx.compile; steps of CAPSkip (b = 0.3) alternate with steps of the ``forced`` rule keeping
-exactly the rows CAPSkip kept on the same batch (same model, same graphs, the rule swapped).
+capskip_fx.compile; steps of CAPSkip (b = 0.3; eager selection, and ``compile=True``: the running sums
+compiled with static shapes) alternate with steps of the ``forced`` rule keeping exactly the rows CAPSkip
+kept on the same batch (same model, same graphs, the rule swapped).
 """
 from __future__ import annotations
 
@@ -137,7 +138,7 @@ def mlp_check(a) -> dict:
         pred = model(x).argmax(1)
     right = torch.rand(n, generator=torch.Generator().manual_seed(1)) < a.correct_frac
     y = torch.where(right, pred, torch.randint(0, c, (n,), generator=torch.Generator().manual_seed(2)))
-    capskip = CAPSkip(budget=a.budget)
+    capskip, compiled = CAPSkip(budget=a.budget), CAPSkip(budget=a.budget, compile=True)
 
     def step():
         cm.zero_grad(set_to_none=True)
@@ -150,22 +151,27 @@ def mlp_check(a) -> dict:
     st = capskip_fx.stats(cm)
     kept = st.weight != 0
     forced = Forced(keep=lambda _: kept)
-    out = {"capskip": [], "forced": [], "selection_ms": []}
+    out = {"capskip": [], "capskip_compiled": [], "forced": [], "selection_ms": []}
     modes = {}
     for i in range(a.steps + 2):
-        for name, rule in (("capskip", capskip), ("forced", forced)):
+        for name, rule in (("capskip", capskip), ("capskip_compiled", compiled), ("forced", forced)):
             cm.rule = rule
             dt = timed(step)
             s = capskip_fx.stats(cm)
             modes[name] = (s.mode, s.kept, s.rows)
+            if name != "forced" and not torch.equal(s.weight != 0, kept):
+                raise RuntimeError(f"{name} kept other rows than the first CAPSkip step")
             if i >= 2:  # warm-up rounds excluded
                 out[name].append(dt)
                 if name == "capskip":
                     out["selection_ms"].append(s.selection_ms)
     ratio = [a_ / b_ for a_, b_ in zip(out["capskip"], out["forced"])]
+    ratio_c = [a_ / b_ for a_, b_ in zip(out["capskip_compiled"], out["forced"])]
     res = {"n": n, "d": d, "c": c, "budget": a.budget, "kept": int(kept.sum()), "modes": modes, "warmup_s": warm,
            "capskip_ms": statistics.median(out["capskip"]) * 1e3, "forced_ms": statistics.median(out["forced"]) * 1e3,
            "ratio_median": statistics.median(ratio), "selection_ms": statistics.median(out["selection_ms"]),
+           "capskip_compiled_ms": statistics.median(out["capskip_compiled"]) * 1e3,
+           "ratio_median_compiled": statistics.median(ratio_c),
            "route": prefix_route(n, c, d + 1)[0]}
     print(json.dumps(res, indent=1))
     return res

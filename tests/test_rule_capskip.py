@@ -187,8 +187,12 @@ def test_budget_out_of_range(b):
 
 @pytest.mark.parametrize("route", [None, "running"])
 def test_compiled_selection_equals_eager(route):
-    """compile=True: the selection runs as one Inductor graph (dynamic N) with the same decisions."""
+    """compile=True: the selection runs as one Inductor graph (dynamic N; the running sums with static shapes,
+    a compile per N) with the same decisions."""
+    from torch._dynamo.utils import counters
+
     eager, comp = CAPSkip(budget=0.3, compile=False, route=route), CAPSkip(budget=0.3, compile=True, route=route)
+    graphs = counters["stats"]["unique_graphs"]
     for n in ((8, 13, 32) if route is None else (40, 70)):  # running: two blocks of 32, the last padded
         g = torch.Generator().manual_seed(n)
         z = torch.randn(n, 5, generator=g)
@@ -199,6 +203,7 @@ def test_compiled_selection_equals_eager(route):
         a, b = eager.select(view), comp.select(view)
         assert torch.equal(a.weight, b.weight), f"batch {n}: the compiled selection should skip the same rows as eager ({a.weight.tolist()} vs {b.weight.tolist()})"
         assert torch.allclose(a.bound, b.bound, rtol=1e-5), f"batch {n}: the compiled bound {b.bound!r} should match eager's {a.bound!r}"
+    assert counters["stats"]["unique_graphs"] > graphs, f"route {route}: no selection was compiled"
 
 
 @settings(max_examples=examples(200), deadline=None)

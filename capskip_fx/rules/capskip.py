@@ -103,7 +103,11 @@ class CAPSkip(Rule):
     ``bias=False`` drops the head-bias term (the ``+1``) when the head has no bias.
     ``compile``: run the selection as one Inductor-compiled graph (dynamic N; one compile per
     budget/bias), so it is fused like the rest of the step.  ``None`` (default): on CUDA only,
-    where kernel-launch count matters; on CPU the eager ops cost < 1 ms at N = 128.
+    where kernel-launch count matters; on CPU the eager ops cost < 1 ms at N = 128.  The running sums
+    (large N) compile only with ``compile=True``, with static shapes (one compile per batch size, about 5 s
+    on 2 CPU cores; Inductor takes minutes over their padded blocks under a dynamic N): at N = 1024, C = 10,
+    d = 512 on 2 threads the step then costs 1.10x the forced rule's where eager costs 1.12x
+    (docs/benchmarks.md).
     ``normalize``: ``"batch"`` (default: the loss's own 1/N, so the bound ``||S_k|| <= b ||G||``
     is the bound on the applied head gradient's change) or ``"kept"`` (mean over the kept rows;
     the bound then no longer holds as stated, algorithms.md §1.3).
@@ -136,6 +140,7 @@ class CAPSkip(Rule):
         self.route = route
         self.compile = compile
         self._compiled = None
+        self._static = None
 
     def _fn(self, device: torch.device, tokens: bool = False):
         if tokens or not (self.compile or (self.compile is None and device.type == "cuda")):
@@ -153,9 +158,12 @@ class CAPSkip(Rule):
         route = self.route
         if route is None and not is_cosine(view.delta, view.h):
             route = prefix_route(view.n, view.delta.shape[1], view.h.shape[1] + int(bias))[0]
-        # the running sums stay eager: a handful of batched matmuls, and Inductor takes minutes over their
-        # padded blocks under a dynamic N
-        fn = _select_eager if route == "running" else self._fn(view.delta.device)
+        if route == "running":  # static shapes, and only when asked: a compile per batch size
+            if self.compile and self._static is None:
+                self._static = torch.compile(_select_eager, dynamic=False, fullgraph=True)
+            fn = self._static if self.compile else _select_eager
+        else:
+            fn = self._fn(view.delta.device)
         weight, bound, correct = fn(view.delta, view.h, view.z, view.targets, self.budget, bias, route=route)
         return self.finish(Selection(weight=weight, bound=bound, info={"correct": correct}))
 
@@ -164,5 +172,5 @@ class CAPSkip(Rule):
         route = "" if self.route is None else f", route={self.route!r}"
         return f"CAPSkip(budget={self.budget}, bias={self.bias}{norm}{route})"
 
-    def __getstate__(self):  # the compiled function is rebuilt on demand
-        return {**self.__dict__, "_compiled": None}
+    def __getstate__(self):  # the compiled functions are rebuilt on demand
+        return {**self.__dict__, "_compiled": None, "_static": None}
