@@ -105,8 +105,9 @@ class CAPSkip(Rule):
     budget/bias), so it is fused like the rest of the step.  ``None`` (default): on CUDA only,
     where kernel-launch count matters; on CPU the eager ops cost < 1 ms at N = 128.  The running sums
     (large N) compile only with ``compile=True``, with static shapes (one compile per batch size, about 5 s
-    on 2 CPU cores; Inductor takes minutes over their padded blocks under a dynamic N): at N = 1024, C = 10,
-    d = 512 on 2 threads the step then costs 1.10x the forced rule's where eager costs 1.12x
+    on 2 CPU cores, and past Dynamo's recompile limit eager again; Inductor takes minutes over their padded
+    blocks under a dynamic N): at N = 1024, C = 10, d = 512 on 2 threads the step then costs 1.10x the forced
+    rule's where eager costs 1.12x; the selection alone is 8-15 % faster at N <= 1024, no faster at N = 4096
     (docs/benchmarks.md).
     ``normalize``: ``"batch"`` (default: the loss's own 1/N, so the bound ``||S_k|| <= b ||G||``
     is the bound on the applied head gradient's change) or ``"kept"`` (mean over the kept rows;
