@@ -47,6 +47,8 @@ def parse(argv=None):
     p.add_argument("--reps", type=int, default=7, help="timed rounds per point (at least 3 when a point is slow)")
     p.add_argument("--point-seconds", type=float, default=20.0, help="stop adding rounds to a point after this")
     p.add_argument("--mlp", action="store_true", help="the compiled MLP step check instead of the table")
+    p.add_argument("--compiled", action="store_true",
+                   help="table: one more column, CAPSkip(compile=True)'s select (its compile before the timing)")
     p.add_argument("--steps", type=int, default=30, help="--mlp: timed steps per arm")
     p.add_argument("--out", default=None, help="write the results as JSON here")
     p.add_argument("--no-malloc-tuning", action="store_true",
@@ -101,6 +103,10 @@ def point(n: int, c: int, d: int, a) -> dict:
             "running": lambda: capskip_weights(delta, h, correct, a.budget, route="running"),
             "kabena": lambda: kabena.select(view),
             "sb": lambda: sb.select(view)}
+    if a.compiled:
+        compiled = CAPSkip(budget=a.budget, compile=True)
+        compiled.select(view)  # the compile (static shapes for the running sums)
+        arms["compiled"] = lambda: compiled.select(view)
     med = interleave(arms, a.reps, a.point_seconds)
     w = {r: capskip_weights(delta, h, correct, a.budget, route=r)[0] for r in ("gram", "running")}
     return {"n": n, "c": c, "d": d, "route": prefix_route(n, c, d + 1)[0],
@@ -111,8 +117,9 @@ def point(n: int, c: int, d: int, a) -> dict:
 
 def table(a) -> list[dict]:
     rows = []
-    print("| N | C | d | route | dense ms | CAPSkip (auto) | gram | running | K-ABENA | SB | same kept set |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    extra = " CAPSkip compile=True |" if a.compiled else ""
+    print("| N | C | d | route | dense ms | CAPSkip (auto) | gram | running | K-ABENA | SB | same kept set |" + extra)
+    print("|---|---|---|---|---|---|---|---|---|---|---|" + ("---|" if a.compiled else ""))
     for n in a.n:
         for c in a.c:
             for d in a.d:
@@ -121,7 +128,8 @@ def table(a) -> list[dict]:
                 s = r["share"]
                 print(f"| {n} | {c} | {d} | {r['route']} | {r['ms']['dense']:.2f} | {s['capskip']:.1%} | "
                       f"{s['gram']:.1%} | {s['running']:.1%} | {s['kabena']:.1%} | {s['sb']:.1%} | "
-                      f"{'yes' if r['same_selection'] else 'no'} |", flush=True)
+                      f"{'yes' if r['same_selection'] else 'no'} |"
+                      + (f" {s['compiled']:.1%} |" if a.compiled else ""), flush=True)
     return rows
 
 

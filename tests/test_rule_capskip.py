@@ -206,6 +206,28 @@ def test_compiled_selection_equals_eager(route):
     assert counters["stats"]["unique_graphs"] > graphs, f"route {route}: no selection was compiled"
 
 
+@pytest.mark.parametrize("route", [None, "running"])
+def test_compiled_selection_past_the_recompile_limit_runs_eagerly(route):
+    """compile=True compiles a variant per budget (dynamic N) or per batch size (running sums, static shapes);
+    with fullgraph=True, Dynamo's recompile limit is a hard error.  Past it the selection runs eagerly, with
+    the same decisions: more budgets / batch sizes than the limit never raise."""
+    import torch._dynamo
+
+    cases = ([(16, b) for b in (0.1, 0.2, 0.3, 0.4, 0.5)] if route is None else
+             [(n, 0.3) for n in (33, 40, 47, 54, 61)])
+    with torch._dynamo.config.patch(recompile_limit=3):
+        for n, b in cases:
+            g = torch.Generator().manual_seed(n)
+            z = torch.randn(n, 5, generator=g)
+            y = z.argmax(1)
+            y[::4] = (y[::4] + 1) % 5
+            delta = (z.softmax(1) - torch.nn.functional.one_hot(y, 5).float()) / n
+            view = HeadView(delta=delta, h=torch.randn(n, 6, generator=g), z=z)
+            a = CAPSkip(budget=b, compile=False, route=route).select(view)
+            c = CAPSkip(budget=b, compile=True, route=route).select(view)
+            assert torch.equal(a.weight, c.weight), f"n {n}, budget {b}: compiled or eager past the limit, the rows differ"
+
+
 @settings(max_examples=examples(200), deadline=None)
 @given(st.integers(1, 40), st.integers(1, 9), st.integers(1, 9), st.integers(1, 12), st.integers(0, 2**31 - 1),
        st.booleans())

@@ -218,7 +218,10 @@ _EXCLUSIVE: dict = {}
 
 def exclusive_prefix(nb: int, like: Tensor) -> Tensor:
     """(nb, nb) strictly lower-triangular ones (``like``'s dtype and device), made once per key: ``E @ u`` is
-    u's exclusive running sum over dim 0, a matmul where ``cumsum(0)`` of a wide u strides through memory."""
+    u's exclusive running sum over dim 0, a matmul where ``cumsum(0)`` of a wide u strides through memory.
+    Compiled: made in the graph (Dynamo would guard on the dict, and recompile as it grows)."""
+    if torch.compiler.is_compiling():
+        return torch.ones(nb, nb, dtype=like.dtype, device=like.device).tril_(-1)
     key = (nb, like.dtype, like.device)
     t = _EXCLUSIVE.get(key)
     if t is None:

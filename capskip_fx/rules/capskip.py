@@ -95,6 +95,37 @@ def _select_eager(delta, h, z, targets, budget: float, bias: bool, sketch=None, 
     return weight, bound, correct
 
 
+def _select_static(delta, h, z, targets, budget: float, bias: bool, route=None):
+    """_select_eager under its own code object: Dynamo counts the compiled variants of the static-shape
+    selection apart from the dynamic one's."""
+    return _select_eager(delta, h, z, targets, budget, bias, route=route)
+
+
+# The compiled selections, one per kind for every CAPSkip (a torch.compile object per rule would add its
+# own Dynamo cache entries to the shared code object), and the variants each has compiled.  fullgraph=True
+# turns Dynamo's recompile limit into a hard error, so a variant past the limit runs eagerly instead.
+_COMPILED: dict = {}
+_VARIANTS: dict = {"dynamic": set(), "static": set()}
+
+
+def _compiled(kind: str, delta: Tensor, h: Tensor, targets, budget: float, bias: bool):
+    """The compiled selection of ``kind`` ("dynamic": any N; "static": one compile per shape), or
+    _select_eager where a new variant would pass Dynamo's recompile limit."""
+    shape = tuple(delta.shape) + tuple(h.shape) if kind == "static" else tuple(min(s, 2) for s in delta.shape)
+    key = (shape, delta.dtype, h.dtype, str(delta.device), budget, bias,
+           None if targets is None else (targets.dtype, str(targets.device)))
+    seen = _VARIANTS[kind]
+    if key not in seen:
+        if len(seen) >= torch._dynamo.config.recompile_limit - 1:
+            return _select_eager
+        seen.add(key)
+    fn = _COMPILED.get(kind)
+    if fn is None:
+        fn = _COMPILED[kind] = (torch.compile(_select_eager, dynamic=True, fullgraph=True) if kind == "dynamic"
+                                else torch.compile(_select_static, dynamic=False, fullgraph=True))
+    return fn
+
+
 class CAPSkip(Rule):
     """Skip the longest low-norm prefix of correct rows within relative budget ``b``.
 
@@ -107,8 +138,9 @@ class CAPSkip(Rule):
     (large N) compile only with ``compile=True``, with static shapes (one compile per batch size, about 5 s
     on 2 CPU cores, and past Dynamo's recompile limit eager again; Inductor takes minutes over their padded
     blocks under a dynamic N): at N = 1024, C = 10, d = 512 on 2 threads the step then costs 1.10x the forced
-    rule's where eager costs 1.12x; the selection alone is 8-15 % faster at N <= 1024, no faster at N = 4096
-    (docs/benchmarks.md).
+    rule's where eager costs 1.12x; the selection alone, timed warm, ranges from 29 % faster to 11 % slower
+    (docs/benchmarks.md).  The compiled variants are shared by every CAPSkip; one that would pass Dynamo's
+    recompile limit (fullgraph=True makes that an error) runs eagerly.
     ``normalize``: ``"batch"`` (default: the loss's own 1/N, so the bound ``||S_k|| <= b ||G||``
     is the bound on the applied head gradient's change) or ``"kept"`` (mean over the kept rows;
     the bound then no longer holds as stated, algorithms.md §1.3).
@@ -140,15 +172,6 @@ class CAPSkip(Rule):
             raise ValueError(f"capskip route must be None (auto) or one of {PREFIX_ROUTES}, got {route!r}")
         self.route = route
         self.compile = compile
-        self._compiled = None
-        self._static = None
-
-    def _fn(self, device: torch.device, tokens: bool = False):
-        if tokens or not (self.compile or (self.compile is None and device.type == "cuda")):
-            return _select_eager
-        if self._compiled is None:
-            self._compiled = torch.compile(_select_eager, dynamic=True, fullgraph=True)
-        return self._compiled
 
     def select(self, view: HeadView) -> Selection:
         bias = self.bias and view.head_bias
@@ -160,11 +183,10 @@ class CAPSkip(Rule):
         if route is None and not is_cosine(view.delta, view.h):
             route = prefix_route(view.n, view.delta.shape[1], view.h.shape[1] + int(bias))[0]
         if route == "running":  # static shapes, and only when asked: a compile per batch size
-            if self.compile and self._static is None:
-                self._static = torch.compile(_select_eager, dynamic=False, fullgraph=True)
-            fn = self._static if self.compile else _select_eager
+            kind = "static" if self.compile else None
         else:
-            fn = self._fn(view.delta.device)
+            kind = "dynamic" if self.compile or (self.compile is None and view.delta.device.type == "cuda") else None
+        fn = _select_eager if kind is None else _compiled(kind, view.delta, view.h, view.targets, self.budget, bias)
         weight, bound, correct = fn(view.delta, view.h, view.z, view.targets, self.budget, bias, route=route)
         return self.finish(Selection(weight=weight, bound=bound, info={"correct": correct}))
 
@@ -173,5 +195,3 @@ class CAPSkip(Rule):
         route = "" if self.route is None else f", route={self.route!r}"
         return f"CAPSkip(budget={self.budget}, bias={self.bias}{norm}{route})"
 
-    def __getstate__(self):  # the compiled functions are rebuilt on demand
-        return {**self.__dict__, "_compiled": None, "_static": None}
