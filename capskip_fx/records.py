@@ -211,7 +211,7 @@ class CompileRecord:
     masked_tangents: int = 0
     in_graph_loss: bool = False  # the loss is computed in the graph: rows selected on dL/dz in the backward
     # False: token logits whose values the rule reads none of; the graph keeps a (N, T, 1) stand-in for them,
-    # and returns them uncopied (passes/insert_select.py; Rule.reads_logits)
+    # and returns them uncopied unless another op reads them (passes/insert_select.py; Rule.reads_logits)
     logits_kept: bool = True
     backward: BackwardMode = BackwardMode.NOT_COMPILED
     refusal: Optional[Refusal] = None  # why this graph runs dense, if it does (the first refusal)

@@ -163,6 +163,37 @@ def test_token_logits_are_kept_only_for_rules_that_read_them(rule, options, back
     assert err < (1e-10 if backend == "aot_eager" else 1e-5), f"{rule} ({backend}): gradients differ by {err}"
 
 
+class SquaredTokenModel(TokenModel):
+    """Returns the logits and their squares: the backward of the square reads the logits' storage."""
+
+    def forward(self, x):
+        z = super().forward(x)
+        return z, z.pow(2)
+
+
+def test_the_logits_are_copied_when_the_backward_reads_their_storage():
+    """No logits to keep for CAPSkip, but another op of the graph saves them: the returned logits are a copy
+    (returned as a view of the same storage, an in-place edit would change what that op's backward reads,
+    unseen by autograd's version check); the edit then leaves the square's gradient exact."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = SquaredTokenModel().double()
+    ref = copy.deepcopy(model)
+    x, y = _batch()
+    cm = capskip_fx.compile(model, rule="capskip", budget=0.6, backend="aot_eager")
+    z, sq = cm(x)
+    z.mul_(2.0)
+    (_loss(z, y) + sq.mean()).backward()
+    st = capskip_fx.stats(cm)
+    assert 0 < st.kept < N, st  # dense-masked: dL/dz is computed in the backward (the square adds to it)
+    w = st.weight.double()
+    rz, rsq = ref(x)
+    per = _loss(rz * 2.0, y, reduction="none").view(N, T)
+    ((per * w[:, None]).sum() / (y != -100).sum() + (rsq.sum((1, 2)) * w).sum() / rsq.numel()).backward()
+    err = _rel_err(_grads(model), {k: p.grad for k, p in ref.named_parameters()})
+    assert err < 1e-10, f"the edit of the returned logits reached the square's backward: gradients differ by {err}"
+
+
 def test_a_rule_that_reads_logits_set_later_runs_dense_with_the_reason():
     """A graph compiled for CAPSkip keeps no token logits; SB set afterwards reads them: its steps run dense
     (exact), the rule's state untouched, with a warning that names the fix."""

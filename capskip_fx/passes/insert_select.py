@@ -16,8 +16,9 @@ has one, since some torch versions ran joint pre-passes twice); ``select`` reads
 so the partitioner saves ``h`` and ``z``, and the graph returns a copy of ``z`` (``_return_a_copy``:
 what the user's code receives is never the saved tensor), except for token-shaped logits (N, T, C) with the
 loss outside the graph and a rule that reads none of their values (``keep_logits`` False): ``select`` then
-reads a (N, T, 1) stand-in (``_logits_stand_in``), z is neither saved nor copied; graphs with cross-example
-coupling, or with
+reads a (N, T, 1) stand-in (``_logits_stand_in``), and z is neither saved for it nor copied (copied still
+where another op of the graph reads z, whose backward may save it: ``_read_elsewhere``); graphs with
+cross-example coupling, or with
 no batch-shaped output, get no node (``Refused``: dense backward, reason recorded).  The functions here only rewrite
 the graph; ``passes/pipeline.py`` calls them in order and returns what they found.
 """
@@ -94,8 +95,9 @@ def select_head(graph: fx.Graph, head: Head, loss: Optional[InGraphLoss], key: i
     if (loss is None and stand_in is None) or head.tokens is None:
         copy = _return_a_copy(graph, head.z)
         layouts[copy.name] = layouts[head.z.name]
-    elif stand_in is not None:
-        layouts[_return_unaliased(graph, head.z).name] = layouts[head.z.name]
+    elif stand_in is not None:  # a copy still where another op reads z's storage (its backward may save it)
+        back = _return_a_copy if _read_elsewhere(head.z, stand_in.args[0]) else _return_unaliased
+        layouts[back(graph, head.z).name] = layouts[head.z.name]
     if loss is not None and head.tokens is not None:  # the flat gradient's other readers get the masked one
         masked_3d = next(u for u in grad.users if u.target is aten.mul.Tensor)
         flat = _view(graph, masked_3d, [-1] + _sizes(graph, head.z, (2,), masked_3d), after=masked_3d)
@@ -123,6 +125,32 @@ def _logits_stand_in(graph: fx.Graph, z: fx.Node) -> fx.Node:
         a.meta["val"] = aten.abs.default(z.meta["val"])
         m.meta["val"] = aten.amax.default(a.meta["val"], [-1], True)
     return m
+
+
+def _aliases(node: fx.Node) -> set:
+    """``node``, the base it views and every view of that base: the values that share its storage."""
+    def viewing(n):
+        return n.op == "call_function" and (getattr(n.target, "is_view", False) or n.target is aten._unsafe_view.default)
+
+    base = node
+    while viewing(base) and isinstance(base.args[0], fx.Node):
+        base = base.args[0]
+    out, stack = set(), [base]
+    while stack:
+        n = stack.pop()
+        if n not in out:
+            out.add(n)
+            stack.extend(u for u in n.users if viewing(u))
+    return out
+
+
+def _read_elsewhere(z: fx.Node, own: fx.Node) -> bool:
+    """An op other than the output, a view and ``own`` (the stand-in's) reads z or a value sharing its
+    storage.  Its backward may save that storage (whether it does, the partitioner decides later), and then
+    the returned logits must not share it: ``_unsafe_view`` has its own version counter, so an in-place edit
+    of them would change the saved values unseen by autograd."""
+    aliases = _aliases(z)
+    return any(u.op != "output" and u is not own and u not in aliases for a in aliases for u in a.users)
 
 
 def _return_unaliased(graph: fx.Graph, z: fx.Node) -> fx.Node:
