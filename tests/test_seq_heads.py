@@ -194,6 +194,42 @@ def test_the_logits_are_copied_when_the_backward_reads_their_storage():
     assert err < 1e-10, f"the edit of the returned logits reached the square's backward: gradients differ by {err}"
 
 
+class LossInsideTokenModel(TokenModel):
+    """The loss inside the model (Hugging Face's labels=): returns (loss, logits)."""
+
+    def forward(self, x, y):
+        z = super().forward(x)
+        return _loss(z, y), z
+
+
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+@pytest.mark.parametrize("rule,options", [("capskip", {"budget": 0.6}), ("random", {"keep": 0.5})], ids=["capskip", "random"])
+def test_editing_uncopied_logits_before_backward_raises(rule, options, backend):
+    """With the loss inside, token logits are returned uncopied and the backward reads their memory: an
+    in-place edit of them before backward() would reach the gradients (plain torch.compile with Inductor
+    lets it, silently).  It raises, naming the fix; an edit of a clone changes nothing."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = LossInsideTokenModel().double()
+    x, y = _batch()
+    cm = capskip_fx.compile(model, rule=rule, backend=backend, **options)
+    loss, z = cm(x, y)
+    with pytest.raises(RuntimeError, match=r"modified in place before backward|is a view and is being modified"):
+        z.mul_(100.0)  # torch 2.15 with aot_eager refuses the edit itself
+        loss.backward()
+    model.zero_grad()
+    ref = copy.deepcopy(model)
+    loss, z = cm(x, y)
+    z.clone().mul_(100.0)
+    loss.backward()
+    st = capskip_fx.stats(cm)
+    assert 0 < st.kept < N, st
+    per = _loss(TokenModel.forward(ref, x), y, reduction="none").view(N, T)
+    ((per * st.weight.double()[:, None]).sum() / (y != -100).sum()).backward()
+    err = _rel_err(_grads(model), {k: p.grad for k, p in ref.named_parameters()})
+    assert err < 1e-10, f"{rule} ({backend}): gradients differ from the reference by {err}"
+
+
 def test_a_rule_that_reads_logits_set_later_runs_dense_with_the_reason():
     """A graph compiled for CAPSkip keeps no token logits; SB set afterwards reads them: its steps run dense
     (exact), the rule's state untouched, with a warning that names the fix."""

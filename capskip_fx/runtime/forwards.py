@@ -6,6 +6,7 @@ models interleaved).  The context lives exactly as long as that node: no registr
 """
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -30,6 +31,15 @@ class ForwardContext:
     targets: Optional[Tensor] = None
     index: Optional[Tensor] = None
     stats: Optional[StepStats] = None
+    logits: Any = None  # a weakref to the logits the forward returned, and their version then
+    logits_version: int = 0
+
+    def edited_logits(self, saved: Tensor) -> bool:
+        """The returned logits were modified in place since the forward, and ``saved`` (what the backward
+        reads) shares their memory: the backward would read the edit, where eager autograd reads none."""
+        t = self.logits() if self.logits is not None else None
+        return (t is not None and t._version != self.logits_version
+                and t.untyped_storage().data_ptr() == saved.untyped_storage().data_ptr())
 
 
 def bind(fwd: ForwardContext, logits: Any) -> bool:

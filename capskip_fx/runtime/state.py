@@ -120,6 +120,8 @@ class RuntimeState:
             self.hook_bound = True
         else:
             self.bound_forwards = True
+        if isinstance(logits, Tensor):
+            fwd.logits, fwd.logits_version = weakref.ref(logits), logits._version
         return forwards.bind(fwd, logits)
 
     def running_forward(self) -> tuple[bool, Optional[ForwardContext]]:
@@ -193,6 +195,12 @@ class RuntimeState:
         t0 = time.perf_counter()
         n = z.shape[0]
         fwd = fwd if fwd is not None else ForwardContext()
+        if fwd.edited_logits(z):
+            raise RuntimeError(
+                "capskip_fx: the logits the model returned were modified in place before backward(), and the "
+                "compiled backward reads that memory (token logits with the loss inside the model are returned "
+                "uncopied, docs/limits.md): its gradients would follow the edit. Edit a copy instead "
+                "(logits = out.logits.clone()). Plain torch.compile (Inductor) uses the edited values silently")
         if fwd.targets is not None and fwd.targets.shape[0] != n:
             raise ValueError(f"capskip_targets has {fwd.targets.shape[0]} rows but the batch has {n}")
         if fwd.targets is not None and fwd.targets.shape != z.shape[:-1]:
