@@ -38,8 +38,12 @@ class ForwardContext:
         """The returned logits were modified in place since the forward, and ``saved`` (what the backward
         reads) shares their memory: the backward would read the edit, where eager autograd reads none."""
         t = self.logits() if self.logits is not None else None
-        return (t is not None and t._version != self.logits_version
-                and t.untyped_storage().data_ptr() == saved.untyped_storage().data_ptr())
+        if t is None or t._version == self.logits_version:
+            return False
+        try:
+            return t.untyped_storage().data_ptr() == saved.untyped_storage().data_ptr()
+        except (RuntimeError, NotImplementedError):  # a tensor subclass without one storage (DTensor)
+            return False
 
 
 def bind(fwd: ForwardContext, logits: Any) -> bool:
