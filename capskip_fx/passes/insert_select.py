@@ -130,7 +130,8 @@ def _logits_stand_in(graph: fx.Graph, z: fx.Node) -> fx.Node:
 def _aliases(node: fx.Node) -> set:
     """``node``, the base it views and every view of that base: the values that share its storage."""
     def viewing(n):
-        return n.op == "call_function" and (getattr(n.target, "is_view", False) or n.target is aten._unsafe_view.default)
+        return n.op == "call_function" and (getattr(n.target, "is_view", False)
+                                            or n.target is aten._unsafe_view.default)
 
     base = node
     while viewing(base) and isinstance(base.args[0], fx.Node):

@@ -6,7 +6,6 @@ models interleaved).  The context lives exactly as long as that node: no registr
 """
 from __future__ import annotations
 
-import weakref
 from dataclasses import dataclass
 from typing import Any, Optional
 
