@@ -425,6 +425,20 @@ def test_token_targets_of_the_wrong_shape_fail_at_the_forward():
         cm(x, capskip_targets=y[:, :-1])
 
 
+def test_out_of_range_token_targets_name_the_vocabulary_with_a_stand_in():
+    """CAPSkip keeps a (N, T, 1) stand-in of the logits: a label outside [-1, C) still raises with C itself."""
+    torch._dynamo.reset()
+    model = TokenModel().double()
+    x, y = _batch()
+    bad = y.clone()
+    bad[0, 0] = C
+    cm = capskip_fx.compile(model, rule="capskip", budget=0.6, backend="aot_eager")
+    with pytest.raises(ValueError, match=rf"class labels in \[-1, {C}\) for logits with {C} classes"):
+        _loss(cm(x, capskip_targets=bad), y).backward()
+    head = next(r for r in capskip_fx.report(cm) if r["role"] == "head")
+    assert not head["logits_kept"], head
+
+
 # -- the sequence Gram ----------------------------------------------------------------------------------
 
 

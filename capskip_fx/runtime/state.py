@@ -209,11 +209,13 @@ class RuntimeState:
         # token logits the head graph did not keep (passes/insert_select.py): z is their (N, T, 1) stand-in
         stand_in = g is not None and z.shape[-1] != g.shape[-1]
         if stand_in and self.rule.reads_logits:
-            return self._dense_step(n, g, fwd, t0, Fallback(
+            reason = Fallback(
                 f"the rule {self.rule.name!r} reads token logits, which this head graph does not keep: it was "
                 "compiled for a rule that reads none (Rule.reads_logits), so the step runs dense. Set the rule "
                 "before the model's first step, or call torch._dynamo.reset() after setting it",
-                RefusalKind.LOGITS_NOT_KEPT))
+                RefusalKind.LOGITS_NOT_KEPT)
+            self.warn_once(reason)  # every row, the rule not run (nothing of its state changes)
+            return self._record_step(fwd, t0, g.new_ones(n), None, n, reason)
         view = global_view(self.scope, _detached(h), _detached(z), _detached(g),
                            fwd.targets if fwd.targets is not None else targets, fwd.index)
         h, z, g, targets = view.h, view.z, view.g, view.targets
@@ -261,34 +263,30 @@ class RuntimeState:
                 self.rule.undo_step()
                 gen.set_state(gen_state)
             if flags.get("bad_targets"):
-                raise bad_targets_error(targets.to(z.device), z.shape[-1])
+                raise bad_targets_error(targets.to(z.device), checks.classes)
             if fallback is not None:
                 self.warn_once(fallback)
                 sel = Selection(weight=weight.new_ones(n))  # no bound either
                 weight, k, skipped = sel.weight, n, None
-        self._skipped = (weight, skipped)
         self.rule.commit_step()  # accepted (a step undone above has nothing left to commit)
-        step = self.clock.begin(self.variants)
-        fwd.stats = StepStats(step=step, n=n, kept=int(k), rows=n, _fallback=fallback, dense=fallback is not None,
-                              variants=self.variants, weight=_detached(weight), _bound=sel.bound, _pending=pending,
-                              selection_ms=(time.perf_counter() - t0) * 1e3)
+        return self._record_step(fwd, t0, weight, skipped, int(k), fallback, sel.bound, pending)
+
+    def _record_step(self, fwd: ForwardContext, t0: float, weight: Tensor, skipped: Optional[Tensor], k: int,
+                     fallback: Optional[str] = None, bound: Optional[Tensor] = None, pending: Any = None
+                     ) -> tuple[Tensor, int]:
+        """The selection's result as this forward's step: its stats, and ``(weight, k)``."""
+        n = weight.shape[0]
+        self._skipped = (weight, skipped)
+        fwd.stats = StepStats(step=self.clock.begin(self.variants), n=n, kept=k, rows=n, _fallback=fallback,
+                              dense=fallback is not None, variants=self.variants, weight=_detached(weight),
+                              _bound=bound, _pending=pending, selection_ms=(time.perf_counter() - t0) * 1e3)
         self.last.add(fwd.stats)
-        return weight, int(k)
+        return weight, k
 
     def skipped(self, weight: Tensor) -> Tensor:
         """The rows ``weight`` skips (weight 0), as :meth:`select` found them when it returned ``weight``."""
         last, mask = self._skipped
         return mask if last is weight and mask is not None else weight == 0
-
-    def _dense_step(self, n: int, g: Tensor, fwd: ForwardContext, t0: float, reason: str) -> tuple[Tensor, int]:
-        """A step that runs every row without running the rule (nothing of its state changes)."""
-        self.warn_once(reason)
-        weight = g.new_ones(n)
-        self._skipped = (weight, None)
-        fwd.stats = StepStats(step=self.clock.begin(self.variants), n=n, kept=n, rows=n, _fallback=reason, dense=True,
-                              variants=self.variants, weight=weight, selection_ms=(time.perf_counter() - t0) * 1e3)
-        self.last.add(fwd.stats)
-        return weight, n
 
     def select_op(self, h: Tensor, z: Tensor, g: Tensor) -> Tensor:
         """ops.select in a head graph whose backward runs dense-masked (not rewritten): the rule's weight
