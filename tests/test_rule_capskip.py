@@ -185,6 +185,16 @@ def test_budget_out_of_range(b):
         CAPSkip(budget=b)
 
 
+def _view_with_misclassified_rows(n: int) -> HeadView:
+    """A float32 head view of N rows, C = 5, d = 6, every 4th row misclassified (seeded by n)."""
+    g = torch.Generator().manual_seed(n)
+    z = torch.randn(n, 5, generator=g)
+    y = z.argmax(1)
+    y[::4] = (y[::4] + 1) % 5
+    delta = (z.softmax(1) - torch.nn.functional.one_hot(y, 5).float()) / n
+    return HeadView(delta=delta, h=torch.randn(n, 6, generator=g), z=z)
+
+
 @pytest.mark.parametrize("route", [None, "running"])
 def test_compiled_selection_equals_eager(route):
     """compile=True: the selection runs as one Inductor graph (dynamic N; the running sums with static shapes,
@@ -194,12 +204,7 @@ def test_compiled_selection_equals_eager(route):
     eager, comp = CAPSkip(budget=0.3, compile=False, route=route), CAPSkip(budget=0.3, compile=True, route=route)
     graphs = counters["stats"]["unique_graphs"]
     for n in ((8, 13, 32) if route is None else (40, 70)):  # running: two blocks of 32, the last padded
-        g = torch.Generator().manual_seed(n)
-        z = torch.randn(n, 5, generator=g)
-        y = z.argmax(1)
-        y[::4] = (y[::4] + 1) % 5
-        delta = (z.softmax(1) - torch.nn.functional.one_hot(y, 5).float()) / n
-        view = HeadView(delta=delta, h=torch.randn(n, 6, generator=g), z=z)
+        view = _view_with_misclassified_rows(n)
         a, b = eager.select(view), comp.select(view)
         assert torch.equal(a.weight, b.weight), f"batch {n}: the compiled selection should skip the same rows as eager ({a.weight.tolist()} vs {b.weight.tolist()})"
         assert torch.allclose(a.bound, b.bound, rtol=1e-5), f"batch {n}: the compiled bound {b.bound!r} should match eager's {a.bound!r}"
@@ -217,12 +222,7 @@ def test_compiled_selection_past_the_recompile_limit_runs_eagerly(route):
              [(n, 0.3) for n in (33, 40, 47, 54, 61)])
     with torch._dynamo.config.patch(recompile_limit=3):
         for n, b in cases:
-            g = torch.Generator().manual_seed(n)
-            z = torch.randn(n, 5, generator=g)
-            y = z.argmax(1)
-            y[::4] = (y[::4] + 1) % 5
-            delta = (z.softmax(1) - torch.nn.functional.one_hot(y, 5).float()) / n
-            view = HeadView(delta=delta, h=torch.randn(n, 6, generator=g), z=z)
+            view = _view_with_misclassified_rows(n)
             a = CAPSkip(budget=b, compile=False, route=route).select(view)
             c = CAPSkip(budget=b, compile=True, route=route).select(view)
             assert torch.equal(a.weight, c.weight), f"n {n}, budget {b}: compiled or eager past the limit, the rows differ"
