@@ -213,22 +213,28 @@ def prefix_diagonal(K: Tensor) -> Tensor:
     return torch.triu(K.cumsum(-1)).sum(-2)
 
 
+def _constant(cache: dict, key: tuple, make) -> Tensor:
+    """``make()``, made once per ``key`` in ``cache`` (at most 64 keys: ragged batch sizes keep the memory
+    bounded); made afresh while compiling, where Dynamo would guard on the dict and recompile as it grows.
+    The tensors are shared: never modify one in place."""
+    if torch.compiler.is_compiling():
+        return make()
+    t = cache.get(key)
+    if t is None:
+        if len(cache) >= 64:
+            cache.clear()
+        t = cache[key] = make()
+    return t
+
+
 _EXCLUSIVE: dict = {}
 
 
 def exclusive_prefix(nb: int, like: Tensor) -> Tensor:
     """(nb, nb) strictly lower-triangular ones (``like``'s dtype and device), made once per key: ``E @ u`` is
-    u's exclusive running sum over dim 0, a matmul where ``cumsum(0)`` of a wide u strides through memory.
-    Compiled: made in the graph (Dynamo would guard on the dict, and recompile as it grows)."""
-    if torch.compiler.is_compiling():
-        return torch.ones(nb, nb, dtype=like.dtype, device=like.device).tril_(-1)
-    key = (nb, like.dtype, like.device)
-    t = _EXCLUSIVE.get(key)
-    if t is None:
-        if len(_EXCLUSIVE) >= 64:  # ragged batch sizes: keep the memory bounded
-            _EXCLUSIVE.clear()
-        t = _EXCLUSIVE[key] = torch.ones(nb, nb, dtype=like.dtype, device=like.device).tril_(-1)
-    return t
+    u's exclusive running sum over dim 0, a matmul where ``cumsum(0)`` of a wide u strides through memory."""
+    return _constant(_EXCLUSIVE, (nb, like.dtype, like.device),
+                     lambda: torch.ones(nb, nb, dtype=like.dtype, device=like.device).tril_(-1))
 
 
 def prefix_sq_norms(d: Tensor, x: Tensor, route: Optional[str] = None, block: Optional[int] = None
@@ -272,15 +278,7 @@ _POSITIONS: dict = {}
 def positions(n: int, device: torch.device) -> Tensor:
     """``1..n`` (int64) on ``device``, made once per (n, device): rules compare against it every step (an
     arange is one more eager op).  Never modify it in place."""
-    if torch.compiler.is_compiling():
-        return torch.arange(1, n + 1, device=device)
-    key = (n, torch.device(device))
-    t = _POSITIONS.get(key)
-    if t is None:
-        if len(_POSITIONS) >= 64:  # ragged batch sizes: keep the memory bounded
-            _POSITIONS.clear()
-        t = _POSITIONS[key] = torch.arange(1, n + 1, device=device)
-    return t
+    return _constant(_POSITIONS, (n, torch.device(device)), lambda: torch.arange(1, n + 1, device=device))
 
 
 @dataclass
