@@ -11,6 +11,7 @@ returned logits not counted.  -> benchmarks/results/<stem>.{md,json}
 from __future__ import annotations
 
 import argparse
+import copy
 import os
 import pathlib
 import statistics
@@ -64,8 +65,6 @@ def main() -> None:
     torch.manual_seed(0)
     base = TinyLM(a.vocab)
     ids = torch.randint(0, a.vocab, (a.n, a.t), generator=torch.Generator().manual_seed(1))
-    import copy
-
     arms = {"plain torch.compile": torch.compile(copy.deepcopy(base), backend=a.backend),
             "capskip, logits kept + copy": capskip_fx.compile(copy.deepcopy(base), rule=CAPSkipKeepingLogits(a.budget),
                                                               backend=a.backend, verify=False),
