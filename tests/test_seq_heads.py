@@ -115,25 +115,29 @@ def test_the_logits_are_not_gathered_when_the_backward_never_reads_them():
 
 
 def _saved_shapes(fn):
-    """Shapes of the tensors autograd saves while ``fn`` runs (the compiled graph's saved activations)."""
-    shapes = []
+    """Shapes of the tensors autograd saves while ``fn`` runs (the compiled graph's saved activations), and
+    the storages (data pointers) of those saved with the (N, T, C) logits' shape."""
+    shapes, logits_storages = [], set()
 
     def pack(t):
         shapes.append(tuple(t.shape))
+        if tuple(t.shape) == (N, T, C):
+            logits_storages.add(t.untyped_storage().data_ptr())
         return t
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         out = fn()
-    return out, shapes
+    return out, shapes, logits_storages
 
 
 @pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
 @pytest.mark.parametrize("rule,options", RULES, ids=[r for r, _ in RULES])
 def test_token_logits_are_kept_only_for_rules_that_read_them(rule, options, backend):
     """The loss outside the model: a rule that reads no logits' values (Rule.reads_logits False) gets a
-    graph that saves a (N, T, 1) stand-in, not the (N, T, C) logits, and returns them uncopied; SB and
-    K-ABENA (per-sequence losses) keep them.  Either way the returned logits can be edited in place before
-    the loss, and the gradients equal the float64 reference of the same selection and edit."""
+    graph that saves a (N, T, 1) stand-in, not the (N, T, C) logits; SB and K-ABENA (per-sequence losses)
+    save the logits.  Either way they are returned uncopied: no second logits-sized tensor.  Where the
+    selection reads them (SB, K-ABENA), an in-place edit before backward() raises, naming the fix; elsewhere
+    the edit is the user's, and the gradients equal the float64 reference of the same selection and edit."""
     from torch._dynamo.utils import counters
 
     torch._dynamo.reset()
@@ -143,12 +147,21 @@ def test_token_logits_are_kept_only_for_rules_that_read_them(rule, options, back
     ref_model = copy.deepcopy(model).double()
     x, y = _batch()
     cm = capskip_fx.compile(model, rule=rule, backend=backend, **options)
-    z, saved = _saved_shapes(lambda: cm(x))
-    z.mul_(2.0)  # the returned logits are nobody's saved tensor, or a copy of it
-    _loss(z, y).backward()
-    st = capskip_fx.stats(cm)
     reads = cm.rule.reads_logits
     assert reads == (rule in ("sb", "kabena")), f"{rule}: reads_logits {reads}"
+    if reads:  # the selection reads the returned logits' memory
+        z, _, _ = _saved_shapes(lambda: cm(x))
+        with pytest.raises(RuntimeError, match="modified in place before backward"):
+            z.mul_(2.0)
+            _loss(z, y).backward()
+        model.zero_grad()
+    z, saved, logits_storages = _saved_shapes(lambda: cm(x))
+    assert (z.untyped_storage().data_ptr() in logits_storages) == reads, \
+        f"{rule}: the returned logits should be the saved ones iff the rule reads them (no copy)"
+    z = z.clone() if reads else z
+    z.mul_(2.0)
+    _loss(z, y).backward()
+    st = capskip_fx.stats(cm)
     assert st.mode == "selected" and st.rows < N, f"{rule}: {st}"
     assert ((N, T, C) in saved) == reads, f"{rule} (reads_logits {reads}): saved {saved}"
     assert ((N, T, 1) in saved) == (not reads), f"{rule}: the stand-in should be saved iff the logits are not: {saved}"
@@ -171,16 +184,17 @@ class SquaredTokenModel(TokenModel):
         return z, z.pow(2)
 
 
-def test_the_logits_are_copied_when_the_backward_reads_their_storage():
-    """No logits to keep for CAPSkip, but another op of the graph saves them: the returned logits are a copy
-    (returned as a view of the same storage, an in-place edit would change what that op's backward reads,
-    unseen by autograd's version check); the edit then leaves the square's gradient exact."""
+@pytest.mark.parametrize("rule,options", [("capskip", {"budget": 0.6}), ("sb", SB)], ids=["capskip", "sb"])
+def test_the_logits_are_copied_when_the_backward_reads_their_storage(rule, options):
+    """Another op of the graph saves the logits (CAPSkip keeps none of its own, SB keeps them): the returned
+    logits are a copy (returned as a view of the same storage, an in-place edit would change what that op's
+    backward reads, unseen by autograd's version check); the edit then leaves the square's gradient exact."""
     torch._dynamo.reset()
     torch.manual_seed(0)
     model = SquaredTokenModel().double()
     ref = copy.deepcopy(model)
     x, y = _batch()
-    cm = capskip_fx.compile(model, rule="capskip", budget=0.6, backend="aot_eager")
+    cm = capskip_fx.compile(model, rule=rule, backend="aot_eager", **options)
     z, sq = cm(x)
     z.mul_(2.0)
     (_loss(z, y) + sq.mean()).backward()

@@ -14,11 +14,13 @@ the graphs; it tells the backward pass which rows it may drop.
 Invariants: at most one selection node per graph (``has_selection``: the pipeline skips a graph that
 has one, since some torch versions ran joint pre-passes twice); ``select`` reads ``h``, ``z`` and ``g``
 so the partitioner saves ``h`` and ``z``, and the graph returns a copy of ``z`` (``_return_a_copy``:
-what the user's code receives is never the saved tensor), except for token-shaped logits (N, T, C) with the
-loss outside the graph and a rule that reads none of their values (``keep_logits`` False): ``select`` then
-reads a (N, T, 1) stand-in (``_logits_stand_in``), and z is neither saved for it nor copied (copied still
-where another op of the graph reads z, whose backward may save it: ``_read_elsewhere``); graphs with
-cross-example coupling, or with
+what the user's code receives is never the saved tensor), except for token-shaped logits (N, T, C), whose
+copy would cost a logits' memory.  There, with the loss inside, z is returned as is; with it outside,
+through ``_unsafe_view`` (``_return_unaliased``), and a rule that reads none of their values
+(``keep_logits`` False) makes ``select`` read a (N, T, 1) stand-in (``_logits_stand_in``) so that z is not
+saved either.  Copied still where another op of the graph reads z, whose backward may save it
+(``_read_elsewhere``).  Where the backward reads the returned logits' memory, the runtime raises on an
+in-place edit of them before it (runtime/state.py).  Graphs with cross-example coupling, or with
 no batch-shaped output, get no node (``Refused``: dense backward, reason recorded).  The functions here only rewrite
 the graph; ``passes/pipeline.py`` calls them in order and returns what they found.
 """
@@ -65,8 +67,8 @@ def prove_layout(graph: fx.Graph, sym, exclude=()) -> dict:
 def select_head(graph: fx.Graph, head: Head, loss: Optional[InGraphLoss], key: int, layouts: dict,
                 loss_inputs: Optional[list] = None, keep_logits: bool = True) -> tuple[int, bool]:
     """Insert ``w = select(h, z, g, key)`` (``g``: the gradient into the logits computed in the backward,
-    for an in-graph loss), mask the batch-shaped tangents with it and return a copy of the logits (its
-    layout added to ``layouts``).  ``loss_inputs``: the graph inputs a recognised cross-entropy's dL/dz is
+    for an in-graph loss), mask the batch-shaped tangents with it and return the logits (a copy, but for token
+    logits; its layout added to ``layouts``).  ``loss_inputs``: the graph inputs a recognised cross-entropy's dL/dz is
     derived from (passes/loss_grad.py), read by the node as ``loss=``.  ``keep_logits`` False (the rule reads
     no logits' values, Rule.reads_logits): token-shaped logits with the loss outside are replaced in
     ``select``'s arguments by a stand-in, and neither saved nor copied.  Returns (how many tangents it
@@ -90,13 +92,15 @@ def select_head(graph: fx.Graph, head: Head, loss: Optional[InGraphLoss], key: i
                     {"loss": list(loss_inputs or [])})
         masked = [grad] + masked
     _mask_tangents(graph, w, masked)
-    # a causal LM's (N, T, vocab) logits: a copy costs a logits' memory (none with the loss inside; none
-    # where select reads the stand-in and nothing saves z)
-    if (loss is None and stand_in is None) or head.tokens is None:
+    # a causal LM's (N, T, vocab) logits: a copy costs a logits' memory.  None with the loss inside; with it
+    # outside, none unless another op reads z's storage (its backward may save it): select's own read of them
+    # (saved z, or the stand-in) is guarded at the backward against an in-place edit (runtime/state.py)
+    if head.tokens is None:
         copy = _return_a_copy(graph, head.z)
         layouts[copy.name] = layouts[head.z.name]
-    elif stand_in is not None:  # a copy still where another op reads z's storage (its backward may save it)
-        back = _return_a_copy if _read_elsewhere(head.z, stand_in.args[0]) else _return_unaliased
+    elif loss is None:
+        own = stand_in.args[0] if stand_in is not None else w
+        back = _return_a_copy if _read_elsewhere(head.z, own) else _return_unaliased
         layouts[back(graph, head.z).name] = layouts[head.z.name]
     if loss is not None and head.tokens is not None:  # the flat gradient's other readers get the masked one
         masked_3d = next(u for u in grad.users if u.target is aten.mul.Tensor)
@@ -156,7 +160,7 @@ def _read_elsewhere(z: fx.Node, own: fx.Node) -> bool:
 
 def _return_unaliased(graph: fx.Graph, z: fx.Node) -> fx.Node:
     """Return the logits through ``aten._unsafe_view`` (no copy): a view of an intermediate (a per-token
-    Linear's ``view(addmm)``) that the stand-in also reads may reach the user as that view, which autograd
+    Linear's ``view(addmm)``) that select or its stand-in also reads may reach the user as that view, which autograd
     forbids modifying in place ("Output 0 of CompiledFunction is a view"; torch 2.15, aot_eager).  A plain
     compile's AOTAutograd hides the aliasing the same way (its unsafe_view_alias outputs)."""
     out = graph.output_node()

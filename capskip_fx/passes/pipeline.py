@@ -9,7 +9,8 @@ joint graph (Inductor's ``joint_custom_pre_pass``, before partitioning), :func:`
      row_index.recompute_row_indices the backward's reads of arange(N) get their own arange
   3. insert_select.prove_layout     where the batch lies in every forward value (layout.py)
   4. insert_select.select_head      w = capskip::select(h, z, g); every batch-shaped tangent *= w;
-                                    the graph returns a copy of z (z itself is saved)
+                                    the graph returns a copy of z (z itself is saved); token
+                                    logits uncopied (a stand-in saved where the rule reads none)
      (or select_body)
 
 forward graph (Inductor's ``inner_compile``), :func:`forward`:

@@ -198,9 +198,10 @@ class RuntimeState:
         if fwd.edited_logits(z):
             raise RuntimeError(
                 "capskip_fx: the logits the model returned were modified in place before backward(), and the "
-                "compiled backward reads that memory (token logits with the loss inside the model are returned "
-                "uncopied, docs/limits.md): its gradients would follow the edit. Edit a copy instead "
-                "(logits = out.logits.clone()). Plain torch.compile (Inductor) uses the edited values silently")
+                "compiled backward reads that memory (token logits are returned uncopied, docs/limits.md): its "
+                "gradients (the loss inside the model) or its selection (a rule that reads the logits) would "
+                "follow the edit. Edit a copy instead (logits = out.logits.clone()). Plain torch.compile "
+                "(Inductor) uses the edited values of an in-model loss silently")
         if fwd.targets is not None and fwd.targets.shape[0] != n:
             raise ValueError(f"capskip_targets has {fwd.targets.shape[0]} rows but the batch has {n}")
         if fwd.targets is not None and fwd.targets.shape != z.shape[:-1]:
