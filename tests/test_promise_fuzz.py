@@ -1136,6 +1136,37 @@ def test_regression_verify_used_up_by_empty_step(net):
         run_step(cm, model, [_fwd(n, 10 + i)], ("sum",), 1e-8, what=f"step {i} (N={n})")
 
 
+class BreakThenBatchNormNet(nn.Module):
+    """Linear blocks, a graph break, then BatchNorm in train mode before the head: the graph that returns the
+    logits is refused (cross-example), the one before the break ends in a token-shaped Linear output."""
+
+    def __init__(self, d=5, classes=4):
+        super().__init__()
+        self.inp, self.fc = nn.Linear(5, d), nn.Linear(d, d)
+        self.bn, self.fc2, self.head = nn.BatchNorm1d(d), nn.Linear(d, d), nn.Linear(d, classes)
+
+    def forward(self, x):
+        h = self.fc(self.inp(x))
+        torch._dynamo.graph_break()
+        h = self.fc2(self.bn(h.transpose(1, 2)).transpose(1, 2))
+        return self.head(h.mean(1))
+
+
+@pytest.mark.parametrize("plan", [[("none", False, 0)], [("some", False, 1)]], ids=["none", "some"])
+def test_regression_graph_before_a_refused_head_selects_nothing_of_its_own(plan):
+    """Found by the slow fuzzer (full scale): the head graph refused, the graph before the break took its
+    last Linear's (N, 1, d) output for token logits and ran the rule on it as a head of its own, dropping
+    rows of a dense step (relative error 1 in its parameters' gradients).  A refused graph's backward now
+    counts as a head for the graphs upstream of it: they keep the rows that carry gradient."""
+    torch.manual_seed(0)
+    model = BreakThenBatchNormNet().double()
+    cm, rule = compile_fuzz(model, plan)
+    for i, n in enumerate([2, 5, 5]):
+        run_step(cm, model, [_fwd(n, 40 + i, t=1)], ("sum",), 1e-8, what=f"step {i} (N={n})")
+    assert not rule.calls, f"the rule ran on a hidden Linear output: {len(rule.calls)} calls"
+    assert capskip_fx.stats(cm).mode == "dense", capskip_fx.stats(cm)
+
+
 class SortNet(nn.Module):
     def __init__(self, d=6, classes=4):
         super().__init__()

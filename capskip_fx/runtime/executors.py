@@ -209,8 +209,9 @@ class Verified:
 
 
 class Dense:
-    """Backward of a refused graph: plain dense.  Without bound forwards (the string backend) it is what
-    records the step (n rows, all kept, the reason) in stats(); CapskipModule records it at its forward."""
+    """Backward of a refused graph: plain dense, and the graphs upstream of it are no heads of their own
+    (RuntimeState.refused_backward).  Without bound forwards (the string backend) it is what records the
+    step (n rows, all kept, the reason) in stats(); CapskipModule records it at its forward."""
 
     def __init__(self, compiled, state, reason: Optional[str], batch_arg: Optional[int], record=None):
         self._boxed_call = True
@@ -218,6 +219,7 @@ class Dense:
         self.record = record  # the graph's record: report() counts its backwards (steps, last)
 
     def __call__(self, args):
+        self.state.refused_backward()
         if not self.state.bound_forwards and self.batch_arg is not None:
             self.state.record_dense_graph(int(args[self.batch_arg].shape[0]), self.reason)
         if self.record is not None:
