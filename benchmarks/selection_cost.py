@@ -133,24 +133,37 @@ def table(a) -> list[dict]:
     return rows
 
 
-def mlp_check(a) -> dict:
-    import capskip_fx
-    from capskip_fx.rules import Forced
+MLP_SHAPE = (1024, 512, 10)  # --mlp: N, d, C
 
-    n, d, c = 1024, 512, 10
+
+def mlp_setup(budget: float, correct_frac: float):
+    """--mlp's model compiled with CAPSkip, its batch, and one training step: ``(cm, step)``."""
+    import capskip_fx
+
+    n, d, c = MLP_SHAPE
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(d, d), nn.GELU(), nn.Linear(d, d), nn.GELU(), nn.Linear(d, c))
-    cm = capskip_fx.compile(model, rule="capskip", budget=a.budget)
+    cm = capskip_fx.compile(model, rule="capskip", budget=budget)
     x = torch.randn(n, d)
     with torch.no_grad():
         pred = model(x).argmax(1)
-    right = torch.rand(n, generator=torch.Generator().manual_seed(1)) < a.correct_frac
+    right = torch.rand(n, generator=torch.Generator().manual_seed(1)) < correct_frac
     y = torch.where(right, pred, torch.randint(0, c, (n,), generator=torch.Generator().manual_seed(2)))
-    capskip, compiled = CAPSkip(budget=a.budget), CAPSkip(budget=a.budget, compile=True)
 
     def step():
         cm.zero_grad(set_to_none=True)
         F.cross_entropy(cm(x), y).backward()
+
+    return cm, step
+
+
+def mlp_check(a) -> dict:
+    import capskip_fx
+    from capskip_fx.rules import Forced
+
+    n, d, c = MLP_SHAPE
+    cm, step = mlp_setup(a.budget, a.correct_frac)
+    capskip, compiled = CAPSkip(budget=a.budget), CAPSkip(budget=a.budget, compile=True)
 
     t0 = time.perf_counter()
     step()
