@@ -137,7 +137,7 @@ MLP_SHAPE = (1024, 512, 10)  # --mlp: N, d, C
 
 
 def mlp_setup(budget: float, correct_frac: float):
-    """--mlp's model compiled with CAPSkip, its batch, and one training step: ``(cm, step)``."""
+    """--mlp's model compiled with CAPSkip, and one training step on its fixed batch: ``(cm, step)``."""
     import capskip_fx
 
     n, d, c = MLP_SHAPE

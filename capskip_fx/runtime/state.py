@@ -137,7 +137,9 @@ class RuntimeState:
         A forward whose logits came from eager code (recorded dense at the forward) selects nothing."""
         fwd = forwards.running_forward()
         node = forwards.current_node()
-        if fwd is None and (self._upstream_of_heads(node) or (self.clock.in_step() and self.last.dense
+        # claim(): the eager-logits step is recorded at the forward (the string backend's hook), for the next
+        # backward to take; in_step() alone is False until a graph claims it
+        if fwd is None and (self._upstream_of_heads(node) or (self.clock.claim() and self.last.dense
                                                               and not self.last.provisional
                                                               and self.last.fallback == UNBOUND_REASON)):
             return False, None
