@@ -1158,9 +1158,10 @@ class BreakThenBatchNormNet(nn.Module):
 def test_regression_graph_before_a_refused_head_selects_nothing_of_its_own(plan, idiom, sizes):
     """Found by the slow fuzzer (full scale): the head graph refused, the graph before the break took its
     last Linear's (N, 1, d) output for token logits and ran the rule on it as a head of its own, dropping
-    rows of a dense step (relative error 1 in its parameters' gradients).  A refused graph's backward now
-    counts as a head for the graphs upstream of it: they keep the rows that carry gradient.  The string
-    backend's idioms too, where the graph after the break runs eagerly (a fixed batch size: its static
+    rows of a dense step (relative error 1 in its parameters' gradients).  A refused graph that returned
+    the logits now counts as a head for the graphs upstream of it: they keep the rows that carry gradient
+    (test_hf's GPT-2, whose loss graph after the head is refused and returns no logits, still selects).
+    The string backend's idioms too, where the graph after the break runs eagerly (a fixed batch size: its static
     graph) or holds the head alone: the step recorded dense at the forward (eager logits) is this
     backward's, and no graph of it selects."""
     torch._dynamo.reset()

@@ -209,8 +209,8 @@ class Verified:
 
 
 class Dense:
-    """Backward of a refused graph: plain dense, and the graphs upstream of it are no heads of their own
-    (RuntimeState.refused_backward).  Without bound forwards (the string backend) it is what records the
+    """Backward of a refused graph: plain dense; one that returned its forward's logits is that forward's
+    head (RuntimeState.refused_backward).  Without bound forwards (the string backend) it is what records the
     step (n rows, all kept, the reason) in stats(); CapskipModule records it at its forward."""
 
     def __init__(self, compiled, state, reason: Optional[str], batch_arg: Optional[int], record=None):

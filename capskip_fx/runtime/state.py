@@ -129,7 +129,7 @@ class RuntimeState:
 
         Decided per forward, at its backward.  A node a forward bound (CapskipModule, the string backend's
         hook on the model) is a head.  An unbound one is a head of its own (its own selection) unless it lies
-        upstream of a head that already selected in this backward, or of a refused graph (refused_backward):
+        upstream of a head that already selected in this backward, or of a refused head (refused_backward):
         then it is a Linear output inside that forward (per-layer compile, blocks before a break), a body graph.  Unbound heads are the forwards that ran before the
         model's binding existed (a string backend's first forward: several forwards before the first
         backward each get their own selection) and extra compiled heads (an auxiliary classifier).  Autograd
@@ -147,7 +147,7 @@ class RuntimeState:
         return True, fwd
 
     def _heads(self) -> list:
-        """The nodes of the heads that selected in the running backward, and of its refused graphs (kept for
+        """The nodes of the heads that selected in the running backward, and of its refused heads (kept for
         this backward only)."""
         task = graph_task()
         if self._upstream[0] != task:
@@ -160,16 +160,16 @@ class RuntimeState:
         self._upstream = (None, [], set(), 0)
 
     def refused_backward(self) -> None:
-        """A refused graph's backward (dense): the graphs upstream of it carry its gradient, as a head's body
-        graphs do.  Counted as a head of this backward, so an unbound graph upstream (the blocks before a graph
-        break, when the graph that holds the returned logits is refused) selects no rows of its own on a
-        hidden Linear output: it keeps the rows that carry gradient."""
-        node = forwards.current_node()
-        if node is not None:
-            self._heads().append(node)
+        """A refused graph's backward (dense).  If a forward bound it (it returned that forward's logits), it
+        is that forward's head, run dense: counted as a head of this backward, so an unbound graph upstream
+        (the blocks before a graph break) selects no rows of its own on a hidden Linear output, and keeps the
+        rows that carry gradient.  An unbound refused graph (a loss computed in a graph of its own, after the
+        head's) is no head: the head graph upstream of it still selects."""
+        if forwards.running_forward() is not None:
+            self._heads().append(forwards.current_node())
 
     def _upstream_of_heads(self, node) -> bool:
-        """Whether ``node`` lies upstream of a head that selected in this backward (or of a refused graph).
+        """Whether ``node`` lies upstream of a head that selected in this backward (or of a refused head).
         The autograd graph is walked only when an unbound head graph asks (per-layer compile, a first step),
         from the heads not walked yet: a model whose forwards are all bound never walks it."""
         heads = self._heads()
