@@ -230,25 +230,28 @@ def test_compiled_selection_past_the_recompile_limit_runs_eagerly(route):
 
 @settings(max_examples=examples(200), deadline=None)
 @given(st.integers(1, 40), st.integers(1, 9), st.integers(1, 9), st.integers(1, 12), st.integers(0, 2**31 - 1),
-       st.booleans())
-def test_prefix_norms_every_route_equals_bruteforce(n, c, e, block, seed, cancel):
+       st.booleans(), st.booleans())
+def test_prefix_norms_every_route_equals_bruteforce(n, c, e, block, seed, cancel, bias):
     """||S_k||^2 for every k, both routes, against the cumulative sum of the explicit rank-one rows (float64);
-    cancelling rows make some prefixes (near) zero, where the running route's three terms cancel."""
+    cancelling rows make some prefixes (near) zero, where the running route's three terms cancel (the
+    pairs share x and flip d, so the ones column cancels too).  ``bias``: the implicit ones column against an
+    explicitly padded x."""
     g = torch.Generator().manual_seed(seed)
     d = torch.randn(n, c, generator=g, dtype=torch.float64)
     x = torch.randn(n, e, generator=g, dtype=torch.float64)
     if cancel and n >= 2:
         d[1::2], x[1::2] = -d[0:n - 1:2], x[0:n - 1:2]
-    rows = torch.einsum("nc,ne->nce", d, x).flatten(1)
+    xe = torch.nn.functional.pad(x, (0, 1), value=1.0) if bias else x
+    rows = torch.einsum("nc,ne->nce", d, xe).flatten(1)
     ref = rows.cumsum(0).square().sum(1)
     scale = rows.abs().sum(0).square().sum() + 1e-300  # the size of the terms any route adds
     for route, blk in (("gram", None), ("running", block), (None, None)):
-        got, used = prefix_sq_norms(d, x, route, blk)
+        got, used = prefix_sq_norms(d, x, route, blk, bias)
         assert used in ("gram", "running"), f"prefix_sq_norms should name the route it used, got {used!r}"
         err = (got - ref).abs().max().item()
         assert err <= 1e-12 * scale.item(), (
-            f"route {route!r} (block {blk}, used {used!r}): ||S_k||^2 differs from the brute force by {err!r} "
-            f"(n={n}, C={c}, e={e})")
+            f"route {route!r} (block {blk}, used {used!r}, bias {bias}): ||S_k||^2 differs from the brute force "
+            f"by {err!r} (n={n}, C={c}, e={e})")
 
 
 @settings(max_examples=examples(50), deadline=None)
@@ -268,6 +271,8 @@ def test_routes_give_the_same_selection_on_a_large_batch():
     n, c, d = 600, 10, 20
     assert prefix_route(n, c, d + 1)[0] == "running", "the cost model should pick running sums at N = 600, C = 10, d = 20"
     assert prefix_route(64, 1000, 769)[0] == "gram", "the cost model should pick the Gram at N = 64, C = 1000, d = 768"
+    # measured faster there on 1 and 2 threads (docs/benchmarks.md, Selection cost): RUNNING_MAC_COST
+    assert prefix_route(256, 100, 769)[0] == "gram", "the cost model should pick the Gram at N = 256, C = 100, d = 768"
     g = torch.Generator().manual_seed(3)
     z = torch.randn(n, c, generator=g, dtype=torch.float64) * 3
     y = z.argmax(1)

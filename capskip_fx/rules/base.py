@@ -186,6 +186,10 @@ PREFIX_ROUTES = ("gram", "running")
 MIN_PREFIX_BLOCK = 32
 #: the running-sum route's extra ops (about ten) priced in multiply-adds (~50 us on one CPU thread)
 RUNNING_FIXED_COST = 1 << 21
+#: a multiply-add in the running sums' small batched matmuls against one in the Gram's large ones: at 1.0 the
+#: model picked the running sums at N = 256, C = 100 where the Gram ran 14-35 % faster on 2 threads
+#: (docs/benchmarks.md, Selection cost)
+RUNNING_MAC_COST = 1.5
 
 
 def prefix_block(c: int, e: int) -> int:
@@ -198,10 +202,11 @@ def prefix_block(c: int, e: int) -> int:
 def prefix_route(n: int, c: int, e: int) -> tuple[str, int]:
     """``(route, block)`` of least cost for N rank-one rows ``d_i (x) x_i`` (C by e), in multiply-adds: the
     Gram ``N^2 (C + e)`` while N is small against ``C e / (C + e)``, else running sums
-    ``N (2 C e + B (C + e)) + (N / B) C e`` plus their fixed cost (RUNNING_FIXED_COST)."""
+    ``N (2 C e + B (C + e)) + (N / B) C e``, each at RUNNING_MAC_COST, plus their fixed cost
+    (RUNNING_FIXED_COST)."""
     b = prefix_block(c, e)
     gram = n * n * (c + e)
-    running = n * (2 * c * e + b * (c + e)) + -(-n // b) * c * e + RUNNING_FIXED_COST
+    running = RUNNING_MAC_COST * (n * (2 * c * e + b * (c + e)) + -(-n // b) * c * e) + RUNNING_FIXED_COST
     return ("gram", n) if gram <= running else ("running", b)
 
 
@@ -227,6 +232,15 @@ def _constant(cache: dict, key: tuple, make) -> Tensor:
     return t
 
 
+_ONE: dict = {}
+
+
+def scalar_one(like: Tensor) -> Tensor:
+    """A 0-dim 1 of ``like``'s dtype and device, made once per key (``torch.addcmul(one, a, a)`` is ``a^2 + 1``
+    in one op).  Never modify it in place."""
+    return _constant(_ONE, (like.dtype, like.device), lambda: torch.ones((), dtype=like.dtype, device=like.device))
+
+
 _EXCLUSIVE: dict = {}
 
 
@@ -237,10 +251,11 @@ def exclusive_prefix(nb: int, like: Tensor) -> Tensor:
                      lambda: torch.ones(nb, nb, dtype=like.dtype, device=like.device).tril_(-1))
 
 
-def prefix_sq_norms(d: Tensor, x: Tensor, route: Optional[str] = None, block: Optional[int] = None
-                    ) -> tuple[Tensor, str]:
+def prefix_sq_norms(d: Tensor, x: Tensor, route: Optional[str] = None, block: Optional[int] = None,
+                    bias: bool = False) -> tuple[Tensor, str]:
     """``(||S_k||^2 for k = 1..N, route)`` with ``S_k = sum_{i<=k} d_i (x) x_i``: rows already in prefix order,
-    ``d`` (N, C), ``x`` (N, e) (a bias column already in x).  Both routes are exact (float rounding apart):
+    ``d`` (N, C), ``x`` (N, e); ``bias``: each x_i with an implicit ones column ``[x_i, 1]``, whose part of
+    ``||S_k||^2`` is ``||sum_{i<=k} d_i||^2`` (no padded copy of x).  Both routes are exact (float rounding apart):
       * ``"gram"``: ``K = (D D^T) * (X X^T)``, the diagonal of its 2-D cumulative sum (N^2 numbers);
       * ``"running"``: blocks of B rows; before block b the running sum ``S_b`` (C x e) of the earlier blocks,
         and for row j of the block ``||S_b + P_j||^2 = ||S_b||^2 + 2 <S_b, P_j> + ||P_j||^2`` with ``P_j`` the
@@ -250,26 +265,41 @@ def prefix_sq_norms(d: Tensor, x: Tensor, route: Optional[str] = None, block: Op
     n, c = d.shape
     e = x.shape[1]
     if route is None:
-        route, auto_block = prefix_route(n, c, e)
+        route, auto_block = prefix_route(n, c, e + int(bias))
         block = block or auto_block
     if route not in PREFIX_ROUTES:
         raise ValueError(f"prefix route must be one of {PREFIX_ROUTES} or None, got {route!r}")
     if route == "gram" or n == 0:
-        return prefix_diagonal(torch.inner(d, d) * torch.inner(x, x)), "gram"
-    bs = max(1, int(block or prefix_block(c, e)))
+        dd, xx = torch.inner(d, d), torch.inner(x, x)
+        # (D D^T) * (X X^T + 1) as D D^T + (D D^T) * (X X^T): one op, no (N, N) ones
+        return prefix_diagonal(torch.addcmul(dd, dd, xx) if bias else dd * xx), "gram"
+    out = _running_sq_norms(d, x, block or prefix_block(c, e + int(bias)))
+    if bias:
+        sd = d.cumsum(0)
+        out = out + torch.linalg.vecdot(sd, sd)
+    return out, "running"
+
+
+def _running_sq_norms(d: Tensor, x: Tensor, block: int) -> Tensor:
+    """prefix_sq_norms's ``"running"`` route without the bias column, ``block`` rows per block."""
+    n, c = d.shape
+    e = x.shape[1]
+    bs = max(1, int(block))
     nb = -(-n // bs)
     pad = nb * bs - n  # zero rows at the end: they add nothing, and their prefixes are dropped
     if pad:
         d, x = torch.cat([d, d.new_zeros(pad, c)]), torch.cat([x, x.new_zeros(pad, e)])
     db, xb = d.reshape(nb, bs, c), x.reshape(nb, bs, e)
+    xt = xb.transpose(1, 2)
     ex = exclusive_prefix(nb, d)
     u = db.transpose(1, 2) @ xb  # (nb, C, e): each block's summed gradient
     s = (ex @ u.reshape(nb, -1)).view(u.shape)  # the running sum before each block
-    cross = ((db @ s) * xb).sum(2)  # <S_b, g_i>
-    own = prefix_diagonal((db @ db.transpose(1, 2)) * (xb @ xb.transpose(1, 2)))  # ||P_j||^2
+    # <S_b, g_i> = d_i . (S_b x_i): S_b x_i is (C,), where (d_i S_b) . x_i would make an (nb, B, e) temporary
+    cross = torch.linalg.vecdot(db, (s @ xt).transpose(1, 2))
+    own = prefix_diagonal((db @ db.transpose(1, 2)) * (xb @ xt))  # ||P_j||^2
     sf = s.view(nb, -1)
-    out = (sf * sf).sum(1)[:, None] + 2 * cross.cumsum(1) + own
-    return out.reshape(-1)[:n], "running"
+    out = torch.linalg.vecdot(sf, sf)[:, None] + 2 * cross.cumsum(1) + own
+    return out.reshape(-1)[:n]
 
 
 _POSITIONS: dict = {}

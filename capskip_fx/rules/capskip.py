@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from .base import (PREFIX_ROUTES, HeadView, Rule, Selection, check_normalize, head_gram, is_cosine, positions,
-                   prefix_diagonal, prefix_route, prefix_sq_norms, selection_dtype)
+                   prefix_diagonal, prefix_route, prefix_sq_norms, scalar_one, selection_dtype)
 from .labels import correct_mask
 
 
@@ -51,17 +51,19 @@ def capskip_weights(delta: Tensor, h: Tensor, correct: Tensor, budget: float, bi
     if d.dim() == 2 and not is_cosine(d, h):
         dd = d if d.dtype == dt else d.to(dt)
         x = h if h.dtype == dt else h.to(dt)
-        if bias:
-            x = F.pad(x, (0, 1), value=1.0)  # [h, 1]
-        # the sort key from row-wise sums: exactly tied rows (duplicates, cancelling pairs) keep batch order
-        diag = torch.linalg.vecdot(dd, dd) * torch.linalg.vecdot(x, x)
+        # the sort key from row-wise reductions: exactly tied rows (duplicates, cancelling pairs) keep batch
+        # order; the bias as an implicit ones column [h, 1] (no padded copy of h).  vector_norm reduces h in
+        # one pass where vecdot writes an (N, d) product first (3x slower on a cold N = 1024 x 512 h)
+        nx = torch.linalg.vector_norm(x, dim=1)
+        xx = torch.addcmul(scalar_one(nx), nx, nx) if bias else nx.square()  # ||[h, 1]||^2 or ||h||^2
+        diag = torch.linalg.vecdot(dd, dd) * xx
         if sketch:
             dev = generator.device if generator is not None else dd.device
             p = torch.randn(dd.shape[1], sketch, generator=generator, device=dev, dtype=dt).to(dd.device)
             dd = dd @ (p / math.sqrt(sketch))
         key = torch.where(correct, diag, math.inf)
         key_sorted, order = torch.sort(key, stable=True)
-        prefix_sq, _ = prefix_sq_norms(dd.index_select(0, order), x.index_select(0, order), route, block)
+        prefix_sq, _ = prefix_sq_norms(dd.index_select(0, order), x.index_select(0, order), route, block, bias)
     else:
         # the sort key from row-wise sums, not diag(K): GEMM may round equal rows differently, and
         # exactly tied rows (duplicates, cancelling pairs) must keep batch order
@@ -137,9 +139,9 @@ class CAPSkip(Rule):
     where kernel-launch count matters; on CPU the eager ops cost < 1 ms at N = 128.  The running sums
     (large N) compile only with ``compile=True``, with static shapes (one compile per batch size, about 5 s
     on 2 CPU cores, and past Dynamo's recompile limit eager again; Inductor takes minutes over their padded
-    blocks under a dynamic N): at N = 1024, C = 10, d = 512 on 2 threads the step then costs 1.10x the forced
-    rule's where eager costs 1.12x; the selection alone, timed warm, ranges from 29 % faster to 11 % slower
-    (docs/benchmarks.md).  The compiled variants are shared by every CAPSkip; one that would pass Dynamo's
+    blocks under a dynamic N): at N = 1024, C = 10, d = 512 on 2 threads that saves 0.02-0.03 of the forced
+    rule's step in the step, while the selection alone, timed warm, ranges from 29 % faster to 11 % slower
+    (docs/benchmarks.md, Selection cost).  The compiled variants are shared by every CAPSkip; one that would pass Dynamo's
     recompile limit (fullgraph=True makes that an error) runs eagerly.
     ``normalize``: ``"batch"`` (default: the loss's own 1/N, so the bound ``||S_k|| <= b ||G||``
     is the bound on the applied head gradient's change) or ``"kept"`` (mean over the kept rows;
