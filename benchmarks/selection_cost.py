@@ -4,6 +4,7 @@ excluded.
 
     python benchmarks/selection_cost.py --threads 1                       # the table (docs/benchmarks.md)
     python benchmarks/selection_cost.py --threads 2 --mlp                 # CAPSkip's step vs forced's, same rows
+    python benchmarks/selection_cost.py --mlp --device cuda               # the same on a GPU (examples/gpu_check.sh)
 
 Table: per point, the rows' dL/dz are cross-entropy's on random logits (N, C) whose labels are the argmax
 for --correct-frac of the rows; h (N, d) standard normal.  "dense" = an eager forward + backward of a
@@ -50,6 +51,7 @@ def parse(argv=None):
     p.add_argument("--compiled", action="store_true",
                    help="table: one more column, CAPSkip(compile=True)'s select (its compile before the timing)")
     p.add_argument("--steps", type=int, default=30, help="--mlp: timed steps per arm")
+    p.add_argument("--device", default="cpu", help="--mlp: where the model and batch live (cpu or cuda)")
     p.add_argument("--out", default=None, help="write the results as JSON here")
     p.add_argument("--no-malloc-tuning", action="store_true",
                    help="keep glibc's malloc defaults (by default capskip_fx.cpu.retain_freed_memory(), as the "
@@ -57,9 +59,12 @@ def parse(argv=None):
     return p.parse_args(argv)
 
 
-def timed(fn) -> float:
+def timed(fn, device: str = "cpu") -> float:
+    sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
+    sync()
     t0 = time.perf_counter()
     fn()
+    sync()
     return time.perf_counter() - t0
 
 
@@ -136,19 +141,19 @@ def table(a) -> list[dict]:
 MLP_SHAPE = (1024, 512, 10)  # --mlp: N, d, C
 
 
-def mlp_setup(budget: float, correct_frac: float):
+def mlp_setup(budget: float, correct_frac: float, device: str = "cpu"):
     """--mlp's model compiled with CAPSkip, and one training step on its fixed batch: ``(cm, step)``."""
     import capskip_fx
 
     n, d, c = MLP_SHAPE
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(d, d), nn.GELU(), nn.Linear(d, d), nn.GELU(), nn.Linear(d, c))
+    model = nn.Sequential(nn.Linear(d, d), nn.GELU(), nn.Linear(d, d), nn.GELU(), nn.Linear(d, c)).to(device)
     cm = capskip_fx.compile(model, rule="capskip", budget=budget)
-    x = torch.randn(n, d)
+    x = torch.randn(n, d).to(device)
     with torch.no_grad():
         pred = model(x).argmax(1)
-    right = torch.rand(n, generator=torch.Generator().manual_seed(1)) < correct_frac
-    y = torch.where(right, pred, torch.randint(0, c, (n,), generator=torch.Generator().manual_seed(2)))
+    right = (torch.rand(n, generator=torch.Generator().manual_seed(1)) < correct_frac).to(device)
+    y = torch.where(right, pred, torch.randint(0, c, (n,), generator=torch.Generator().manual_seed(2)).to(device))
 
     def step():
         cm.zero_grad(set_to_none=True)
@@ -162,7 +167,7 @@ def mlp_check(a) -> dict:
     from capskip_fx.rules import Forced
 
     n, d, c = MLP_SHAPE
-    cm, step = mlp_setup(a.budget, a.correct_frac)
+    cm, step = mlp_setup(a.budget, a.correct_frac, a.device)
     capskip, compiled = CAPSkip(budget=a.budget), CAPSkip(budget=a.budget, compile=True)
 
     t0 = time.perf_counter()
@@ -177,7 +182,7 @@ def mlp_check(a) -> dict:
     for i in range(a.steps + 2):
         for name, rule in (("capskip", capskip), ("capskip_compiled", compiled), ("forced", forced)):
             cm.rule = rule
-            dt = timed(step)
+            dt = timed(step, a.device)
             s = capskip_fx.stats(cm)
             modes[name] = (s.mode, s.kept, s.rows)
             if name != "forced" and not torch.equal(s.weight != 0, kept):
@@ -188,7 +193,8 @@ def mlp_check(a) -> dict:
                     out["selection_ms"].append(s.selection_ms)
     ratio = [a_ / b_ for a_, b_ in zip(out["capskip"], out["forced"])]
     ratio_c = [a_ / b_ for a_, b_ in zip(out["capskip_compiled"], out["forced"])]
-    res = {"n": n, "d": d, "c": c, "budget": a.budget, "kept": int(kept.sum()), "modes": modes, "warmup_s": warm,
+    res = {"n": n, "d": d, "c": c, "device": a.device, "budget": a.budget, "kept": int(kept.sum()), "modes": modes,
+           "warmup_s": warm,
            "capskip_ms": statistics.median(out["capskip"]) * 1e3, "forced_ms": statistics.median(out["forced"]) * 1e3,
            "ratio_median": statistics.median(ratio), "selection_ms": statistics.median(out["selection_ms"]),
            "capskip_compiled_ms": statistics.median(out["capskip_compiled"]) * 1e3,

