@@ -141,8 +141,8 @@ class CAPSkip(Rule):
     on 2 CPU cores, and past Dynamo's recompile limit eager again; Inductor takes minutes over their padded
     blocks under a dynamic N): at N = 1024, C = 10, d = 512 on 2 threads that saves 0.02-0.03 of the forced
     rule's step in the step, while the selection alone, timed warm, ranges from 29 % faster to 11 % slower
-    (docs/benchmarks.md, Selection cost).  The compiled variants are shared by every CAPSkip; one that would pass Dynamo's
-    recompile limit (fullgraph=True makes that an error) runs eagerly.
+    (docs/benchmarks.md, Selection cost).  The compiled variants are shared by every CAPSkip; one that would
+    pass Dynamo's recompile limit (fullgraph=True makes that an error) runs eagerly.
     ``normalize``: ``"batch"`` (default: the loss's own 1/N, so the bound ``||S_k|| <= b ||G||``
     is the bound on the applied head gradient's change) or ``"kept"`` (mean over the kept rows;
     the bound then no longer holds as stated, algorithms.md §1.3).
