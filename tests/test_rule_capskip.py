@@ -326,3 +326,26 @@ def test_sketch_on_a_classifier_head_stays_near_the_budget():
         assert skipped.any(), f"draw {seed}: the test wants rows skipped"
         true = (G[skipped].sum(0).norm() / G.sum(0).norm()).item()
         assert true <= b * (1 + 5 * math.sqrt(2 / k)), f"draw {seed}: true bound {true!r} far above b = {b} (k = {k})"
+
+
+@settings(max_examples=examples(100), deadline=None)
+@given(st.integers(1, 12), st.integers(1, 6), st.integers(0, 2**31 - 1), st.booleans(), st.booleans())
+def test_correct_mask_equals_its_argmax_definition(n, c, seed, with_targets, specials):
+    """correct_mask (max's indices, ``~any``) against its definition (``argmax``, ``(== 0).all``): ties in z
+    (the first maximal entry), NaN in z, rows of zeros and -0.0 in delta, unknown labels (-1)."""
+    g = torch.Generator().manual_seed(seed)
+    z = torch.randint(-2, 3, (n, c), generator=g).double()  # small integers: ties are common
+    delta = torch.randint(-1, 2, (n, c), generator=g).double() * torch.rand(n, c, generator=g, dtype=torch.float64)
+    if specials:
+        z[0, -1] = math.nan
+        delta[-1] = -0.0
+        delta[0, 0] = math.nan
+    y = torch.randint(-1, c, (n,), generator=g) if with_targets else None
+    zero = (delta == 0).all(1)
+    if y is not None:
+        ref = (z.argmax(1) == y) | zero
+    else:
+        mn, arg = delta.min(-1)
+        ref = torch.where(mn < 0, z.argmax(1) == arg, zero)
+    got = correct_mask(delta, z, y)
+    assert torch.equal(got, ref), f"correct_mask {got.tolist()} differs from its argmax definition {ref.tolist()}"
