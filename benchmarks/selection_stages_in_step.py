@@ -114,7 +114,8 @@ def main() -> None:
     md += ["", f"One eager `add` on 1024 floats inside the step: the first {first:.1f} µs, each of the next 29 "
            f"{rest:.1f} µs (medians)."]
     print("\n".join(md))
-    stem = pathlib.Path(a.out) if a.out else pathlib.Path(__file__).parent / "results" / f"selection_stages_t{a.threads}"
+    stem = pathlib.Path(a.out) if a.out else \
+        pathlib.Path(__file__).parent / "results" / f"selection_stages_t{a.threads}"
     write_results(stem, {"args": vars(a), "forced_ms": fm, "extra_ms": extra, "probe_first_us": first,
                          "probe_next_us": rest, "load": load, "times_s": times}, "\n".join(md))
 
