@@ -162,6 +162,22 @@ def mlp_setup(budget: float, correct_frac: float, device: str = "cpu"):
     return cm, step
 
 
+def mlp_in_step_cli(doc: str, steps: int):
+    """The in-step scripts' shared command line and setup (selection_in_step.py, selection_stages_in_step.py):
+    ``(args, cm, step)`` with the threads set, freed memory kept and --mlp's model compiled."""
+    p = argparse.ArgumentParser(description=doc.splitlines()[0])
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--steps", type=int, default=steps)
+    p.add_argument("--warmup", type=int, default=5)
+    p.add_argument("--budget", type=float, default=0.3)
+    p.add_argument("--correct-frac", type=float, default=0.7)
+    p.add_argument("--out", default=None)
+    a = p.parse_args()
+    torch.set_num_threads(a.threads)
+    retain_freed_memory()
+    return (a, *mlp_setup(a.budget, a.correct_frac))
+
+
 def mlp_check(a) -> dict:
     import capskip_fx
     from capskip_fx.rules import Forced

@@ -11,19 +11,15 @@ warm-up steps excluded.  -> benchmarks/results/<stem>.{md,json}
 """
 from __future__ import annotations
 
-import argparse
 import os
 import pathlib
 import statistics
 import sys
 import time
 
-import torch
-
-from capskip_fx.cpu import retain_freed_memory
 from capskip_fx.rules import CAPSkip
 from results_io import write_results
-from selection_cost import MLP_SHAPE, mlp_setup
+from selection_cost import MLP_SHAPE, mlp_in_step_cli
 
 
 class TwiceTimed(CAPSkip):
@@ -44,17 +40,7 @@ class TwiceTimed(CAPSkip):
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--steps", type=int, default=60)
-    p.add_argument("--warmup", type=int, default=5)
-    p.add_argument("--budget", type=float, default=0.3)
-    p.add_argument("--correct-frac", type=float, default=0.7)
-    p.add_argument("--out", default=None)
-    a = p.parse_args()
-    torch.set_num_threads(a.threads)
-    retain_freed_memory()
-    cm, step = mlp_setup(a.budget, a.correct_frac)
+    a, cm, step = mlp_in_step_cli(__doc__, 60)
     rule = cm.rule = TwiceTimed(budget=a.budget)
     for _ in range(a.warmup + a.steps):
         step()

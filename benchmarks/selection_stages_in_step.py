@@ -15,7 +15,6 @@ The probe: inside the step, one eager ``add`` on 1024 floats, then 29 more of th
 """
 from __future__ import annotations
 
-import argparse
 import math
 import os
 import pathlib
@@ -26,12 +25,11 @@ import time
 import torch
 
 import capskip_fx
-from capskip_fx.cpu import retain_freed_memory
 from capskip_fx.rules import CAPSkip, Forced
 from capskip_fx.rules.base import Selection, prefix_sq_norms, scalar_one
 from capskip_fx.rules.labels import correct_mask
 from results_io import write_results
-from selection_cost import MLP_SHAPE, mlp_setup, timed
+from selection_cost import MLP_SHAPE, mlp_in_step_cli, timed
 
 STAGES = ("runtime only", "+ correct rows", "+ sort key, sort", "+ gathers", "+ prefix norms")
 
@@ -68,17 +66,7 @@ class Stage(CAPSkip):
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--steps", type=int, default=80)
-    p.add_argument("--warmup", type=int, default=5)
-    p.add_argument("--budget", type=float, default=0.3)
-    p.add_argument("--correct-frac", type=float, default=0.7)
-    p.add_argument("--out", default=None)
-    a = p.parse_args()
-    torch.set_num_threads(a.threads)
-    retain_freed_memory()
-    cm, step = mlp_setup(a.budget, a.correct_frac)
+    a, cm, step = mlp_in_step_cli(__doc__, 80)
     for _ in range(3):
         step()
     weight = capskip_fx.stats(cm).weight.clone()
