@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ["--", "--depth", "1", "--embed-dim", "16", "--num-heads", "2", "--img-size", "16", "--patch-size", "4",
@@ -54,7 +55,12 @@ def test_tiny_run_reports_ratios_with_intervals(tmp_path):
         f"the run should record the harness's dataset (digits), got {data['env']['dataset']!r}")
     assert data["env"]["threads"] == 1, f"--threads 1 after -- must be the thread count used, got {data['env']['threads']}"
     assert data["env"]["blocks"] == 3, f"the run should record --blocks 3, got {data['env']['blocks']!r}"
+    written = data["written"]
+    assert written["threads"] == 1 and written["utc"][:2] == "20" and written["torch"] == torch.__version__, (
+        f"the raw file should say when, with which torch and on how many threads it was written: {written!r}")
     md = (tmp_path / "r.md").read_text()
+    assert md.rstrip().splitlines()[-1].startswith(f"Written {written['utc']}") and "1 thread(s)" in md, (
+        f"the table's last line should say when and where it was written; table: {md!r}")
     assert "| forced:keep=0.5 | 0.500 |" in md, f"the markdown table should show the forced arm's kept fraction 0.500; table: {md!r}"
     assert "r vs torch.compile [95% CI]" in md, f"the markdown table should head its ratio column with the baseline and the interval; table: {md!r}"
 
