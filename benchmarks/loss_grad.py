@@ -78,7 +78,7 @@ def main() -> None:
     load = os.getloadavg()[0]
     cmd = "python benchmarks/" + pathlib.Path(sys.argv[0]).name + " " + " ".join(sys.argv[1:])
     md = [f"<!-- {cmd} -->",
-          f"# In-model cross-entropy: the rule's dL/dz from the loss's backward on every row, or derived",
+          "# In-model cross-entropy: the rule's dL/dz from the loss's backward on every row, or derived",
           "",
           f"Tiny causal LM, N = {a.n}, T = {a.t}, V = {a.vocab}, CAPSkip b = {a.budget}, {a.backend}, "
           f"{a.threads} thread(s), {a.rounds} interleaved rounds × {a.steps} backwards (after {a.warmup}), "

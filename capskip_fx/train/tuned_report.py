@@ -14,7 +14,7 @@ import math
 import re
 import statistics
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import Optional
 
 from .report import Run, fmt_interval, load_run
 
