@@ -8,10 +8,12 @@ times its first and second step (forward + backward; the first compiles).  Per v
            (torch._dynamo.reset() between: Dynamo retraces, the caches are warm)
 Variants: plain torch.compile (static batch, what Dynamo picks for a first call), plain with the batch dim
 marked dynamic (torch._dynamo.mark_dynamic: what capskip_fx.compile traces, as its backward needs a
-symbolic batch), and capskip_fx.compile.  Median of --repeats runs; results to
+symbolic batch), capskip_fx.compile, and capskip_fx.compile with gather="graph" (each selected backward
+compiled a second time, gathering its own rows).  Median of --repeats runs; results to
 benchmarks/results/compile_time.{md,json}.
 
     python benchmarks/compile_time.py --repeats 3
+    python benchmarks/compile_time.py --repeats 3 --variants capskip capskip_gather_graph --out ...
 """
 from __future__ import annotations
 
@@ -28,6 +30,7 @@ import time
 from results_io import write_results
 
 HERE = pathlib.Path(__file__).resolve().parent
+VARIANTS = ("plain", "plain_dynamic", "capskip", "capskip_gather_graph")
 
 
 def child(variant: str) -> dict:
@@ -46,7 +49,8 @@ def child(variant: str) -> dict:
                               num_classes=10, depth=2)
         if variant.startswith("plain"):
             return m, torch.compile(m)
-        return m, capskip_fx.compile(m, rule="forced", keep=0.5)
+        gather = "graph" if variant == "capskip_gather_graph" else "eager"
+        return m, capskip_fx.compile(m, rule="forced", keep=0.5, gather=gather)
 
     x, y = torch.randn(32, 3, 32, 32), torch.randint(0, 10, (32,))
     if variant == "plain_dynamic":
@@ -82,13 +86,14 @@ def main() -> None:
     ap.add_argument("--child")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--out", default=str(HERE / "results" / "compile_time"))
+    ap.add_argument("--variants", nargs="+", choices=VARIANTS, default=VARIANTS[:3])
     a = ap.parse_args()
     if a.child:
         print(json.dumps(child(a.child)))
         return
     import torch
     rows = {}
-    for variant in ("plain", "plain_dynamic", "capskip"):
+    for variant in a.variants:
         cold, restart, warm, hits = [], [], [], []
         for _ in range(a.repeats):
             with tempfile.TemporaryDirectory() as cache:
@@ -108,12 +113,16 @@ def main() -> None:
     for v, r in rows.items():
         h = r["restart_cache (fx hit, fx miss, aot hit)"]
         md.append(f"| {v} | {r['cold_s']:.1f} | {r['restart_s']:.1f} | {r['warm_s']:.1f} | {h[0]} / {h[1]} / {h[2]} |")
-    c = rows["capskip"]
+    c = rows.get("capskip")
     md.append("")
-    for name in ("plain", "plain_dynamic"):
+    for name in [v for v in ("plain", "plain_dynamic") if v in rows and c is not None]:
         p = rows[name]
         md.append(f"capskip / {name}: cold {c['cold_s'] / p['cold_s']:.2f}, restart {c['restart_s'] / p['restart_s']:.2f}, "
                   f"warm {c['warm_s'] / p['warm_s']:.2f}  ")
+    if c is not None and "capskip_gather_graph" in rows:
+        g = rows["capskip_gather_graph"]
+        md.append(f"gather='graph' / capskip: cold {g['cold_s'] / c['cold_s']:.2f}, restart "
+                  f"{g['restart_s'] / c['restart_s']:.2f}, warm {g['warm_s'] / c['warm_s']:.2f}  ")
     write_results(pathlib.Path(a.out), rows, "\n".join(md))
     print("\n".join(md))
 

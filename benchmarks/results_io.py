@@ -26,8 +26,9 @@ def _cpu_model() -> str:
 
 def _commit() -> str | None:
     try:
-        out = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True,
-                             text=True, timeout=10)
+        # "-dirty": tracked files differed from the commit
+        out = subprocess.run(["git", "-C", str(ROOT), "describe", "--always", "--dirty", "--abbrev=7"],
+                             capture_output=True, text=True, timeout=10)
     except (OSError, subprocess.SubprocessError):
         return None
     return (out.stdout.strip() or None) if out.returncode == 0 else None

@@ -53,10 +53,14 @@ def parse():
                         "sampler systematic (default) or bernoulli), e.g. "
                         "1,1 0.5,1 1,0.5 0.5,0.5 0.5,0.5,bernoulli; run them in their own process (--rules --fractions 1 0.5): "
                         "a second compiled model with different allocation sizes slows the others' gathers")
+    p.add_argument("--gather", choices=["eager", "graph"], default="eager",
+                   help="the capskip model's row gather (eager, the default; graph: ops of the compiled backward)")
     p.add_argument("--mode", default=None,
                    help="torch.compile mode for dense and capskip alike (reduce-overhead: CUDA graphs, capskip buckets=8)")
     p.add_argument("--regional", action="store_true",
                    help="also a regionally compiled copy (capskip_fx.compile_regions: blocks and head in place)")
+    p.add_argument("--compare-gather", action="store_true",
+                   help="also time the forced rows with the other gather, on a second compiled model")
     p.add_argument("--flop-draws", type=int, default=3, help="aot_eager backwards counted per VCAS setting")
     p.add_argument("--budget", type=float, default=0.1)
     p.add_argument("--correct-frac", type=float, default=0.7)
@@ -110,12 +114,14 @@ def main():
     amp = torch.autocast(device_type=dev.split(":")[0], dtype=torch.bfloat16) if a.amp == "bf16" else None
 
     dense = torch.compile(model, dynamic=True, mode=a.mode)
-    cm = capskip_fx.compile(model, rule="dense", mode=a.mode)
+    cm = capskip_fx.compile(model, rule="dense", gather=a.gather, mode=a.mode)
+    other = {"graph": "eager", "eager": "graph"}[a.gather]
+    cm_g = capskip_fx.compile(model, rule="dense", gather=other, mode=a.mode) if a.compare_gather else None
     owner = {}  # variant -> the compiled model whose stats it reports (default cm)
     reg = None
     if a.regional:  # a copy: in-place compiles would change the model the other variants compile
         reg = copy.deepcopy(model)
-        capskip_fx.compile_regions(reg, rule="dense", **({"mode": a.mode} if a.mode else {}))
+        capskip_fx.compile_regions(reg, rule="dense", gather=a.gather, **({"mode": a.mode} if a.mode else {}))
 
     forwarded = {}  # variant -> fraction of the batch forwarded (Stale-SB drops rows before it)
 
@@ -167,6 +173,12 @@ def main():
                 return step(reg, mean_ce)
             variants[f"capskip regional f={f:g}"] = run_regional
             owner[f"capskip regional f={f:g}"] = reg
+        if cm_g is not None:
+            def run_other(keep=keep):
+                cm_g.rule = Forced(keep=lambda _: keep)
+                return step(cm_g, mean_ce)
+            variants[f"capskip forced f={f:g} {other} gather"] = run_other
+            owner[f"capskip forced f={f:g} {other} gather"] = cm_g
         if f < 1:
             variants[f"loss masking f={f:g}"] = run_masked
             variants[f"2nd forward f={f:g}"] = run_second
@@ -247,7 +259,7 @@ def main():
     device = torch.cuda.get_device_name() if dev.startswith("cuda") else f"{platform.processor() or platform.machine()} CPU, {torch.get_num_threads()} threads"
     meta = {"device": device, "malloc_tuned": malloc_tuned, "torch": torch.__version__, "model": a.model, "img_size": a.img_size,
             "patch_size": a.patch_size, "batch_size": n, "amp": a.amp, "reps": a.reps, "warmup": a.warmup,
-            "budget": a.budget, "mode": a.mode, "correct_frac": a.correct_frac, "warmup_s": t_compile,
+            "budget": a.budget, "gather": a.gather, "mode": a.mode, "correct_frac": a.correct_frac, "warmup_s": t_compile,
             "command": "python " + " ".join(sys.argv)}
     if vcas_table:
         lines += ["", "VCAS: backward FLOPs counted from the executed graph (aot_eager twin, FlopCounterMode, "
@@ -325,7 +337,7 @@ def main_lm(a, malloc_tuned: bool) -> None:
     labels = ids.masked_fill(mask == 0, -100)
     ids, mask, labels = ids.to(dev), mask.to(dev), labels.to(dev)
     amp = torch.autocast(device_type=dev.split(":")[0], dtype=torch.bfloat16) if a.amp == "bf16" else None
-    cm = capskip_fx.compile(model, rule="dense", mode=a.mode)
+    cm = capskip_fx.compile(model, rule="dense", gather=a.gather, mode=a.mode)
     # compiled first: after dense's dynamic=True compile of the same forward, Dynamo would make the sequence
     # length symbolic too, and a saved (N*T, d) value with a symbolic T runs dense-masked (docs/limits.md)
     cm(input_ids=ids, attention_mask=mask, labels=labels).loss.backward()
@@ -406,7 +418,7 @@ def main_lm(a, malloc_tuned: bool) -> None:
         f"{platform.processor() or platform.machine()} CPU, {torch.get_num_threads()} threads"
     meta = {"device": device, "malloc_tuned": malloc_tuned, "torch": torch.__version__, "model": "gpt2 (transformers config)",
             "n_embd": a.lm_embd, "n_layer": a.lm_layers, "vocab": a.vocab, "seq_len": t, "batch_size": n, "amp": a.amp,
-            "reps": a.reps, "warmup": a.warmup, "budget": a.budget, "sketch": a.sketch,
+            "reps": a.reps, "warmup": a.warmup, "budget": a.budget, "sketch": a.sketch, "gather": a.gather,
             "warmup_s": t_compile, "command": "python " + " ".join(sys.argv)}
     table = "\n".join(lines)
     print(f"# causal LM (GPT-2 config, d={a.lm_embd}, {a.lm_layers} layers, vocab {a.vocab}), N={n} x T={t}, {a.amp}, "

@@ -317,7 +317,8 @@ class CapskipBackend:
             return compiled, Built("forward", out_idx=out_idx, training=rec.backward != BackwardMode.INFERENCE)
         _no_donated_buffers()
         vcas = functools.partial(vcas_backward, self.config, self.state, rec) if self.config.vcas is not None else None
-        ctx = pipeline.BackwardContext(base, kwargs, vcas, fused_prefix=not self.state.rule.reads_gradient)
+        ctx = pipeline.BackwardContext(base, kwargs, vcas, fused_prefix=not self.state.rule.reads_gradient,
+                                       gather_in_graph=self.config.gather == "graph")
         res = pipeline.backward(gm, example_inputs, rec.joint, ctx)
         self._settle(rec, res.record_fields())
         if res.plan is None:
@@ -332,8 +333,10 @@ class CapskipBackend:
         counters()["variants"] += 1
         _trace(f"capskip_backward_graph_{rec.index}", lambda: f"# {rec.backward}: {res.plan.gathered_inputs} gathered "
                f"inputs, reason: {rec.reason}\n" + res.graph.print_readable(print_output=False))
-        if res.prefix is None and not res.segmented:
+        if res.gathered is not None:
+            counters()["gather_in_graph"] += 1
+        if res.prefix is None and not res.segmented and res.gathered is None:
             return res.compiled, Built("rows")
-        # several graphs (a prefix, VCAS's segments): not described
+        # several graphs (a prefix, VCAS's segments, the gathering twin): not described
         return SelectedRowBackward(res.compiled, res.plan, self.state, self.config, rec, prefix=res.prefix,
-                                   prefix_gathered=res.prefix_gathered), None
+                                   prefix_gathered=res.prefix_gathered, gathered=res.gathered), None

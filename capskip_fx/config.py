@@ -12,7 +12,7 @@ if TYPE_CHECKING:
     from .vcas.controller import VCAS
 
 BACKENDS = ("inductor", "aot_eager", "eager")
-GATHERS = ("eager",)  # where the kept rows are gathered
+GATHERS = ("eager", "graph")  # where the kept rows are gathered
 
 
 @dataclass(frozen=True)
@@ -35,9 +35,14 @@ class CapskipConfig:
     gather_below: run the gathered backward only when it runs on at most this fraction of the
                 rows; above it the gathers cost more than the skipped rows save, so the backward
                 runs on all N rows with the skipped rows' weight 0 (same result).
-    gather:     where the kept rows are gathered: "eager", the only value (index_select before the compiled
-                backward, row blocks of shared buffers copied once).  "graph" (gathers as ops of the
-                compiled backward) was removed: no gain on CPU, never measured on a GPU (CHANGELOG).
+    gather:     where the kept rows are gathered: "eager" (default: index_select before the compiled
+                backward, row blocks of shared buffers copied once) or "graph" (each selected backward graph
+                compiled a second time taking all N rows and the kept-row index: Inductor fuses the gathers
+                into their first reads, so a saved activation read only by pointwise ops is never copied;
+                steps above ``gather_below`` run the plain graph).  "graph" costs a second compile of every
+                selected backward graph and is not served by AOTAutogradCache; it gathers eagerly where the
+                rewrite is refused (recorded), with VCAS, and after an in-graph loss's backward ran on the
+                kept rows (docs/benchmarks.md, The gather inside the compiled graph).
     verify:     on each graph's first informative gathered step (0 < kept < N, nonzero gradient) also run
                 the dense-masked backward and compare; on mismatch, run dense-masked from then on.  A spot
                 check: the batch layout itself is proven from the graph before the first step.
@@ -104,8 +109,7 @@ class CapskipConfig:
         if not 0.0 <= self.gather_below <= 1.0:
             raise ValueError(f"gather_below must be in [0, 1], got {self.gather_below!r}")
         if self.gather not in GATHERS:
-            raise ValueError(f"gather must be one of {GATHERS}, got {self.gather!r}"
-                             + (" (gather='graph' was removed: no measured gain)" if self.gather == "graph" else ""))
+            raise ValueError(f"gather must be one of {GATHERS}, got {self.gather!r}")
         if self.scope not in ("per_rank", "global"):
             raise ValueError(f"scope must be 'per_rank' or 'global', got {self.scope!r}")
         if self.verify_every is not None and not (isinstance(self.verify_every, int) and self.verify_every >= 1):

@@ -217,6 +217,7 @@ class CompileRecord:
     refusal: Optional[Refusal] = None  # why this graph runs dense, if it does (the first refusal)
     plan: Any = None  # passes.selected_rows.BackwardPlan
     vcas: Optional[str] = None  # VCAS: segments and sampled matmuls, or why it did not apply
+    gather: str = "eager"  # where the kept rows are gathered: "graph" (gather="graph"), or "eager (why not)"
     segmented: bool = False  # the backward runs as VCAS segments (aot_eager: matmul shapes accumulate per pass)
     error: Optional[str] = None  # on_coupling="error": raised at this graph's first forward
 
@@ -243,6 +244,7 @@ class GraphRecord:
     host_reads: int = 0  # body backwards that read their rows from the device (their own nonzero rows)
     rows_reused: int = 0  # body backwards that ran on the rows of the gathered backward that fed them (no read)
     prefix_rows: int = 0  # backwards whose in-graph loss's backward ran on the kept rows only (chosen first)
+    graph_gathers: int = 0  # gathered backwards whose compiled graph gathered its kept rows itself (gather="graph")
     derived_grads: int = 0  # ... of those, the rule read a dL/dz derived from the forward (passes/loss_grad.py)
     loss_rows: Optional[int] = None  # the rows the in-graph loss's backward ran on in the latest backward
     modes: Counter = field(default_factory=Counter)  # step mode (selected, dense-masked, dense) -> backwards run
@@ -319,6 +321,7 @@ class GraphRecord:
                 "host_reads": self.host_reads, "rows_reused": self.rows_reused, "prefix_rows": self.prefix_rows,
                 "derived_grads": self.derived_grads, "loss_rows": self.loss_rows, "logits_kept": c.logits_kept,
                 "loss_backward": None if c.plan is None or c.plan.prefix is None else _loss_backward(c.plan.prefix),
+                "gather": c.gather, "graph_gathers": self.graph_gathers,
                 "steps": {m: self.modes[m] for m in STEP_MODES if self.modes[m]}, "last": self.last_mode,
                 "step_reason": self.step_reason}
 

@@ -57,7 +57,7 @@ _CHILD = textwrap.dedent("""
     from conftest import max_rel_err
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(6, 16), nn.GELU(), nn.Linear(16, 5))
-    cm = capskip_fx.compile(model, rule="forced", keep=0.5, backend="inductor")
+    cm = capskip_fx.compile(model, rule="forced", keep=0.5, backend="inductor", gather=os.environ.get("GATHER", "eager"))
     x, y = torch.randn(12, 6), torch.randint(0, 5, (12,))
     loss = F.cross_entropy(cm(x), y)
     loss.backward(retain_graph=True)  # a served graph keeps our no-donated-buffers metadata
@@ -73,12 +73,13 @@ _CHILD = textwrap.dedent("""
     print(json.dumps({"hit": counters["inductor"]["fxgraph_cache_hit"], "miss": counters["inductor"]["fxgraph_cache_miss"],
                       "aot_hit": aot["autograd_cache_hit"], "aot_saved": aot["autograd_cache_saved"],
                       "cached": [r.cached for r in cm.backend.records], "same": same,
-                      "rows": st.rows, "kept": st.kept, "err": max_rel_err(got, ref)}))
+                      "rows": st.rows, "kept": st.kept, "err": max_rel_err(got, ref),
+                      "gather": [(r.gather, r.graph_gathers) for r in cm.backend.records if r.plan is not None]}))
 """)
 
 
-def _run(code: str, tmp_path) -> dict:
-    env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=str(tmp_path / "cache"), OMP_NUM_THREADS="1")
+def _run(code: str, tmp_path, gather: str = "eager") -> dict:
+    env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=str(tmp_path / "cache"), OMP_NUM_THREADS="1", GATHER=gather)
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     r = subprocess.run([sys.executable, "-c", code], env=env, cwd=root, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
@@ -109,6 +110,20 @@ def test_restart_serves_cached_graphs_and_still_selects(tmp_path):
         assert r["rows"] == 6, runs
         assert r["err"] < 1e-5, runs
         assert r["same"], runs
+
+
+@pytest.mark.subprocess
+@pytest.mark.inductor
+def test_restart_with_gather_in_graph_compiles_the_twin_again(tmp_path):
+    """gather="graph": the selected backward is not served by AOTAutogradCache (two compiled graphs), so a
+    restart rebuilds it, its twin included, from Inductor's FX graph cache, and still runs on the kept rows."""
+    cold, warm = runs = [_run(_CHILD, tmp_path, "graph") for _ in range(2)]
+    assert warm["miss"] == 0 and warm["hit"] >= 4, runs  # forward, inference, the backward and its twin
+    assert cold["aot_saved"] <= 1, runs  # the inference graph at most: the training graphs are not described
+    for r in runs:
+        assert r["gather"] == [["graph", 2]], runs  # the step's backward and its retained second one, by the twin
+        assert r["kept"] == 6 and r["rows"] == 6, runs
+        assert r["err"] < 1e-5 and r["same"], runs
 
 
 _WARM = textwrap.dedent("""

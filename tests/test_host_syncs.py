@@ -70,11 +70,12 @@ RULES = [  # (rule options, reads per steady-state step)
 ]
 
 
+@pytest.mark.parametrize("gather", ["eager", "graph"])
 @pytest.mark.parametrize("opts,reads", RULES, ids=[o["rule"] for o, _ in RULES])
-def test_reads_per_step_and_exact(opts, reads):
+def test_reads_per_step_and_exact(opts, reads, gather):
     torch.manual_seed(0)
     model = Net().double()
-    cm = capskip_fx.compile(model, backend="aot_eager", **opts)
+    cm = capskip_fx.compile(model, backend="aot_eager", gather=gather, **opts)
     for step in range(4):  # steps 0-1: compile, verify
         x, y = _batch(step)
         model.zero_grad(set_to_none=True)
@@ -89,8 +90,9 @@ def test_reads_per_step_and_exact(opts, reads):
             assert st.rows < N, st
             assert max_rel_err(_grads(model), _ref(model, x, y, st.weight)) < 1e-10, (
                 "a steady-state selected step's gradient differs from the float64 reference weighted by its selection")
-    assert sum(r.plan is not None for r in cm.backend.records) == 1, (
-        f"exactly one graph plans a selected backward; got {[r.as_dict() for r in cm.backend.records]}")
+    assert [r.gather for r in cm.backend.records if r.plan is not None] == [gather], (
+        f"exactly one graph plans a selected backward, gathering as asked ({gather!r}); got "
+        f"{[r.as_dict() for r in cm.backend.records]}")
 
 
 class _Chain(torch.nn.Module):

@@ -434,7 +434,7 @@ def specs(draw, ops=ROWWISE, extra=(), pos=False, mask_kw=False, breaks=False, m
 KINDS = ("none", "all", "some", "some", "one", "prefix")
 plans = st.lists(st.tuples(st.sampled_from(KINDS), st.booleans(), st.integers(0, 2**16)), min_size=1, max_size=4)
 OPTIONS = st.sampled_from([{}, {}, {"granule": 2}, {"gather_below": 1.0}, {"granule": 4, "gather_below": 1.0},
-                           {"min_rows": 1}])
+                           {"min_rows": 1}, {"gather": "graph"}, {"gather": "graph", "granule": 2}])
 
 
 # ----------------------------------------------------------------------------------------------
@@ -816,6 +816,17 @@ def test_fuzz_graph_breaks(spec, plan, steps):
     run_single_forward_steps(spec, plan, steps, {})
 
 
+@fast(8)
+@given(spec=specs(breaks=None, max_depth=2), plan=plans, steps=single_steps(), granule=st.sampled_from([1, 2]),
+       gather=st.sampled_from(["graph", "eager"]))
+def test_fuzz_gather_modes(spec, plan, steps, granule, gather):
+    """Both gathers: "graph" (a second compiled backward taking all rows and the kept-row index, views in the
+    body turned into reshapes) and "eager" (the default), on random row-wise models, graph breaks included:
+    exact or dense with a reason; a refused in-graph rewrite keeps the eager gather."""
+    cm = run_single_forward_steps(spec, plan, steps, {"gather": gather, "granule": granule})
+    event(f"gather {gather}: " + ",".join(r.as_dict()["gather"].split(" ")[0] for r in cm.backend.records if r.plan))
+
+
 @fast(10)
 @given(spec=specs(ops=ROWWISE, extra=MIXING, max_depth=1), plan=plans, steps=single_steps())
 def test_fuzz_row_mixing(spec, plan, steps):
@@ -998,6 +1009,17 @@ def test_slow_fuzz_multi_forward_mixing(spec, plan, steps):
 def test_slow_fuzz_inductor_float32(spec, plan, steps):
     """Inductor, float32 (reference float64 on a double copy), tolerance 1e-4."""
     run_single_forward_steps(spec, plan, steps, {}, dtype=torch.float32, backend="inductor")
+
+
+@pytest.mark.slow
+@slow(20)
+@given(spec=specs(ops=ROWWISE, extra=LAYOUT, breaks=None, max_depth=2), plan=plans, steps=single_steps(2, 3),
+       granule=st.sampled_from([1, 2]))
+def test_slow_fuzz_inductor_graph_gather(spec, plan, steps, granule):
+    """Inductor, float32, gather="graph": the gathers and reshapes the twin adds, lowered by Inductor."""
+    cm = run_single_forward_steps(spec, plan, steps, {"gather": "graph", "granule": granule}, dtype=torch.float32,
+                                  backend="inductor")
+    event("gather: " + ",".join(r.as_dict()["gather"].split(" ")[0] for r in cm.backend.records if r.plan))
 
 
 @pytest.mark.slow

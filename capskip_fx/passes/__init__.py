@@ -10,7 +10,7 @@ joint graph (AOTAutograd, before partitioning), ``pipeline.joint``:
                         batch-shaped tangent (exact semantics)
 backward graph (Inductor ``inner_compile``), ``pipeline.backward``:
   selected_rows.py   -- replace the selection node by an input; classify and check every gathered input
-  prefix_gather.py   -- an in-graph loss's backward proven row-wise, also compiled gathering its kept rows itself
+  gather_in_graph.py -- a proven backward graph (an in-graph loss's, or with gather="graph" the selected one) also compiled gathering its kept rows itself
 A pass that will not rewrite a graph raises ``records.Refused(detail, kind)``; the pipeline returns its
 typed ``Refusal``.  The batch symbol and size helpers are in ``symbolic.py``.
 """

@@ -20,11 +20,13 @@ backward graph (Inductor's ``inner_compile``), :func:`backward`:
   5. selected_rows.plan_backward    the selection node -> a new last input w; every gathered input
                                     checked against step 3's proof; an in-graph loss's prefix split off
      prefix_rows.prove_prefix_rows  that prefix row-wise (it may then run on the kept rows only)
-     prefix_gather.compile_gathering  that prefix also compiled gathering its kept rows itself (when
+     gather_in_graph.compile_gathering  that prefix also compiled gathering its kept rows itself (when
                                     the rule reads no dL/dz)
      validate.prove_backward        the rewritten backward that will run, proven row-wise on gathered rows
                                     (refused: it runs on all rows, dense-masked)
   6. compile: VCAS (the context's ``vcas``, when set), else the plain graph
+     gather_in_graph.compile_gathering  with gather="graph", that graph also compiled gathering its kept rows
+                                    itself (Inductor fuses the gathers into their first reads)
   7. symbolic.check_not_specialised compiling must not have fixed the batch size
 
 A pass that will not rewrite a graph raises ``records.Refused``; the pipeline turns it into the
@@ -50,7 +52,7 @@ from .find_head import find_head
 from .in_graph_loss import find_in_graph_loss
 from .insert_select import SELECT
 from .loss_grad import NotDerivable, match_cross_entropy
-from .prefix_gather import compile_gathering
+from .gather_in_graph import compile_gathering
 from .prefix_rows import prove_prefix_rows
 from .row_index import recompute_row_indices
 from .selected_rows import BackwardPlan, plan_backward
@@ -206,12 +208,14 @@ class BackwardContext:
     **kwargs)``), its keyword arguments, and VCAS's builder when ``vcas=`` is set
     (``vcas(gm, example_inputs, sym, compile, kwargs) -> (compiled or None, note)``), and whether a row-wise
     in-graph loss's backward is also compiled with its kept rows gathered in the graph (``fused_prefix``: the
-    rule at compile time reads no dL/dz; a rule set later that reads none gathers them eagerly)."""
+    rule at compile time reads no dL/dz; a rule set later that reads none gathers them eagerly), and whether
+    the selected backward is also compiled gathering its own kept rows (``gather_in_graph``: gather="graph")."""
 
     compile: Callable
     kwargs: Mapping
     vcas: Optional[Callable] = None
     fused_prefix: bool = False
+    gather_in_graph: bool = False  # also compile the selected backward gathering its kept rows itself
 
 
 @dataclass(frozen=True)
@@ -229,12 +233,19 @@ class BackwardResult:
     graph: Optional[fx.GraphModule] = field(default=None, repr=False)  # the rewritten graph (for tracing)
     # that backward taking all rows and the kept-row index, returning the kept rows' (passes/prefix_rows.py)
     prefix_gathered: Any = field(default=None, repr=False)
+    # the selected backward taking all rows and the kept-row index (gather="graph"), or why it is not
+    gathered: Any = field(default=None, repr=False)
+    gather_refused: Optional[str] = None
 
     def record_fields(self) -> dict:
         """The CompileRecord fields this result sets."""
         fields: dict = dict(backward=self.mode, refusal=self.refusal)
         if self.plan is not None:
             fields.update(plan=self.plan, vcas=self.vcas, segmented=self.segmented)
+        if self.gathered is not None:
+            fields.update(gather="graph")
+        elif self.gather_refused is not None:
+            fields.update(gather=f"eager ({self.gather_refused})")
         return fields
 
 
@@ -275,15 +286,24 @@ def backward(gm: fx.GraphModule, example_inputs, joint_result: Optional[JointRes
     elif refusal is None and ctx.vcas is not None:  # VCAS's backward, or None: the exact one below
         compiled, vcas_note = ctx.vcas(gm, inputs, plan.sym, compile_graph, kwargs)
     segmented = compiled is not None
+    gathered, gather_refused = None, None
+    if ctx.gather_in_graph and refusal is None:
+        if segmented:
+            gather_refused = "VCAS's segments gather their own rows"
+        else:  # the proven graph (copied before Inductor's passes edit it), gathering its kept rows in its reads
+            try:
+                gathered = compile_gathering(gm, plan.specs, plan.sym, inputs, w_val.shape[0], compile_graph, kwargs)
+            except Refused as e:  # the runtime gathers its kept rows eagerly
+                gather_refused = e.refusal.detail
     if compiled is None:
         compiled = compile_graph(gm, inputs, **kwargs)
     if refusal is None:
         try:
             check_not_specialised(example_inputs, plan.sym, plan.stride_syms)
         except Refused as e:  # the rewritten graph at N rows is the dense-masked backward: still exact
-            refusal, mode = e.refusal, BackwardMode.DENSE_MASKED
+            refusal, mode, gathered = e.refusal, BackwardMode.DENSE_MASKED, None
     return BackwardResult(compiled, mode, plan, prefix, refusal, vcas=vcas_note, segmented=segmented, graph=gm,
-                          prefix_gathered=prefix_gathered)
+                          prefix_gathered=prefix_gathered, gathered=gathered, gather_refused=gather_refused)
 
 
 def _loss_grad(plan: BackwardPlan, joint_result: Optional[JointResult]) -> BackwardPlan:

@@ -15,7 +15,8 @@ Per call (one backward of one forward), three parts:
       forward for the rule), the rule chooses first and the loss's backward waits for the rows;
   - the plan (runtime/plan.py, ``plan_step``): from host numbers only, which rows run and how;
   - its executor (runtime/executors.py): the kept rows gathered (``kb = bucket(k)`` rows, pad rows weigh
-    0), the compiled graph run on them, input gradients scattered back to N rows; or all N rows with the
+    0; with gather="graph" by the compiled twin's own reads), the compiled graph run on them, input
+    gradients scattered back to N rows; or all N rows with the
     weights (dense-masked: exact, with the reason recorded on the graph and the step); verify wraps it.
 Invariant: the returned gradients equal the dense-masked backward's on every call.
 """
@@ -25,7 +26,7 @@ from typing import Callable, Optional
 
 import torch
 
-from .executors import DenseMasked, Gathered, LossBackward, Verified, compiled_backward
+from .executors import DenseMasked, Gathered, GatheredInGraph, LossBackward, Verified, compiled_backward
 from .forwards import current_node
 from .loss_grad import derived_grad
 from .plan import FUSED, SELECTED, Rows, plan_step, rows_before_loss
@@ -35,12 +36,16 @@ class SelectedRowBackward:
     """The boxed callable AOTAutograd calls as the backward."""
 
     def __init__(self, compiled: Callable, plan, state, config, record, prefix: Optional[Callable] = None,
-                 prefix_gathered: Optional[Callable] = None):
+                 prefix_gathered: Optional[Callable] = None, gathered: Optional[Callable] = None):
         self._boxed_call = True  # instance attr: survives the wrappers AOT puts around us
         self.compiled = compiled_backward(compiled)
         self.gathered = Gathered(self.compiled, plan)
         self.dense_masked = DenseMasked(self.compiled)
         self.verified = Verified(self.gathered, self.dense_masked, record, state)
+        # gather="graph": the twin taking all rows and the kept-row index (its gathers fused into its reads)
+        self.in_graph = GatheredInGraph(compiled_backward(gathered), plan) if gathered is not None else None
+        self.verified_in_graph = (Verified(self.in_graph, self.dense_masked, record, state)
+                                  if self.in_graph is not None else None)
         # an in-graph loss's backward (dL/dz); its twin taking all rows and the kept-row index (fused gathers)
         self.loss = LossBackward(prefix, plan.prefix, plan.sym, prefix_gathered) if prefix is not None else None
         self.informative = 0  # informative gathered steps so far (the verify schedule)
@@ -94,15 +99,19 @@ class SelectedRowBackward:
             rec.loss_rows = step.rows
         else:
             full_args = list(args) if step.verify else None
-        new_args = self.gathered.gather(args, idx, n, w_kb, ready)
+        in_graph = self.in_graph is not None and not ready  # inputs already at the kept rows: the eager gather
+        executor = self.in_graph if in_graph else self.gathered
+        new_args = executor.gather(args, idx, n, w_kb, ready)
         state.set_rows(stats, step.rows)
         rec.row_counts.add(step.rows)
+        rec.graph_gathers += in_graph
         if step.verify:
-            outs, matched = self.verified(new_args, full_args, weight, stats, idx, n)
+            outs, matched = (self.verified_in_graph if in_graph else self.verified)(new_args, full_args, weight,
+                                                                                   stats, idx, n)
             if not matched:
                 return outs
         else:
-            outs = self.gathered(new_args, idx, n)
+            outs = executor(new_args, idx, n)
         rec.ran(SELECTED)
         state.published.publish(outs, self.plan.out_specs, idx, n)
         return outs

@@ -2,6 +2,8 @@
 
   Gathered      mode "selected": the kept rows gathered, the compiled backward on them, input gradients
                 scattered back to N rows
+  GatheredInGraph  the same with gather="graph": the compiled twin takes all N rows and the kept-row index
+                and gathers inside (Inductor fuses the gathers into their first reads)
   DenseMasked   modes "dense-masked" and "dense": the compiled backward on all N rows with the step's
                 weights (a dense step's are all 1)
   Dense         a refused graph's backward (no selection input): plain dense, recorded as the step
@@ -97,7 +99,7 @@ class LossBackward:
 
     def __init__(self, compiled: Callable, prefix: Any, sym, fused: Optional[Callable] = None):
         self.compiled = compiled
-        self.fused = fused  # the same taking all rows and the kept-row index: gathers inside (passes/prefix_gather.py)
+        self.fused = fused  # the same taking all rows and the kept-row index: gathers inside (passes/gather_in_graph.py)
         self.prefix = prefix  # passes.selected_rows.Prefix
         self.shapes = RowShapes(prefix.specs, sym) if prefix.specs is not None else None
 
@@ -171,6 +173,18 @@ class Gathered:
     def _full_rows(self, outs: list, idx: torch.Tensor, n: int) -> list:
         return [(scatter_rows(o, s, idx, n) if (s is not None and s.kind == "batch" and o is not None) else o)
                 for o, s in zip(outs, self.plan.out_specs)]
+
+
+class GatheredInGraph(Gathered):
+    """Gathered, its compiled graph the twin that gathers its own kept rows (passes/gather_in_graph.py): the batch
+    inputs go in at n rows, then the kept rows' weights, the index and n."""
+
+    def gather(self, args: list, idx: torch.Tensor, n: int, w_kb: torch.Tensor, ready=frozenset()) -> list:
+        assert not ready, "inputs already at the kept rows take the eager gather"
+        shapes = self.shapes.at(idx.numel())
+        new_args = [shape if s.kind == "symint" else a for a, s, shape in zip(args, self.plan.specs, shapes)]
+        args.clear()
+        return new_args + [w_kb, idx, n]
 
 
 class Verified:

@@ -1,17 +1,20 @@
-"""Backward-graph pass: an in-graph loss's backward (the prefix up to dL/dz) that gathers its kept rows itself.
+"""Backward-graph pass: a proven backward graph that gathers its kept rows itself.  Two users: an in-graph loss's
+backward (the prefix up to dL/dz, proven row-wise by passes/prefix_rows.py), and with gather="graph" the
+selected backward (proven by passes/validate.py; its last input, the kept rows' weights ``w``, is past the
+specs and stays at ``s`` rows).
 
-Input: the prefix graph proven row-wise (passes/prefix_rows.py: every batch input with its spec), its example
-inputs at ``s`` rows (the kept rows), and ``kept``, the SymInt of ``s``.
+Input: the graph, every batch input with its spec, its example inputs at ``s`` rows (the kept rows), and
+``kept``, the SymInt of ``s``.
 Output: the same graph taking its batch inputs at ``n`` rows (a new symbol), plus ``idx`` (``s`` kept-row
 indices, int64) and ``n`` as new last inputs, compiled.  Each batch input is indexed (``aten.index``) on its
 batch dim (split ``(outer, n, factor)`` when flattened) before its first use, so Inductor fuses the gather
-into the first reads: no eager copy of the ``(kept, T, C)`` logits and their tangent.  Its outputs stay at
-``s`` rows (the rest of the backward reads them there).
+into the first reads: no eager copy of the ``(kept, T, C)`` logits and their tangent, nor of a saved activation
+read only by pointwise ops.  Its outputs stay at ``s`` rows (the runtime scatters input gradients back).
 
 Invariants: the gathered values equal what the eager gather (rows.gather_all) passes; the body is unchanged
 except that it reads them; every value's meta is re-propagated from the new inputs; a graph that reads an
 input's strides (``as_strided``), that Inductor rejects, or that compiling specialised or guarded on ``n``
-is refused (the runtime then gathers the prefix's rows eagerly).
+is refused (the runtime then gathers the rows eagerly).
 """
 from __future__ import annotations
 
