@@ -12,7 +12,6 @@ summed over one profiled step.  -> benchmarks/results/<stem>.{md,json}
 from __future__ import annotations
 
 import argparse
-import os
 import pathlib
 import statistics
 import sys
@@ -75,12 +74,10 @@ def main() -> None:
     by_shape = [{"shape": e.input_shapes[0], "calls": e.count, "ms": e.self_cpu_time_total / 1e3} for e in gathers]
     total = sum(g["ms"] for g in by_shape)
     ms = {k: statistics.median(v) * 1e3 for k, v in times.items()}
-    load = os.getloadavg()[0]
     cmd = "python benchmarks/" + pathlib.Path(sys.argv[0]).name + " " + " ".join(sys.argv[1:])
     md = [f"<!-- {cmd} -->", "# The gathers of a selected-row backward", "",
           f"{a.model}, img {a.img_size}, patch {a.patch_size}, N = {n}, forced f = {a.fraction:g} ({keep.numel()} "
-          f"rows), {a.threads} thread(s), median of {a.steps} steps after {a.warmup}, "
-          f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, load average {load:.1f} when it ended.", "",
+          f"rows), {a.threads} thread(s), median of {a.steps} steps after {a.warmup}.", "",
           f"Backward: dense {ms['dense']:.0f} ms, selected {ms['selected']:.0f} ms "
           f"(bwd(f)/bwd {ms['selected'] / ms['dense']:.3f}); the kept rows' gathers in one profiled selected step: "
           f"{total:.1f} ms ({total / ms['selected']:.1%} of the selected backward).", "",
@@ -90,7 +87,7 @@ def main() -> None:
     name = f"gather_profile_{a.model}_n{n}_f{round(a.fraction * 100)}pct_t{a.threads}"
     stem = pathlib.Path(a.out) if a.out else pathlib.Path(__file__).parent / "results" / name
     write_results(stem, {"args": vars(a), "median_ms": ms, "gathers_ms": total, "by_shape": by_shape,
-                         "load": load, "times_s": times}, "\n".join(md))
+                         "times_s": times}, "\n".join(md))
 
 
 if __name__ == "__main__":

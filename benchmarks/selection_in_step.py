@@ -11,7 +11,6 @@ warm-up steps excluded.  -> benchmarks/results/<stem>.{md,json}
 """
 from __future__ import annotations
 
-import os
 import pathlib
 import statistics
 import sys
@@ -56,17 +55,15 @@ def main() -> None:
     ms = {"in the step": statistics.median(c[0] for c in calls) * 1e3,
           "replayed at once, in the step": statistics.median(c[1] for c in calls) * 1e3,
           "replayed back to back, outside the step": statistics.median(warm) * 1e3}
-    load = os.getloadavg()[0]
     cmd = "python benchmarks/" + pathlib.Path(sys.argv[0]).name + " " + " ".join(sys.argv[1:])
     n, d, c = MLP_SHAPE
     md = [f"<!-- {cmd} -->", "# CAPSkip's eager selection in the step and replayed", "",
           f"3-layer MLP, N = {n}, d = {d}, C = {c}, CAPSkip b = {a.budget}, {a.threads} thread(s), {a.steps} steps "
-          f"(after {a.warmup}), {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, load average {load:.1f} "
-          "when it ended.", "", "| call | select ms (median) |", "|---|---|"]
+          f"(after {a.warmup}).", "", "| call | select ms (median) |", "|---|---|"]
     md += [f"| {k} | {v:.2f} |" for k, v in ms.items()]
     print("\n".join(md))
     stem = pathlib.Path(a.out) if a.out else pathlib.Path(__file__).parent / "results" / f"selection_in_step_t{a.threads}"
-    write_results(stem, {"args": vars(a), "median_ms": ms, "calls_s": calls, "warm_s": warm, "load": load},
+    write_results(stem, {"args": vars(a), "median_ms": ms, "calls_s": calls, "warm_s": warm},
                   "\n".join(md))
 
 

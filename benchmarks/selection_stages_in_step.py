@@ -16,7 +16,6 @@ The probe: inside the step, one eager ``add`` on 1024 floats, then 29 more of th
 from __future__ import annotations
 
 import math
-import os
 import pathlib
 import statistics
 import sys
@@ -89,14 +88,12 @@ def main() -> None:
     extra = {k: statistics.median(t - f for t, f in zip(v, forced)) * 1e3 for k, v in times.items() if k != "forced"}
     first = statistics.median(t for t, _ in probe.probe[a.warmup:]) * 1e6
     rest = statistics.median(t for _, t in probe.probe[a.warmup:]) * 1e6
-    load = os.getloadavg()[0]
     cmd = "python benchmarks/" + pathlib.Path(sys.argv[0]).name + " " + " ".join(sys.argv[1:])
     n, d, c = MLP_SHAPE
     fm = statistics.median(forced) * 1e3
     md = [f"<!-- {cmd} -->", "# CAPSkip's eager selection by stage, inside the step", "",
           f"3-layer MLP, N = {n}, d = {d}, C = {c}, CAPSkip b = {a.budget}, {a.threads} thread(s), {a.steps} rounds "
-          f"(after {a.warmup}), {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, load average {load:.1f} "
-          f"when it ended; forced step {fm:.2f} ms (median).", "",
+          f"(after {a.warmup}); forced step {fm:.2f} ms (median).", "",
           "| arm (cumulative) | step - forced step, ms (median) |", "|---|---|"]
     md += [f"| {k} | {v:.3f} |" for k, v in extra.items() if k != "probe"]
     md += ["", f"One eager `add` on 1024 floats inside the step: the first {first:.1f} µs, each of the next 29 "
@@ -105,7 +102,7 @@ def main() -> None:
     stem = pathlib.Path(a.out) if a.out else \
         pathlib.Path(__file__).parent / "results" / f"selection_stages_t{a.threads}"
     write_results(stem, {"args": vars(a), "forced_ms": fm, "extra_ms": extra, "probe_first_us": first,
-                         "probe_next_us": rest, "load": load, "times_s": times}, "\n".join(md))
+                         "probe_next_us": rest, "times_s": times}, "\n".join(md))
 
 
 if __name__ == "__main__":

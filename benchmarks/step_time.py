@@ -54,7 +54,7 @@ def parse():
                         "1,1 0.5,1 1,0.5 0.5,0.5 0.5,0.5,bernoulli; run them in their own process (--rules --fractions 1 0.5): "
                         "a second compiled model with different allocation sizes slows the others' gathers")
     p.add_argument("--gather", choices=["eager", "graph"], default="eager",
-                   help="the capskip model's row gather (eager, the default; graph: ops of the compiled backward)")
+                   help="the capskip model's row gather (eager, the default; graph: a second compiled backward that gathers its own kept rows)")
     p.add_argument("--mode", default=None,
                    help="torch.compile mode for dense and capskip alike (reduce-overhead: CUDA graphs, capskip buckets=8)")
     p.add_argument("--regional", action="store_true",
