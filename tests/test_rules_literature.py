@@ -274,6 +274,46 @@ def test_sb_composer_sampling_prefers_high_loss():
         f"({freq[order[0]]!r})")
 
 
+def test_sb_composer_window_without_duration_warns_once_and_stays_open():
+    """Composer's [start, end) window needs the run's length; without it the window counts as open, and the
+    user is told once how to place or silence it."""
+    view = make_view(22, n=10)
+    rule = SelectiveBackprop(keep=0.3, sample=False, seed=0, interrupt=0)  # Composer's start=0.5, end=0.9
+    with pytest.warns(UserWarning, match=r"capskip_fx: sb keep=.*total_steps= or total_epochs="):
+        w = rule.select(view).weight
+    assert int((w > 0).sum()) == 3, f"an open window should keep floor(0.3 * 10) = 3 rows, kept {int((w > 0).sum())}"
+    import warnings
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        rule.select(view)  # once per rule
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        SelectiveBackprop(keep=0.3, sample=False, start=0.0, end=1.0, interrupt=0).select(view)
+
+
+def test_generator_state_that_cannot_be_restored_warns_and_reseeds(monkeypatch):
+    """A generator state saved on a device this process cannot create (a CUDA checkpoint loaded on a CPU-only
+    machine) is reported and replaced by the rule's seed: the rule then draws as a fresh one."""
+    view = make_view(23, n=12)
+    fresh = RandomSkip(keep=0.5, seed=7).select(view).weight
+    rule = RandomSkip(keep=0.5, seed=7)
+    rule.select(view)  # advances the generator
+    state = rule.state_dict()
+    state["generator_state"] = {"device": "cuda", "state": state["generator_state"]["state"]}
+    real = torch.Generator
+
+    def generator(device="cpu"):
+        if torch.device(device).type == "cuda":
+            raise RuntimeError("no CUDA device in this process")
+        return real(device=device)
+
+    monkeypatch.setattr(torch, "Generator", generator)
+    again = RandomSkip(keep=0.5, seed=7)
+    with pytest.warns(UserWarning, match=r"capskip_fx: RandomSkip cannot restore its generator state.*seed=7"):
+        again.load_state_dict(state)
+    assert torch.equal(again.select(view).weight, fresh), "after the warning the rule should draw as a fresh one"
+
+
 # ---------------------------------------------------------------------------------------------
 # random baseline
 

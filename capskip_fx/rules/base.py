@@ -507,6 +507,7 @@ class SeededRule(Rule):
             g = torch.Generator(device=value["device"])
             g.set_state(value["state"].clone())
         except RuntimeError as e:  # e.g. a CUDA state loaded where no CUDA exists
-            warnings.warn(f"{type(self).__name__}: cannot restore generator state ({e}); reseeding")
+            warnings.warn(f"capskip_fx: {type(self).__name__} cannot restore its generator state ({e}); reseeding "
+                          f"with seed={self.seed}", stacklevel=2)
             g = None
         self._generator = g

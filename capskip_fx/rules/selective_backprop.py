@@ -193,9 +193,9 @@ class SelectiveBackprop(SeededRule):
         el = self.elapsed(view)
         if el is None:
             if not self._warned_duration and (self.start > 0.0 or self.end < 1.0):
-                warnings.warn("sb keep=: Composer's schedule needs total_steps= or total_epochs= to place "
+                warnings.warn("capskip_fx: sb keep=: Composer's schedule needs total_steps= or total_epochs= to place "
                               f"its [start, end) = [{self.start}, {self.end}) window; without them the window "
-                              "counts as open (pass start=0, end=1 to silence this)")
+                              "counts as open (pass start=0, end=1 to silence this)", stacklevel=2)
                 self._warned_duration = True
             in_window = True
         else:

@@ -171,7 +171,8 @@ class StaleSB(SelectiveBackprop):
     def select(self, view: HeadView) -> Selection:
         if view.index is None:
             if not self._warned_no_index:
-                warnings.warn("stale_sb: view.index is None (no dataset indices): acting as plain sb")
+                warnings.warn("capskip_fx: stale_sb got no dataset indices (view.index is None): acting as plain sb; "
+                              "pass the batch's dataset indices as model(x, capskip_index=idx) for stale losses", stacklevel=2)
                 self._warned_no_index = True
             return super().select(view)
         n = view.n
