@@ -70,6 +70,12 @@ class VcasSegments(Compiled):
         return self.fn.exact(args)
 
 
+def sizes_at_kept_rows(args: list, specs: list, shapes: list) -> list:
+    """``args`` with each size input (a symint spec) replaced by its value at the kept rows; tensors as they are
+    (the in-graph gathers take them at all N rows)."""
+    return [shape if s.kind == "symint" else a for a, s, shape in zip(args, specs, shapes)]
+
+
 def compiled_backward(fn: Callable) -> Compiled:
     """The executor of a compiled backward: VCAS's segments where ``fn`` is a SampledBackward."""
     return VcasSegments(fn) if isinstance(fn, SampledBackward) else Compiled(fn)
@@ -113,7 +119,7 @@ class LossBackward:
         ins = [full[i] for i in pre.args]
         shapes = self.shapes.at(idx.numel())
         if fused:  # the twin gathers its batch inputs itself: they go in at n rows, then the index and n
-            ins = [shape if s.kind == "symint" else a for a, s, shape in zip(ins, pre.specs, shapes)] + [idx, n]
+            ins = sizes_at_kept_rows(ins, pre.specs, shapes) + [idx, n]
             return [full[i] for i in pre.keep] + list(self.fused(ins))
         read = [j for j, s in enumerate(pre.specs) if s.kind == "batch"]
         gathered = iter(gather_all([ins[j] for j in read], [pre.specs[j] for j in read], idx, n,
@@ -182,9 +188,9 @@ class GatheredInGraph(Gathered):
     def gather(self, args: list, idx: torch.Tensor, n: int, w_kb: torch.Tensor, ready=frozenset()) -> list:
         assert not ready, "inputs already at the kept rows take the eager gather"
         shapes = self.shapes.at(idx.numel())
-        new_args = [shape if s.kind == "symint" else a for a, s, shape in zip(args, self.plan.specs, shapes)]
+        new_args = sizes_at_kept_rows(args, self.plan.specs, shapes) + [w_kb, idx, n]
         args.clear()
-        return new_args + [w_kb, idx, n]
+        return new_args
 
 
 class Verified:
