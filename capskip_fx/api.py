@@ -89,7 +89,8 @@ class CapskipModule(nn.Module):
             # a batch of 1 specialises the batch dim: a recompile (an Inductor compile per ragged last
             # batch) whose backward can't drop rows anyway.  The eager model is the same dense step.
             out = self.model(*args, **kwargs)
-            self._state.record_dense_step(1, _N1_REASON)
+            self._state.record_dense_step(1, None)
+            self._state.clock.last.note = _N1_NOTE  # by design, as the static first batch: not a fallback
             return out
         if self.config.dynamic_batch and n >= 2:
             mark_batch_dynamic((args, kwargs))  # n, as _batch_size finds it: the first tensor's dim 0
@@ -181,7 +182,7 @@ _NO_GRAPH_REASON = ("torch.compile produced no graph for this model (Dynamo's re
 # each compiled model its own Dynamo cache entries: many models sharing one forward (nn.Sequential, a
 # sweep in one process) must not exhaust one shared recompile_limit and silently run eager
 _ISOLATED = {"isolate_recompiles": True} if "isolate_recompiles" in inspect.signature(torch.compile).parameters else {}
-_N1_REASON = "batch of size 1: ran the eager model (dense backward) instead of a static-batch recompile"
+_N1_NOTE = "batch of size 1: ran the eager model (dense backward) instead of a static-batch recompile"
 
 
 def _check_targets(t) -> None:

@@ -101,6 +101,13 @@ def _batch_arg(gm: fx.GraphModule, example_inputs) -> Optional[int]:
     return tangent[0] if tangent else (tensors[0][0] if tensors else None)
 
 
+def _marked_batch(example_inputs) -> bool:
+    """Whether an input tensor's dim 0 carries a dynamic mark (``maybe_mark_dynamic`` / ``mark_dynamic``: the
+    backend's example inputs are the real tensors the frame was called with)."""
+    return any(0 in getattr(t, "_dynamo_weak_dynamic_indices", ()) or 0 in getattr(t, "_dynamo_dynamic_indices", ())
+               for t in example_inputs if isinstance(t, torch.Tensor))
+
+
 def _trace(name: str, payload) -> None:
     """A structured-trace artifact (tlparse shows it beside Inductor's graphs)."""
     torch._logging.trace_structured("artifact", metadata_fn=lambda: {"name": name, "encoding": "string"},
@@ -222,7 +229,8 @@ class CapskipBackend:
             self._settle(rec, {"refusal": refused})
         ctx = pipeline.JointContext(self.key, self.logits_index, self.config.on_coupling, refused,
                                     derive_loss_grad=self.config.loss_grad == "derived",
-                                    keep_token_logits=self.state.rule.reads_logits)
+                                    keep_token_logits=self.state.rule.reads_logits,
+                                    marked_batch=_marked_batch(example_inputs))
         joint = pipeline.JointPass(ctx, self.config, functools.partial(self._joint_done, rec))
         patches = {**self.config.inductor_options(), "joint_custom_pre_pass": joint}
         if self._aot_cache():  # a hit rebuilds our wrappers around the served graphs

@@ -54,6 +54,10 @@ class CapskipConfig:
                 slower ("derived" computes on every row what the loss's backward computes, eagerly:
                 docs/benchmarks.md), so opt-in.  Rules that read no dL/dz run it on the kept rows either way.
     on_coupling: "dense" (warn once, run the exact dense backward, record why) or "error".
+    dynamic_batch: ``capskip_fx.compile`` marks every training batch's dim 0 dynamic (one graph serves every
+                batch size) and runs a batch of 1 on the eager model (a recompile whose backward could drop
+                no row); False: neither.  ``torch.compile(backend="capskip")`` refuses this option: it reads
+                ``CAPSKIP_DYNAMIC_BATCH=0`` instead (its marking is installed on the compiled module).
     vcas:       a :class:`~capskip_fx.VCAS` (or True / a dict of its options): sample inside
                 the backward (activation rows at residual forks, token rows of weight gradients) on
                 the rows the rule kept.  ``rule="vcas"`` is the dense rule with ``vcas=VCAS()`` (the rule

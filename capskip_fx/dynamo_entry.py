@@ -23,7 +23,7 @@ from torch.utils.weak import WeakIdKeyDictionary  # noqa: E402
 
 from . import ops  # noqa: E402
 from .backend import CapskipBackend  # noqa: E402
-from .config import ENV_BUDGET, ENV_OPTIONS, ENV_RULE, dynamic_batch_enabled, options_from_env, split_options  # noqa: E402
+from .config import ENV_BUDGET, ENV_DYNAMIC_BATCH, ENV_OPTIONS, ENV_RULE, dynamic_batch_enabled, options_from_env, split_options  # noqa: E402
 from .records import counters  # noqa: E402
 from .rules import build_rule  # noqa: E402
 from .runtime.state import UNBOUND_REASON, ForwardContext, RuntimeState, logits_of  # noqa: E402
@@ -280,6 +280,9 @@ def _string_backend(opts: dict, from_env: bool) -> CapskipBackend:
     rule, budget, seed = opts.pop("rule", "capskip"), opts.pop("budget", 0.1), opts.pop("seed", 0)
     logits_index = opts.pop("logits_index", None)
     try:
+        if "dynamic_batch" in opts:
+            raise ValueError(f"dynamic_batch is capskip_fx.compile's option; backend='capskip' marks the batch "
+                             f"dynamic unless {ENV_DYNAMIC_BATCH}=0 is set in the environment")
         config, rule, rule_opts = split_options(rule, opts)
         state = RuntimeState(build_rule(rule, budget, rule_opts), seed=seed, scope=config.scope)
         state.print_at_exit = True

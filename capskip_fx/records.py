@@ -58,7 +58,6 @@ class RefusalKind(str, enum.Enum):
     UNUSED_LOGITS = "unused logits"  # dL/dz of the logits output is zero on every row
     NOT_SOFTMAX = "not a softmax loss"  # dL/dz reveals no labels (MSE on the logits, ...)
     EAGER_LOGITS = "eager logits"  # the returned logits come from eager code, no compiled graph's output
-    BATCH_OF_ONE = "batch of 1"  # ran the eager model rather than recompile for N = 1
     NO_GRAPH = "no graph"  # Dynamo handed capskip no graph (recompile_limit, untraced RNNs)
     OTHER = "other"
     BACKWARD = "backward not row-wise"  # passes/validate.py: the backward that runs is not proven row-wise
@@ -78,7 +77,6 @@ _REASON_KINDS = (
     ("dL/dz is not the gradient of a softmax loss", RefusalKind.NOT_SOFTMAX),
     ("verify:", RefusalKind.VERIFY),
     ("the returned logits are not the output of a compiled graph", RefusalKind.EAGER_LOGITS),
-    ("batch of size 1", RefusalKind.BATCH_OF_ONE),
     ("torch.compile produced no graph", RefusalKind.NO_GRAPH),
     ("Dynamo does not trace", RefusalKind.NO_GRAPH),
     ("no graph of this backward ran the rule", RefusalKind.NO_HEAD),

@@ -99,10 +99,16 @@ def batch_symbol(graph) -> Optional[sympy.Symbol]:
     return None
 
 
-def batch_symbol_of(val: Any) -> sympy.Symbol:
-    """The batch symbol from the logits' fake value (batch in dim 0)."""
+def batch_symbol_of(val: Any, marked: bool = False) -> sympy.Symbol:
+    """The batch symbol from the logits' fake value (batch in dim 0).  ``marked``: an input's dim 0 was marked
+    dynamic, so a static batch here was fixed by an op of the model (the refusal names that fix instead)."""
     e = expr_of(val.shape[0]) if isinstance(val, torch.Tensor) and val.dim() >= 1 else None
     if e is None or not isinstance(e, sympy.Symbol):
+        if marked:
+            raise Refused(f"the batch dim of the logits is static ({e}) though the input's was marked dynamic: an "
+                          "op in the forward fixed the batch size (e.g. torch.take_along_dim: use gather with an "
+                          "expanded index; TORCH_LOGS=dynamic names the line; docs/limits.md)",
+                          RefusalKind.STATIC_BATCH)
         raise Refused(f"the batch dim of the logits is static ({e}); selected-row backward needs a "
                       "dynamic batch: capskip_fx.compile marks it, backend='capskip' too from the second step "
                       "where Dynamo recompiles on a mark (torch >= 2.12), else torch._dynamo.mark_dynamic(x, 0); "

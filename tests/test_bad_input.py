@@ -245,7 +245,11 @@ def test_batch_of_one_is_dense_with_reason_and_no_recompile():
     st = capskip_fx.stats(cm)
     assert st.n == 1, f"stats should describe the one-row batch, got n={st.n!r}"
     assert st.kept == 1, f"a batch of one runs dense, keeping its row, got kept={st.kept!r}"
-    assert "size 1" in st.fallback, f"the dense reason should say the batch has size 1, got {st.fallback!r}"
+    assert st.mode == "dense" and st.fallback is None, (
+        f"a batch of one runs dense by design, not as a fallback: mode={st.mode!r}, fallback={st.fallback!r}")
+    assert "size 1" in st.note, f"the step's note should say the batch has size 1, got {st.note!r}"
+    run = str(capskip_fx.summary(cm))
+    assert "fell back" not in run and "1 step ran dense by design (no fallback): batch of size 1" in run, run
     assert max_rel_err(_grads(model), _dense_grads(model, lambda m: F.cross_entropy(m(x1), y1))) < 1e-12, (
         "the batch-of-one step should give eager's dense gradient")
     assert len(cm.backend.records) == 1, (
@@ -491,3 +495,34 @@ def test_no_graph_from_dynamo_is_reported_not_silent(monkeypatch):
         f"the dense reason should name Dynamo's recompile_limit, got {st.fallback!r}")
     assert max_rel_err(_grads(model), _dense_grads(model, lambda m: F.cross_entropy(m(x), y))) < 1e-12, (
         "the graph-less step should give eager's dense gradient")
+
+
+class _TakeAlongDim(nn.Module):
+    """torch.take_along_dim specialises the batch size while Dynamo traces it (docs/limits.md)."""
+
+    def __init__(self):
+        super().__init__()
+        self.body, self.head = nn.Linear(12, 16), nn.Linear(16, C)
+
+    def forward(self, x):
+        h = self.body(x).relu()
+        return self.head(h + torch.take_along_dim(h, torch.zeros(x.shape[0], 1, dtype=torch.long), dim=1))
+
+
+def test_batch_fixed_inside_the_model_names_that_op_not_the_mark():
+    """capskip_fx.compile marked the input's batch dynamic; an op of the model fixed it: the refusal says so and
+    names the fix (not 'mark the input', which the user already did)."""
+    torch.manual_seed(0)
+    model = _TakeAlongDim().double()
+    cm = capskip_fx.compile(model, rule="forced", keep=0.5, backend="aot_eager")
+    x, y = _x(), torch.randint(0, C, (N,))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        F.cross_entropy(cm(x), y).backward()
+    msgs = [str(w.message) for w in caught if "static" in str(w.message)]
+    assert len(msgs) == 1, f"one warning about the static batch expected, got {[str(w.message) for w in caught]}"
+    assert "fixed the batch size" in msgs[0] and "take_along_dim" in msgs[0], msgs[0]
+    assert "mark_dynamic" not in msgs[0], f"the input was marked: the fix is not to mark it: {msgs[0]}"
+    assert capskip_fx.stats(cm).fallback.kind.value == "static batch", capskip_fx.stats(cm)
+    assert max_rel_err(_grads(model), _dense_grads(model, lambda m: F.cross_entropy(m(x), y))) < 1e-12, (
+        "the refused graph's dense backward should give eager's gradient")

@@ -249,13 +249,13 @@ def test_one_cause_is_one_summary_line_with_its_kind():
 
 def test_every_runtime_reason_has_a_kind():
     """The reasons the runtime writes map to a kind, never to "other"."""
-    from capskip_fx.api import _N1_REASON, _NO_GRAPH_REASON
+    from capskip_fx.api import _NO_GRAPH_REASON
     from capskip_fx.records import fallback_kind
     from capskip_fx.runtime.executors import VERIFY
     from capskip_fx.runtime.checks import fallback_reason
     from capskip_fx.runtime.forwards import NO_HEAD_REASON, UNBOUND_REASON
 
-    reasons = {_N1_REASON: "batch of 1", _NO_GRAPH_REASON: "no graph", VERIFY: "verify", NO_HEAD_REASON: "no head",
+    reasons = {_NO_GRAPH_REASON: "no graph", VERIFY: "verify", NO_HEAD_REASON: "no head",
                UNBOUND_REASON: "eager logits"}
     for deferred in (False, True):
         reasons[fallback_reason({"finite": 0}, deferred)] = "non-finite"

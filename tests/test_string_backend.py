@@ -241,3 +241,14 @@ def test_unbound_model_reads_the_call_stack_once(monkeypatch):
     assert _stack_reads() - before == 1, (
         f"only the first of {graphs} graphs should read the call stack; {_stack_reads() - before} did")
     assert capskip_fx.stats(compiled).mode == "selected"
+
+
+def test_dynamic_batch_option_refused_naming_the_variable():
+    """``dynamic_batch`` is capskip_fx.compile's option; the string backend marks batches unless
+    CAPSKIP_DYNAMIC_BATCH=0, so the option there would be silently ignored: refused at the first forward."""
+    torch._dynamo.reset()
+    model = torch.compile(torch.nn.Linear(6, 3), backend="capskip",
+                          options={"dynamic_batch": False, "backend": "aot_eager"})
+    with pytest.raises(Exception, match="CAPSKIP_DYNAMIC_BATCH=0") as e:
+        model(torch.randn(8, 6))
+    assert "torch.compile(options=...)" in str(e.value), f"the error should say where the option was given: {e.value}"

@@ -75,6 +75,7 @@ class JointContext:
     refused: Optional[Refusal] = None
     derive_loss_grad: bool = False  # CapskipConfig.loss_grad == "derived": recognise an in-graph cross-entropy
     keep_token_logits: bool = True  # the rule reads token logits' values (Rule.reads_logits)
+    marked_batch: bool = False  # an input's dim 0 was marked dynamic (a static batch is then the model's doing)
 
 
 @dataclass(frozen=True)
@@ -121,7 +122,7 @@ def joint(graph: fx.Graph, ctx: JointContext) -> Optional[JointResult]:
             head = find_head(graph, ctx.logits_index)
         except Refused as no_head:
             return _body(graph, ctx, no_head.refusal)
-        sym = batch_symbol_of(head.z.meta["val"])
+        sym = batch_symbol_of(head.z.meta["val"], ctx.marked_batch)
         loss = find_in_graph_loss(graph, head, backward_nodes(graph))
         recipe, loss_inputs, why = None, None, None
         if loss is not None and not ctx.derive_loss_grad:

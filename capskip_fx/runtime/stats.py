@@ -137,8 +137,8 @@ class RunSummary:
     fallbacks: Counter = field(default_factory=Counter)  # fallback kind (RefusalKind value) -> steps
     details: dict = field(default_factory=dict)  # fallback kind -> the first step's reason text
     all_rows_by_design: int = 0  # dense-masked steps whose kept share was above gather_below (no fallback)
-    dense_by_design: int = 0  # dense steps with a note, no fallback (the string backend's static first batch)
-    dense_note: Optional[str] = None  # the first such step's note
+    # dense steps with a note, no fallback, by note (the string backend's static first batch, a batch of 1)
+    dense_by_design: Counter = field(default_factory=Counter)
 
     def add(self, st: "StepStats") -> None:
         if not st.n:
@@ -154,14 +154,13 @@ class RunSummary:
         elif st.mode == "dense-masked" and st.note:
             self.all_rows_by_design += 1
         elif st.mode == "dense" and st.note:
-            self.dense_by_design += 1
-            self.dense_note = self.dense_note or st.note
+            self.dense_by_design[st.note] += 1
 
     def __add__(self, other: "RunSummary") -> "RunSummary":
         return RunSummary(self.steps + other.steps, self.n + other.n, self.kept + other.kept, self.rows + other.rows,
                           self.modes + other.modes, self.fallbacks + other.fallbacks,
                           {**other.details, **self.details}, self.all_rows_by_design + other.all_rows_by_design,
-                          self.dense_by_design + other.dense_by_design, self.dense_note or other.dense_note)
+                          self.dense_by_design + other.dense_by_design)
 
     @property
     def kept_pct(self) -> float:
@@ -188,8 +187,8 @@ class RunSummary:
         if self.all_rows_by_design:
             out += (f"\n  {_steps(self.all_rows_by_design)} kept more than gather_below of the rows: all rows ran, "
                     f"by design (no fallback)")
-        if self.dense_by_design:
-            out += f"\n  {_steps(self.dense_by_design)} ran dense by design (no fallback): {self.dense_note}"
+        for note, c in self.dense_by_design.items():
+            out += f"\n  {_steps(c)} ran dense by design (no fallback): {note}"
         for kind, c in sorted(self.fallbacks.items(), key=lambda kc: (-kc[1], kc[0])):
             out += f"\n  {_steps(c)} fell back ({kind}): {self.details.get(kind)}"
         return out
