@@ -19,7 +19,7 @@ from .dynamo_entry import (backend_of, bind, capskip_backend, install_batch_mark
                            mark_batch_dynamic, process_wide_batch_dynamic)
 from .config import CapskipConfig, split_options
 from .hf_loss import set_loss_type
-from .records import Report
+from .records import BackwardMode, Report
 from .rules import Rule, build_rule, make_rule
 from .runtime.state import UNBOUND_REASON, ForwardContext, RunSummary, RuntimeState, StepStats, logits_of
 
@@ -109,7 +109,7 @@ class CapskipModule(nn.Module):
                 reason = _no_graph_reason(self.model)
                 self._state.warn_once(reason)
                 self._state.record_dense_step(n, reason)
-            elif not self._backend.any_head:  # no graph found the head: every step is dense
+            elif not self._backend.compiled_head:  # no graph found the head: every step is dense
                 refusal = self._backend.refusal  # a graph's refusal: warned once, for its graph
                 reason = refusal.detail if refusal is not None else None
                 if reason is None:
@@ -119,10 +119,11 @@ class CapskipModule(nn.Module):
                 untraced = _untraced_rnns(self.model)
                 if untraced and untraced not in reason:  # the graphs after an RNN's break: the cause first
                     reason = f"{untraced}; the graph after it: {reason}"
-                self._state.record_dense_step(n, reason)
-            elif not bound and self._backend.any_head:
+                self._state.record_dense_step(n, reason, at_forward=True)  # its backward's graphs claim it
+            elif not bound:
                 self._state.warn_once(UNBOUND_REASON)
-                self._state.record_dense_step(n, UNBOUND_REASON)
+                # claimed by this forward's backward, whose graphs then select nothing (as the string backend's hook)
+                self._state.record_dense_step(n, UNBOUND_REASON, at_forward=True)
         return out
 
     # -- backend="eager": the reference semantics, dense cost ---------------------------
@@ -288,8 +289,15 @@ def stats(model) -> StepStats:
 
 
 def report(model) -> Report:
-    """One row per graph the backend received: how its backward runs and why (prints as a table)."""
-    return Report(r.as_dict() for r in _backend_of(model).records)
+    """One row per graph the backend received: how its backward runs and why (prints as a table).  Where no
+    graph holds a head, a body graph (built to follow a head's rows) runs dense: said so, with nothing to verify."""
+    backend = _backend_of(model)
+    rows = [r.as_dict() for r in backend.records]
+    if not backend.compiled_head:
+        for row in rows:
+            if row["role"] == "body" and row["backward"] == str(BackwardMode.SELECTED):
+                row["backward"] = str(BackwardMode.DENSE)
+    return Report(rows)
 
 
 def summary(model, *, logged: bool = False) -> RunSummary:

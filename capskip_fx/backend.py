@@ -22,7 +22,7 @@ from .passes import pipeline
 from .records import BackwardMode, CompileRecord, GraphRecord, Refusal, RefusalKind, counters
 from .functions import undeclared_function
 from .runtime.backward import SelectedRowBackward
-from .runtime.executors import Dense
+from .runtime.executors import Dense, MaskedInGraph
 from .runtime.state import RuntimeState
 from .vcas import build_backward as vcas_backward
 
@@ -197,7 +197,14 @@ class CapskipBackend:
 
     @property
     def any_head(self) -> bool:
+        """A graph runs the rule (compiled with a head, not demoted at run time)."""
         return any(r.head for r in self.records)
+
+    @property
+    def compiled_head(self) -> bool:
+        """A graph was compiled with a head, whether or not a run demoted it: its forward's logits came from
+        elsewhere (eager code, a graph after it), so a step whose logits are unbound is not a head-less model's."""
+        return any(r.compiled.head for r in self.records)
 
     @property
     def refusal(self) -> Optional[Refusal]:
@@ -334,7 +341,8 @@ class CapskipBackend:
                 return res.compiled, Built("dense", batch_arg=_batch_arg(gm, example_inputs))
             if res.select_in_graph:  # a head graph: select runs in its backward, at N rows
                 self.state.masked_reason = self.state.masked_reason or res.refusal.detail
-            return res.compiled, None  # its graph calls select(..., key): this model's
+                return MaskedInGraph(res.compiled, rec), None  # its graph calls select(..., key): this model's
+            return res.compiled, None
         if res.mode == BackwardMode.SELECTED:
             counters()["rewritten"] += 1
         self.state.variants += 1

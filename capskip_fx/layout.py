@@ -799,7 +799,8 @@ def _reduce(w: _Walk, n: fx.Node) -> Result:
         return _pointwise(w, n)  # max.other, min.other
     if len(n.args) > 1 and isinstance(n.args[1], fx.Node):
         return w.generic(n)
-    return _dim_op(w, n, _arg(n, REDUCE_OPS[_packet(n)]), "reduces over the batch dim, e.g. BatchNorm in train mode")
+    return _dim_op(w, n, _arg(n, REDUCE_OPS[_packet(n)]), "reduces over the batch dim, e.g. BatchNorm in train mode "
+                   "(per-example instead: LayerNorm, GroupNorm, or the BatchNorm in eval mode)")
 
 
 @rule(ALONG_OPS)

@@ -63,6 +63,7 @@ class RefusalKind(str, enum.Enum):
     BACKWARD = "backward not row-wise"  # passes/validate.py: the backward that runs is not proven row-wise
     RANDOM_BACKWARD = "random in the backward"  # the backward draws or replays random numbers
     LOGITS_NOT_KEPT = "logits not kept"  # the rule reads token logits its graph (built for another) did not keep
+    AFTER_HEAD = "after the head"  # the returned logits' graph, after the head's, passes gradient the rows don't weight
 
 
 #: The one vocabulary for why a step was not ``selected``: compile-time refusals and run-time causes.
@@ -77,6 +78,7 @@ _REASON_KINDS = (
     ("dL/dz is not the gradient of a softmax loss", RefusalKind.NOT_SOFTMAX),
     ("verify:", RefusalKind.VERIFY),
     ("the returned logits are not the output of a compiled graph", RefusalKind.EAGER_LOGITS),
+    ("the returned logits come from a graph after the head", RefusalKind.AFTER_HEAD),
     ("torch.compile produced no graph", RefusalKind.NO_GRAPH),
     ("Dynamo does not trace", RefusalKind.NO_GRAPH),
     ("no graph of this backward ran the rule", RefusalKind.NO_HEAD),

@@ -28,18 +28,18 @@ def main():
     model = capskip_fx.compile(model, budget=a.budget, backend=a.backend)  # the one added line
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
     for epoch in range(a.epochs):
-        kept = seen = 0
+        kept = ran = seen = 0
         for i in torch.randperm(len(x)).split(64):
             loss = F.cross_entropy(model(x[i]), y[i])
             loss.backward()  # runs on the kept rows only
             opt.step()
             opt.zero_grad()
             st = capskip_fx.stats(model)
-            kept, seen = kept + st.kept, seen + st.n
+            kept, ran, seen = kept + st.kept, ran + st.rows, seen + st.n
         with torch.no_grad():
             acc = (model(x).argmax(1) == y).float().mean().item()
-        print(f"epoch {epoch}: loss {loss.item():.3f}  train acc {acc:.3f}  back-propagated {kept}/{seen} rows "
-              f"({kept / seen:.0%}); last step bound ||S_k||/||G|| = {st.bound:.3f} <= b = {a.budget}")
+        print(f"epoch {epoch}: loss {loss.item():.3f}  train acc {acc:.3f}  kept {kept}/{seen} rows ({kept / seen:.0%}), "
+              f"backward ran on {ran} ({ran / seen:.0%}); last step bound ||S_k||/||G|| = {st.bound:.3f} <= b = {a.budget}")
     print(capskip_fx.report(model))
 
 

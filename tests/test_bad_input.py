@@ -321,6 +321,9 @@ def test_no_linear_head_runs_dense_with_reason_and_exact_gradients():
         f'got {rec.reason or getattr(rec, "no_head", None) or ""!r}')
     assert max_rel_err(_grads(model), _dense_grads(model, lambda m: F.cross_entropy(m(x), y))) < 1e-10, (
         "the head-less model's dense step should give eager's gradient")
+    table = str(capskip_fx.report(cm)).splitlines()[1].split()
+    assert table[2] == "dense" and "never" not in table, (
+        f"with no head anywhere report() should say the graph runs dense, with nothing to verify: {table}")
 
 
 class Outputs(nn.Module):

@@ -668,8 +668,9 @@ def test_lightning_in_place_compile_with_the_callback(monkeypatch, tmp_path):
                                         torch.randint(0, 3, (24,), generator=g))
     loader = torch.utils.data.DataLoader(ds, batch_size=8, drop_last=True)
     lit = Lit()
-    trainer = L.Trainer(max_steps=3, accelerator="cpu", logger=False, enable_checkpointing=False,
-                        enable_progress_bar=False, enable_model_summary=False, callbacks=[CapskipCallback()])
+    trainer = L.Trainer(max_steps=3, accelerator="cpu", logger=L.pytorch.loggers.CSVLogger(tmp_path),
+                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                        callbacks=[CapskipCallback()])
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         trainer.fit(lit, loader)
@@ -688,3 +689,13 @@ def test_lightning_in_place_compile_with_the_callback(monkeypatch, tmp_path):
     assert capskip_fx.state_dict(lit)["step"] == 3, (
         "capskip_fx.state_dict should carry the run's step count (3 steps) so the rule resumes, got "
         f"{capskip_fx.state_dict(lit)['step']}")
+    # Trainer(logger=False): nothing to log to, so the callback logs nothing (Lightning would warn at each call)
+    before = len(logged)
+    quiet = L.Trainer(max_steps=2, accelerator="cpu", logger=False, enable_checkpointing=False,
+                      enable_progress_bar=False, enable_model_summary=False, callbacks=[CapskipCallback()])
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        quiet.fit(lit, loader)
+    assert len(logged) == before, f"with logger=False the callback should log nothing, it logged {logged[before:]}"
+    assert not [w for w in caught if "logger" in str(w.message) and "self.log" in str(w.message)], (
+        [str(w.message) for w in caught])

@@ -17,9 +17,11 @@ def test_quickstart_runs_and_skips_rows():
                          cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
     lines = [ln for ln in out.stdout.splitlines() if ln.startswith("epoch 1:")]
-    kept, seen = map(int, lines[0].split("back-propagated ")[1].split(" rows")[0].split("/"))
-    assert 0 < kept < seen, (  # rows were skipped
-        f"the quickstart must back-propagate some but not all rows in epoch 1, it did {kept} of {seen}")
+    kept, seen = map(int, lines[0].split("kept ")[1].split(" rows")[0].split("/"))
+    ran = int(lines[0].split("backward ran on ")[1].split(" ")[0])
+    assert 0 < kept <= ran < seen, (  # rows were skipped, and the backward ran on fewer rows than forwarded
+        f"the quickstart must keep some but not all rows in epoch 1 and run fewer than all: kept {kept}, "
+        f"ran {ran} of {seen}")
     table = out.stdout[out.stdout.index("graph  role"):].splitlines()  # report() prints as a table
     assert "head  selected rows" in table[1], (
         f"report() must list the training graph as a head whose backward runs on selected rows; it reads {table[1]!r}")

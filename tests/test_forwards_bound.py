@@ -153,3 +153,65 @@ def test_an_auxiliary_head_compiled_beside_the_main_one_gets_its_own_selection()
         main = F.cross_entropy(m(x1), y, reduction="none")
         return [main, F.cross_entropy(m.aux, y, reduction="none")]
     _check(model, model, losses, 2, backward_order=False)
+
+
+@torch._dynamo.disable
+def _scale_eagerly(z, s):
+    return z * s
+
+
+class _ScaledAfterHead(nn.Module):
+    """Logits scaled after the head's graph: past a graph break or in eager code; by a learnable scale (whose
+    gradient the head's row weights cannot reach) or by a number (they can)."""
+
+    def __init__(self, where: str, learnable: bool):
+        super().__init__()
+        self.where = where
+        self.a, self.head = nn.Linear(6, 16), nn.Linear(16, 3)
+        self.scale = nn.Parameter(torch.tensor(1.5)) if learnable else 1.5
+
+    def forward(self, x):
+        z = self.head(F.gelu(self.a(x)))
+        if self.where == "eager":
+            return _scale_eagerly(z, self.scale)
+        torch._dynamo.graph_break()
+        return z * self.scale
+
+
+@needs_batch_marking
+@pytest.mark.parametrize("entry", ["capskip_compile", "string"])
+@pytest.mark.parametrize("where,learnable", [("break", True), ("eager", True), ("break", False)])
+def test_logits_scaled_after_the_head_are_weighted_or_run_dense(entry, where, learnable):
+    """Every parameter's gradient is the rule-weighted one, or the step runs dense with the reason: a learnable
+    scale after the head's graph gets its gradient before the head selects, so such a step runs dense; a
+    scale by a number passes the weights on, and the head still selects."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = _ScaledAfterHead(where, learnable).double()
+    opts = {"rule": "forced", "keep": lambda n: torch.tensor([1, 4, 6]), "backend": "aot_eager", "verify": False}
+    cm = capskip_fx.compile(model, **opts) if entry == "capskip_compile" else \
+        torch.compile(model, backend="capskip", options=opts)
+    capskip_fx.mark_compiled_batches(cm)
+    ref = copy.deepcopy(model)
+    for step in range(2):
+        x, y = torch.randn(N, 6, dtype=torch.float64), torch.randint(0, 3, (N,))
+        model.zero_grad()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            F.cross_entropy(cm(x), y).backward()
+        st = capskip_fx.stats(cm)
+        if learnable:
+            assert st.mode == "dense" and st.kept == N, f"step {step}: {st}"
+            kind = "eager logits" if where == "eager" else "after the head"
+            assert st.fallback.kind.value == kind, f"step {step}: the reason should be of kind {kind!r}: {st}"
+            w = torch.ones(N, dtype=torch.float64)
+        else:
+            assert st.mode == "selected" and st.kept == 3 and st.fallback is None, f"step {step}: {st}"
+            w = st.weight.double()
+        ref.load_state_dict(model.state_dict())
+        ref.zero_grad()
+        (F.cross_entropy(ref(x), y, reduction="none") * w).sum().div(N).backward()
+        for (name, a), b in zip(ref.named_parameters(), model.parameters()):
+            err = float((a.grad - b.grad).norm() / a.grad.norm().clamp_min(1e-30))
+            assert err < 1e-10, f"step {step}, {name}: off by {err:.3g} from the rule-weighted reference ({st})"
+    assert len(capskip_fx.summary(cm).modes) == 1 and capskip_fx.summary(cm).steps == 2, capskip_fx.summary(cm)

@@ -172,6 +172,20 @@ def test_heads_with_unequal_weights_run_dense_masked_exactly():
     assert st.kept == 8, f"the rule should still keep 8 of 16 rows (weighted 0 in the dense backward): {st}"
 
 
+def test_report_counts_the_steps_of_a_head_whose_selection_stays_in_the_graph():
+    """The unequally weighted heads' graph runs its selection inside its backward: report() still counts
+    each of its backwards (steps, last) and gives the reason with its fix."""
+    torch.manual_seed(0)
+    cm = capskip_fx.compile(Net("weighted"), rule="random", keep=0.5, backend="aot_eager")
+    x, y = _data()
+    for _ in range(2):
+        F.cross_entropy(cm(x), y).backward()
+    row = capskip_fx.report(cm)[0]
+    assert (row["role"], row["backward"], row["last"]) == ("head", "dense-masked", "dense-masked"), row
+    assert row["steps"] == {"dense-masked": 2}, f"both backwards should be counted: {row}"
+    assert "give them one weight" in row["reason"], f"the reason should name the fix: {row['reason']}"
+
+
 @pytest.mark.parametrize("kind,why", [("learnable", "learnable temperature"), ("computed", "computed, not a parameter"),
                                       ("cosine_learnable", "learnable temperature"),
                                       ("cosine_bias", "cosine head with a bias"),

@@ -334,6 +334,8 @@ def test_report_says_a_graph_no_backward_ran_through_in_words():
 
 def test_summary_says_one_step_not_one_steps():
     cm = capskip_fx.compile(_model(), rule="forced", keep=0.5, backend="aot_eager")
+    assert str(capskip_fx.summary(cm)) == "capskip_fx: no training step yet (no backward of a forward with grad enabled)", (
+        f"before any step the summary should say so, not print nan%: {capskip_fx.summary(cm)}")
     _step(cm)
     assert str(capskip_fx.summary(cm)).startswith("capskip_fx: 1 step, kept 50.0%"), str(capskip_fx.summary(cm))
 

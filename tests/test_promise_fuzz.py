@@ -152,6 +152,9 @@ class Spec:
     cls: bool = False  # a learned CLS token concatenated in front (expand + cat): T + 1 tokens
     p: float = 0.25  # dropout / drop-path rate
     seed: int = 0
+    # after the head, past a graph break: "" nothing; "one" z * 1.0 (weights pass on: selects); "param" z times a
+    # learnable scale, "param_eager" the same in eager code (its gradient bypasses the rows: dense, reason)
+    after_head: str = ""
 
 
 VOCAB = 11
@@ -333,8 +336,23 @@ def codegen(spec: Spec):
     else:
         L.append("    h = h.flatten(1)")
         mods["head"] = lambda T=T: nn.Linear(T * D, spec.C)
-    L.append("    return self.head(h)")
+    if not spec.after_head:
+        L.append("    return self.head(h)")
+    else:
+        L.append("    z = self.head(h)")
+        if spec.after_head == "param_eager":
+            L.append("    return scale_eagerly(z, self.logit_scale)")
+        else:
+            L.append("    torch._dynamo.graph_break()")
+            L.append("    return z * 1.0" if spec.after_head == "one" else "    return z * self.logit_scale")
+        if spec.after_head != "one":
+            params["logit_scale"] = ()
     return "\n".join(L) + "\n", mods, bufs, params, evals
+
+
+@torch._dynamo.disable
+def scale_eagerly(z, s):
+    return z * s
 
 
 class CenterGrad(torch.autograd.Function):
@@ -378,7 +396,7 @@ def build_model(spec: Spec, dtype=torch.float64) -> nn.Module:
     uid = next(_UID)
     fname = f"<capskip-fuzz-model-{uid}>"
     linecache.cache[fname] = (len(src), None, src.splitlines(True), fname)  # tracebacks / stack traces
-    ns = {"torch": torch, "F": F, "CenterGrad": CenterGrad, "ScaleGrad": ScaleGrad}
+    ns = {"torch": torch, "F": F, "CenterGrad": CenterGrad, "ScaleGrad": ScaleGrad, "scale_eagerly": scale_eagerly}
     exec(compile(src, fname, "exec"), ns)
     cls = type(f"FuzzNet{uid}", (FuzzNet,), {"forward": ns["forward"], "src": src})
     torch.manual_seed(spec.seed)
@@ -404,7 +422,7 @@ def build_model(spec: Spec, dtype=torch.float64) -> nn.Module:
 # Spec strategies
 
 @st.composite
-def specs(draw, ops=ROWWISE, extra=(), pos=False, mask_kw=False, breaks=False, max_depth=3):
+def specs(draw, ops=ROWWISE, extra=(), pos=False, mask_kw=False, breaks=False, max_depth=3, after_head=False):
     """A random model.  ``extra``: ops of which exactly one is inserted somewhere (row mixing / layout).
     ``pos``/``mask_kw``/``breaks``: False (never), True (always) or None (drawn)."""
     T = draw(st.integers(1, 4))
@@ -427,7 +445,8 @@ def specs(draw, ops=ROWWISE, extra=(), pos=False, mask_kw=False, breaks=False, m
                 pos=draw(st.booleans()) if pos is None else pos,
                 mask_kw=draw(st.booleans()) if mask_kw is None else mask_kw,
                 cls=draw(st.booleans()),
-                p=draw(st.sampled_from([0.25, 0.5])), seed=draw(st.integers(0, 2**16)))
+                p=draw(st.sampled_from([0.25, 0.5])), seed=draw(st.integers(0, 2**16)),
+                after_head=draw(st.sampled_from(["", "one", "param", "param_eager"])) if after_head else "")
 
 
 # keep plans: one per rule call, cycled.  (kind, weighted, seed)
@@ -810,9 +829,10 @@ def test_fuzz_side_inputs(spec, plan, steps):
 
 
 @fast(6)
-@given(spec=specs(breaks=True, max_depth=2), plan=plans, steps=single_steps())
+@given(spec=specs(breaks=True, max_depth=2, after_head=True), plan=plans, steps=single_steps())
 def test_fuzz_graph_breaks(spec, plan, steps):
-    """``torch._dynamo.graph_break()`` between blocks of row-wise models."""
+    """``torch._dynamo.graph_break()`` between blocks of row-wise models, and after the head: the logits
+    passed on as they are (the head selects) or times a learnable scale (dense, with the reason)."""
     run_single_forward_steps(spec, plan, steps, {})
 
 

@@ -28,6 +28,8 @@ class CapskipCallback(Callback):
         mark_compiled_batches(self.model if self.model is not None else pl_module)
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        if not trainer.loggers:  # Trainer(logger=False): nothing to log to (Lightning would warn every call)
+            return
         try:
             fields = summary(self.model if self.model is not None else pl_module, logged=True).as_dict()
         except TypeError:  # not compiled with capskip (yet)

@@ -150,6 +150,8 @@ class SelectedRowBackward:
                 self.record.demoted = "a Linear output that is not the returned logits"
         g = args[p.select_args[-1]]
         n = g.shape[0]
+        if not p.head and state.after_head_backward(n):  # the returned logits' graph, after the head: dense
+            return g.new_ones(n), n, None, None
         state.body_backward(n, self.record.no_head)
         tangents = [args[i] for i in p.tangent_args]
         idx = state.published.rows_of(tangents, n, current_node()) if tangents else None

@@ -230,8 +230,9 @@ class Verified:
 
 class Dense:
     """Backward of a refused graph: plain dense; one that returned its forward's logits is that forward's
-    head (RuntimeState.refused_backward).  Without bound forwards (the string backend) it is what records the
-    step (n rows, all kept, the reason) in stats(); CapskipModule records it at its forward."""
+    head (RuntimeState.refused_backward).  It records the step (n rows, all kept, the reason) in stats()
+    without bound forwards (the string backend), and as that head; CapskipModule records at its forward
+    where no graph has a head."""
 
     def __init__(self, compiled, state, reason: Optional[str], batch_arg: Optional[int], record=None):
         self._boxed_call = True
@@ -239,12 +240,32 @@ class Dense:
         self.record = record  # the graph's record: report() counts its backwards (steps, last)
 
     def __call__(self, args):
-        self.state.refused_backward()
-        if not self.state.bound_forwards and self.batch_arg is not None:
+        head = self.state.refused_backward()
+        # the step: recorded here without bound forwards; with them, here too when this graph returned the logits
+        # (CapskipModule records at the forward only where no graph has a head; record_dense_graph keeps that one)
+        if (head or not self.state.bound_forwards) and self.batch_arg is not None:
             self.state.record_dense_graph(int(args[self.batch_arg].shape[0]), self.reason)
         if self.record is not None:
             self.record.ran("dense", self.reason)
         return self.compiled(args)
+
+    def __getattr__(self, name):
+        return getattr(self.compiled, name)
+
+
+class MaskedInGraph:
+    """Backward of a head graph whose rewrite was refused after its selection node went in: the node runs
+    inside it at N rows (RuntimeState.select_op) and the rule's weights mask its tangents (dense-masked,
+    exact).  Runs as compiled; counts its backwards in the graph's record (report()'s steps and last)."""
+
+    def __init__(self, compiled, record):
+        self._boxed_call = True
+        self.compiled, self.record = compiled, record
+
+    def __call__(self, args):
+        out = self.compiled(args)
+        self.record.ran("dense-masked", self.record.reason)
+        return out
 
     def __getattr__(self, name):
         return getattr(self.compiled, name)

@@ -19,6 +19,10 @@ _ATTR = "_capskip_forward"  # the attribute on the logits' autograd node that ho
 NO_HEAD_REASON = ("no graph of this backward ran the rule (the first step of a model compiled in place or "
                   "per block binds its logits from the second step on; or the logits come from eager code): "
                   "dense backward")
+AFTER_HEAD_REASON = ("the returned logits come from a graph after the head that also passes gradient to "
+                     "something the head's rows do not weight (a parameter such as a learnable logit scale or "
+                     "bias after a graph break, or eager code): the rule's weights would not reach it, so no "
+                     "rule runs, dense backward (fold the scale into the head's graph, or apply it as a number)")
 UNBOUND_REASON = ("the returned logits are not the output of a compiled graph (eager code after a graph "
                   "break, or a head left out of a regional compile?): no rule runs, dense backward")
 
@@ -83,6 +87,28 @@ def upstream_graphs(node: Any) -> set:
             found.add(id(f))
         stack.extend(g for g, _ in f.next_functions)
     return found
+
+
+def bypasses_upstream_graph(node: Any) -> bool:
+    """Whether ``node``'s backward passes gradient both to a compiled function upstream (a head graph that
+    may select rows) and to something else that function's row weights would not reach: a leaf (a
+    parameter: AccumulateGrad), an op with several gradient inputs, a second compiled function.  Views and
+    eager ops of a single gradient input are walked through (weighting rows past them weights them too)."""
+    found, other = None, False
+    for f, _ in getattr(node, "next_functions", ()):
+        while f is not None and "CompiledFunction" not in type(f).__name__:
+            nxt = [g for g, _ in f.next_functions if g is not None]
+            if len(nxt) != 1:
+                other = True
+                break
+            f = nxt[0]
+        else:
+            if f is not None:
+                other = other or (found is not None and f is not found)
+                found = f
+    if not other:
+        return False
+    return found is not None or bool(upstream_graphs(node))  # else no graph upstream selects rows
 
 
 def logits_of(out: Any, index: Optional[int]) -> Optional[Tensor]:

@@ -32,7 +32,7 @@ from ..rules.base import HeadView, Rule, Selection
 from . import forwards
 from .checks import bad_targets_error, check_not_compiled_autograd, deferred_reason, fallback_reason, head_checks
 from .clock import StepClock, graph_task
-from .forwards import NO_HEAD_REASON, UNBOUND_REASON, ForwardContext, logits_of
+from .forwards import AFTER_HEAD_REASON, NO_HEAD_REASON, UNBOUND_REASON, ForwardContext, logits_of
 from .published import PublishedRows
 from .stats import RunSummary, StepStats
 from .view import global_view
@@ -159,14 +159,34 @@ class RuntimeState:
     def _end_of_backward(self) -> None:
         self._upstream = (None, [], set(), 0)
 
-    def refused_backward(self) -> None:
+    def refused_backward(self) -> bool:
         """A refused graph's backward (dense).  If a forward bound it (it returned that forward's logits), it
         is that forward's head, run dense: counted as a head of this backward, so an unbound graph upstream
         (the blocks before a graph break) selects no rows of its own on a hidden Linear output, and keeps the
         rows that carry gradient.  An unbound refused graph (a loss computed in a graph of its own, after the
-        head's) is no head: the head graph upstream of it still selects."""
+        head's) is no head: the head graph upstream of it still selects.  Returns whether a forward bound it."""
         if forwards.running_forward() is not None:
             self._heads().append(forwards.current_node())
+            return True
+        return False
+
+    def after_head_backward(self, n: int) -> bool:
+        """A body graph's backward that a forward bound (it returned that forward's logits, after the head's
+        graph): when it passes gradient to more than the one graph upstream (a learnable logit scale after a
+        graph break), the rows the head would select could not weight that gradient.  Then the step runs
+        dense: this graph counts as the backward's (refused) head, so the graphs upstream select no rows of
+        their own, and the step is recorded dense with the reason.  True if so."""
+        node = forwards.current_node()
+        if forwards.running_forward() is None or not forwards.bypasses_upstream_graph(node):
+            return False
+        self._heads().append(node)
+        self.warn_once(AFTER_HEAD_REASON)
+        if self.clock.claim():  # a step this backward began (another forward's head): it did not all select
+            self.last.fallback = self.last.fallback or AFTER_HEAD_REASON
+        else:  # recorded now, claimed at once: the other graphs of this backward add to it
+            self.record_dense_step(n, AFTER_HEAD_REASON, at_forward=True)
+            self.clock.claim()
+        return True
 
     def _upstream_of_heads(self, node) -> bool:
         """Whether ``node`` lies upstream of a head that selected in this backward (or of a refused head).

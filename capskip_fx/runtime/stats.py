@@ -181,6 +181,8 @@ class RunSummary:
                 "capskip/fallbacks": sum(self.fallbacks.values())}
 
     def __str__(self) -> str:
+        if not self.steps:
+            return "capskip_fx: no training step yet (no backward of a forward with grad enabled)"
         modes = ", ".join(f"{m} {self.modes[m]}" for m in STEP_MODES if self.modes[m])
         out = (f"capskip_fx: {_steps(self.steps)}, kept {self.kept_pct:.1f}% of {self.n} rows, backward ran on "
                f"{self.rows_pct:.1f}% ({modes or 'no steps'})")
@@ -213,4 +215,5 @@ class RunLog:
             run = self.totals
             log.info("capskip_fx step %d (%s): kept %d/%d rows, backward ran on %d; run: kept %.1f%%, ran %.1f%% "
                      "of rows over %s%s", st.step, st.mode, st.kept, st.n, st.rows, run.kept_pct, run.rows_pct,
-                     _steps(run.steps), f"; this step: {st._fallback}" if st._fallback else "")
+                     _steps(run.steps), f"; this step: {st._fallback}" if st._fallback else
+                     f"; by design: {st.note}" if st.note else "")
