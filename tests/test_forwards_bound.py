@@ -204,6 +204,8 @@ def test_logits_scaled_after_the_head_are_weighted_or_run_dense(entry, where, le
             assert st.mode == "dense" and st.kept == N, f"step {step}: {st}"
             kind = "eager logits" if where == "eager" else "after the head"
             assert st.fallback.kind.value == kind, f"step {step}: the reason should be of kind {kind!r}: {st}"
+            said = [str(w.message) for w in caught if str(st.fallback) in str(w.message)]
+            assert len(said) == (step == 0), f"step {step}: the reason is warned once, at the first step: {said}"
             w = torch.ones(N, dtype=torch.float64)
         else:
             assert st.mode == "selected" and st.kept == 3 and st.fallback is None, f"step {step}: {st}"
