@@ -220,7 +220,7 @@ class CapskipBackend:
             runs = ("dense backward for this graph: all rows, the rule's weights applied (dense-masked: exact, "
                     "no speed-up)" if fields.get("backward") == BackwardMode.DENSE_MASKED else
                     "dense backward for this graph (other graphs may still select: see report())")
-            self.state.warn_once(f"{refusal.detail} -> {runs}{where}")
+            self.state.warn_once(f"{refusal.detail} -> {runs}{where}", at=refusal.location)
 
     def __call__(self, gm: fx.GraphModule, example_inputs, **kwargs):
         from torch._dynamo.utils import counters as torch_counters

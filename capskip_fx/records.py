@@ -132,6 +132,7 @@ class Refusal:
     op: Optional[str] = None
     source_line: Optional[str] = None
     module: Optional[str] = None
+    location: Optional[tuple] = None  # (file path, line) of source_line: where the warning points
 
     def __str__(self) -> str:
         return self.detail
@@ -151,20 +152,20 @@ class Refused(Exception):
     def __init__(self, detail: str, kind: RefusalKind, op: Optional[str] = None, source_line: Optional[str] = None,
                  node: Any = None):
         super().__init__(detail)
-        module = None
+        module = location = None
         if node is not None:
-            op, source_line, module = node_origin(node)
-        self.refusal = Refusal(RefusalKind(kind), detail, op, source_line, module)
+            op, source_line, module, location = node_origin(node)
+        self.refusal = Refusal(RefusalKind(kind), detail, op, source_line, module, location)
 
 
 _FRAME = re.compile(r'^\s*File "([^"]+)", line (\d+), in ')
 
 
-def node_origin(node: Any) -> tuple[Optional[str], Optional[str], Optional[str]]:
-    """(op, source line, module) of an FX node, from its meta: the aten op's name; the innermost frame of
-    Dynamo's ``stack_trace`` outside torch itself as ``file.py:line: code`` (inside BatchNorm the
-    innermost frames are torch's own: the line that called the module is the user's); the innermost
-    entry of ``nn_module_stack`` as ``path (Class)``."""
+def node_origin(node: Any) -> tuple[Optional[str], Optional[str], Optional[str], Optional[tuple]]:
+    """(op, source line, module, location) of an FX node, from its meta: the aten op's name; the innermost
+    frame of Dynamo's ``stack_trace`` outside torch itself as ``file.py:line: code`` (inside BatchNorm the
+    innermost frames are torch's own: the line that called the module is the user's) and as (path, line);
+    the innermost entry of ``nn_module_stack`` as ``path (Class)``."""
     op = str(node.target) if getattr(node, "op", None) == "call_function" else None
     meta = getattr(node, "meta", {}) or {}
     frames, lines = [], (meta.get("stack_trace") or "").splitlines()
@@ -177,10 +178,11 @@ def node_origin(node: Any) -> tuple[Optional[str], Optional[str], Optional[str]]
 
     torch_dir = os.path.dirname(os.path.abspath(torch.__file__)) + os.sep
     user = [f for f in frames if not os.path.abspath(f[0]).startswith(torch_dir)]
-    source = None
+    source = location = None
     if user:
         path, line, code = user[-1]
         source = f"{os.path.basename(path)}:{line}" + (f": {code}" if code else "")
+        location = (path, int(line))
     module = None
     stack = list((meta.get("nn_module_stack") or {}).values())
     if stack:
@@ -188,7 +190,7 @@ def node_origin(node: Any) -> tuple[Optional[str], Optional[str], Optional[str]]
         path = re.sub(r"^L\['[^']*'\]\.?", "", str(path))
         path = re.sub(r"^(__self__|_orig_mod)\.?", "", path) or "the model"
         module = f"{path} ({getattr(cls, '__name__', str(cls).rsplit('.', 1)[-1])})"
-    return op, source, module
+    return op, source, module, location
 
 
 def counters() -> Any:

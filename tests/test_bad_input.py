@@ -529,3 +529,28 @@ def test_batch_fixed_inside_the_model_names_that_op_not_the_mark():
     assert capskip_fx.stats(cm).fallback.kind.value == "static batch", capskip_fx.stats(cm)
     assert max_rel_err(_grads(model), _dense_grads(model, lambda m: F.cross_entropy(m(x), y))) < 1e-12, (
         "the refused graph's dense backward should give eager's gradient")
+
+
+class _BatchNormed(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.bn, self.head = nn.BatchNorm1d(12), nn.Linear(12, C)
+
+    def forward(self, x):
+        return self.head(self.bn(x))  # the line the refusal's warning points at
+
+
+def test_compile_time_refusal_warns_at_the_models_line():
+    """A refusal found in the graph names the model's line, and the warning points there (file and line), not
+    at capskip's or Dynamo's frames."""
+    import inspect
+
+    cm = capskip_fx.compile(_BatchNormed().double(), rule="forced", keep=0.5, backend="aot_eager")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        F.cross_entropy(cm(_x()), torch.randint(0, C, (N,))).backward()
+    ours = [w for w in caught if "cross-example" in str(w.message)]
+    src, first = inspect.getsourcelines(_BatchNormed.forward)
+    line = first + next(i for i, s in enumerate(src) if "the line the refusal" in s)
+    assert len(ours) == 1 and (ours[0].filename, ours[0].lineno) == (__file__, line), (
+        [(w.filename, w.lineno, str(w.message)[:80]) for w in caught])

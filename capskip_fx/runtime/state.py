@@ -205,7 +205,9 @@ class RuntimeState:
             self._generator.manual_seed(self.seed)
         return self._generator
 
-    def warn_once(self, reason: str) -> None:
+    def warn_once(self, reason: str, at: Optional[tuple] = None) -> None:
+        """Warn about ``reason`` once per model; ``at``: the model's (file, line) it is about, where the warning
+        then points (a compile-time refusal's: Dynamo's frames, not the user's, are on the stack)."""
         if reason.startswith("no classifier head"):  # what a graph without a head means for this model
             from ..hf_loss import loss_lookup_warning
 
@@ -214,7 +216,10 @@ class RuntimeState:
             reason = loss_lookup_warning(owner) or (UNBOUND_REASON if _head_outside_compiled(owner) else reason)
         if reason not in self._warned:
             self._warned.add(reason)
-            warnings.warn(f"capskip_fx: {reason}", stacklevel=3)
+            if at is not None:
+                warnings.warn_explicit(f"capskip_fx: {reason}", UserWarning, at[0], at[1], module="capskip_fx")
+            else:
+                warnings.warn(f"capskip_fx: {reason}", stacklevel=3)
 
     # -- the selection ---------------------------------------------------------------
     def select(self, h: Tensor, z: Tensor, g: Optional[Tensor], fwd: Optional[ForwardContext],
