@@ -102,7 +102,7 @@ class CapskipModule(nn.Module):
                                  f"or (N, T) for token-shaped logits (N, T, C); got {tuple(capskip_targets.shape)} "
                                  f"for logits of shape {tuple(z.shape)}")
         if train:
-            bound = self._state.end_forward(fwd, logits_of(out, self._backend.logits_index))
+            bound = self._state.end_forward(fwd, logits_of(out, self._backend.logits_index), out=out)
             if not self._backend.records:
                 # Dynamo ran the model without handing us a graph (e.g. its recompile_limit was reached
                 # by earlier compiles of the same forward code): an eager, dense step; say so

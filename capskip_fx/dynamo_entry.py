@@ -73,13 +73,8 @@ def capskip_backend(gm: fx.GraphModule, example_inputs, options: Optional[dict] 
     if owner is not None and key not in _BY_OWNER.get(owner, {}):
         _BY_OWNER.setdefault(owner, {})[key] = backend
         backend.state.published.owner = weakref.ref(owner)
-        binder = _BindLogits(backend, owner)
-        if getattr(owner, "_compiled_call_impl", None) is not None:
-            # compiled in place (m.compile()): Dynamo traced its _call_impl, hooks included, and does not guard
-            # on hooks added later; the compiled call itself is wrapped so that the binding runs eagerly
-            owner._compiled_call_impl = _BoundCall(owner._compiled_call_impl, binder)
-        else:
-            owner.register_forward_hook(binder)
+        if owner not in _OWNER_BOUND:  # else bind() installed it before the first forward: it finds this backend
+            _install_binding(owner, _BindLogits(backend, owner))
         for m in (owner, getattr(owner, "_orig_mod", None), getattr(owner, "module", None)):
             pending = _PENDING_STATE.pop(m, None) if m is not None else None
             if pending is not None:  # capskip_fx.load_state_dict before the first step: restore now
@@ -144,9 +139,32 @@ class _BindLogits:
         state = backend.state
         if not isinstance(logits, torch.Tensor) or not logits.requires_grad or logits.dim() != 2:
             return  # nothing to bind (token-shaped outputs): each graph records its own reason
-        if not state.end_forward(ForwardContext(), logits, by_hook=True):
+        if not state.end_forward(ForwardContext(), logits, by_hook=True, out=out):
             state.warn_once(UNBOUND_REASON)
             state.record_dense_step(int(logits.shape[0]), UNBOUND_REASON, at_forward=True)
+
+
+class _BindOwner:
+    """``_BindLogits`` for every backend that compiled a graph of ``owner``, looked up at each forward: installed
+    by ``bind`` before the first forward, so its first step is bound too (a hook registered during the
+    forward that compiles the first graph would miss that forward)."""
+
+    def __init__(self, owner: torch.nn.Module):
+        self.owner = weakref.ref(owner)
+
+    def __call__(self, module, args, out) -> None:
+        owner = self.owner()
+        for backend in list(_BY_OWNER.get(owner, {}).values()) if owner is not None else ():
+            _BindLogits(backend, owner)(module, args, out)
+
+
+def _install_binding(owner: torch.nn.Module, binder) -> None:
+    if getattr(owner, "_compiled_call_impl", None) is not None:
+        # compiled in place (m.compile()): Dynamo traced its _call_impl, hooks included, and does not guard
+        # on hooks added later; the compiled call itself is wrapped so that the binding runs eagerly
+        owner._compiled_call_impl = _BoundCall(owner._compiled_call_impl, binder)
+    else:
+        owner.register_forward_hook(binder)
 
 
 class _BoundCall:
@@ -185,6 +203,7 @@ def _pin_to_module(gm: fx.GraphModule) -> None:
 
 
 # -- the model a graph belongs to -------------------------------------------------------------------------
+_OWNER_BOUND: "weakref.WeakSet[torch.nn.Module]" = weakref.WeakSet()  # models bind() installed _BindOwner on
 _ROOT_OF: "WeakIdKeyDictionary" = WeakIdKeyDictionary()  # Parameter -> weakref of the model bound for it
 # the module torch.compile returned, by the module it wraps
 _WRAPPER_OF: "weakref.WeakKeyDictionary[torch.nn.Module, weakref.ref]" = weakref.WeakKeyDictionary()
@@ -200,6 +219,9 @@ def bind(model: torch.nn.Module) -> None:
     inner = model._orig_mod if isinstance(model, OptimizedModule) else model
     if inner is not model:
         _WRAPPER_OF[inner] = weakref.ref(model)
+    if model not in _OWNER_BOUND and model not in _BY_OWNER:  # the forward binding, from the first step on
+        _OWNER_BOUND.add(model)
+        _install_binding(model, _BindOwner(model))
     ref, held = weakref.ref(model), {}  # held: id of a model bound before -> whether ``model`` holds it
     for p in inner.parameters():
         old = _ROOT_OF.get(p)

@@ -78,7 +78,7 @@ _REASON_KINDS = (
     ("dL/dz is not the gradient of a softmax loss", RefusalKind.NOT_SOFTMAX),
     ("verify:", RefusalKind.VERIFY),
     ("the returned logits are not the output of a compiled graph", RefusalKind.EAGER_LOGITS),
-    ("the returned logits come from a graph after the head", RefusalKind.AFTER_HEAD),
+    ("the returned logits, or an output computed from them", RefusalKind.AFTER_HEAD),
     ("torch.compile produced no graph", RefusalKind.NO_GRAPH),
     ("Dynamo does not trace", RefusalKind.NO_GRAPH),
     ("no graph of this backward ran the rule", RefusalKind.NO_HEAD),

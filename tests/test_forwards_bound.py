@@ -217,3 +217,116 @@ def test_logits_scaled_after_the_head_are_weighted_or_run_dense(entry, where, le
             err = float((a.grad - b.grad).norm() / a.grad.norm().clamp_min(1e-30))
             assert err < 1e-10, f"step {step}, {name}: off by {err:.3g} from the rule-weighted reference ({st})"
     assert len(capskip_fx.summary(cm).modes) == 1 and capskip_fx.summary(cm).steps == 2, capskip_fx.summary(cm)
+
+
+@torch._dynamo.disable
+def _shift_eagerly(z, b):
+    return z + b
+
+
+class _SecondOutput(nn.Module):
+    """Logits returned beside a second output computed from them after the head's graph (past a graph break or
+    in eager code): with a parameter (a bias, a LayerNorm, a Linear: a head of its own) or without (softmax)."""
+
+    def __init__(self, where: str, what: str):
+        super().__init__()
+        self.where, self.what = where, what
+        self.a, self.head = nn.Linear(6, 16), nn.Linear(16, 3)
+        self.bias, self.ln, self.post = nn.Parameter(torch.randn(3)), nn.LayerNorm(3), nn.Linear(3, 3)
+
+    def forward(self, x):
+        z = self.head(F.gelu(self.a(x)))
+        if self.where == "eager":
+            return z, (_shift_eagerly(z, self.bias) if self.what == "bias" else z.softmax(-1).log())
+        torch._dynamo.graph_break()
+        return z, {"bias": lambda: z + self.bias, "layernorm": lambda: self.ln(z), "linear": lambda: self.post(z),
+                   "none": lambda: z.softmax(-1).log()}[self.what]()
+
+
+@needs_batch_marking
+@pytest.mark.parametrize("entry", ["capskip_compile", "string"])
+@pytest.mark.parametrize("where,what", [("break", "bias"), ("break", "layernorm"), ("break", "linear"),
+                                        ("eager", "bias"), ("break", "none"), ("eager", "none")])
+def test_a_second_output_computed_from_the_logits_is_weighted_or_runs_dense(entry, where, what):
+    """A loss on both outputs: every parameter's gradient is the rule-weighted one (kept rows weighted N/k, so a
+    weight applied twice would show), or the step runs dense with the reason, from the first step on."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = _SecondOutput(where, what).double()
+    opts = {"rule": "forced", "keep": lambda n: torch.tensor([1, 4, 6]), "normalize": "kept",
+            "backend": "aot_eager", "verify": False}
+    cm = capskip_fx.compile(model, **opts) if entry == "capskip_compile" else \
+        torch.compile(model, backend="capskip", options=opts)
+    capskip_fx.mark_compiled_batches(cm)
+    ref = copy.deepcopy(model)
+    for step in range(2):
+        x, y = torch.randn(N, 6, dtype=torch.float64), torch.randint(0, 3, (N,))
+        model.zero_grad()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            z, z2 = cm(x)
+            (F.cross_entropy(z, y) + F.cross_entropy(z2, y)).backward()
+        st = capskip_fx.stats(cm)
+        if what != "none":
+            assert st.mode == "dense" and st.kept == N, f"step {step}: {st}"
+            assert st.fallback.kind.value == "after the head", f"step {step}: {st}"
+            w = torch.ones(N, dtype=torch.float64)
+        else:
+            assert st.mode == "selected" and st.kept == 3 and st.fallback is None, f"step {step}: {st}"
+            w = st.weight.double()
+        ref.load_state_dict(model.state_dict())
+        ref.zero_grad()
+        z, z2 = ref(x)
+        ((F.cross_entropy(z, y, reduction="none") + F.cross_entropy(z2, y, reduction="none")) * w).sum().div(N).backward()
+        for (name, a), b in zip(ref.named_parameters(), model.parameters()):
+            if a.grad is None:
+                assert b.grad is None or not b.grad.any(), f"step {step}, {name}: a gradient where none is due"
+                continue
+            err = float((a.grad - b.grad).norm() / a.grad.norm().clamp_min(1e-30))
+            assert err < 1e-10, f"step {step}, {name}: off by {err:.3g} from the rule-weighted reference ({st})"
+
+
+class _EagerBiasAfterHead(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleList([nn.Linear(6, 6), nn.Linear(6, 6)])
+        self.head = nn.Linear(6, 3)
+        self.bias = nn.Parameter(torch.randn(3) * 0.3)
+
+    def forward(self, x):
+        for b in self.blocks:
+            x = x + F.gelu(b(x))
+        return self.head(x) + self.bias  # eager code after the compiled head
+
+
+@needs_batch_marking
+@pytest.mark.parametrize("idiom", ["regions", "per_layer"])
+def test_regional_compile_binds_from_the_first_step(idiom):
+    """compile_regions / mark_compiled_batches bind the model's forward before its first step: a learnable bias
+    the model adds in eager code after the compiled head makes step 0 dense too (it selected, the bias's
+    gradient unweighted), with the reason, and every step matches the reference."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    m = _EagerBiasAfterHead().double()
+    ref = copy.deepcopy(m)
+    opts = dict(rule="forced", keep=0.5, backend="aot_eager", verify=False)
+    if idiom == "regions":
+        capskip_fx.compile_regions(m, blocks=list(m.blocks), head=m.head, **opts)
+    else:
+        for mod in (*m.blocks, m.head):
+            mod.compile(backend="capskip", options=opts)
+        capskip_fx.mark_compiled_batches(m)
+    for step in range(2):
+        x, y = torch.randn(N, 6, dtype=torch.float64), torch.randint(0, 3, (N,))
+        m.zero_grad()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            F.cross_entropy(m(x), y).backward()
+        st = capskip_fx.stats(m)
+        assert st.mode == "dense" and st.fallback.kind.value == "eager logits", f"{idiom} step {step}: {st}"
+        ref.load_state_dict(m.state_dict())
+        ref.zero_grad()
+        F.cross_entropy(ref(x), y).backward()
+        for (name, a), b in zip(ref.named_parameters(), m.parameters()):
+            err = float((a.grad - b.grad).norm() / a.grad.norm())
+            assert err < 1e-10, f"{idiom} step {step}, {name}: off by {err:.3g} from the dense gradient"

@@ -146,7 +146,7 @@ class SelectedRowBackward:
             if head:
                 weight, k = state.select(*(args[i] for i in p.select_args), fwd)
                 return weight, k, state.last.forwards[-1], None
-            if not self.record.body and (state.bound_forwards or state.hook_bound):
+            if fwd is None and not self.record.body and (state.bound_forwards or state.hook_bound):
                 self.record.demoted = "a Linear output that is not the returned logits"
         g = args[p.select_args[-1]]
         n = g.shape[0]

@@ -19,10 +19,11 @@ _ATTR = "_capskip_forward"  # the attribute on the logits' autograd node that ho
 NO_HEAD_REASON = ("no graph of this backward ran the rule (the first step of a model compiled in place or "
                   "per block binds its logits from the second step on; or the logits come from eager code): "
                   "dense backward")
-AFTER_HEAD_REASON = ("the returned logits come from a graph after the head that also passes gradient to "
-                     "something the head's rows do not weight (a parameter such as a learnable logit scale or "
-                     "bias after a graph break, or eager code): the rule's weights would not reach it, so no "
-                     "rule runs, dense backward (fold the scale into the head's graph, or apply it as a number)")
+AFTER_HEAD_REASON = ("the returned logits, or an output computed from them, come from code after the head's "
+                     "graph that also passes gradient to something the head's rows do not weight (a learnable "
+                     "scale, bias, LayerNorm or Linear on the logits past a graph break or in eager code): the "
+                     "rule's weights would not reach it, so no rule runs, dense backward (keep such a layer in "
+                     "the head's graph, or apply a fixed scale as a number)")
 UNBOUND_REASON = ("the returned logits are not the output of a compiled graph (eager code after a graph "
                   "break, or a head left out of a regional compile?): no rule runs, dense backward")
 
@@ -36,6 +37,7 @@ class ForwardContext:
     stats: Optional[StepStats] = None
     logits: Any = None  # a weakref to the logits the forward returned, and their version then
     logits_version: int = 0
+    dense_reason: Optional[str] = None  # set at the forward: this forward's head runs no rule (outputs_after_head)
 
     def edited_logits(self, saved: Tensor) -> bool:
         """The returned logits were modified in place since the forward, and ``saved`` (what the backward
@@ -109,6 +111,43 @@ def bypasses_upstream_graph(node: Any) -> bool:
     if not other:
         return False
     return found is not None or bool(upstream_graphs(node))  # else no graph upstream selects rows
+
+
+_WALK_LIMIT = 20_000  # autograd nodes one forward's check may visit (past it: assumed after the head)
+
+
+def outputs_after_head(out: Any, logits: Tensor) -> bool:
+    """Whether another output of the forward is computed from the logits' head graph together with something
+    that graph's row weights would not reach: a leaf (a parameter, an input that requires grad) or a value of
+    another graph (a LayerNorm, a Linear or a learnable shift of the logits past a graph break or in eager
+    code, returned beside them).  A loss on such an output would give those a gradient the rule does not
+    weight.  Walks each other output's autograd graph down to the head's node, through any other node."""
+    head = _compiled_node(getattr(logits, "grad_fn", None))
+    if head is None:
+        return False
+    for o in torch.utils._pytree.tree_leaves(out):
+        if not isinstance(o, Tensor) or o is logits or o.grad_fn is None:
+            continue
+        start = o.grad_fn
+        if _compiled_node(start) is head:  # the head graph's own output: its graph is proven as a whole
+            continue
+        seen, stack, reached, other = set(), [start], False, False
+        while stack and not (reached and other):
+            f = stack.pop()
+            if f is None or id(f) in seen:
+                continue
+            seen.add(id(f))
+            if len(seen) > _WALK_LIMIT:
+                return True
+            if f is head:
+                reached = True
+                continue
+            nxt = list(f.next_functions)
+            other = other or not nxt  # a leaf (AccumulateGrad)
+            stack.extend(g for g, _ in nxt)
+        if reached and other:
+            return True
+    return False
 
 
 def logits_of(out: Any, index: Optional[int]) -> Optional[Tensor]:

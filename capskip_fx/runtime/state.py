@@ -79,6 +79,9 @@ def _print_summaries() -> None:
             print(str(run), file=sys.stderr)
 
 
+_AT_FORWARD = (UNBOUND_REASON, AFTER_HEAD_REASON)  # steps recorded dense at their forward: no graph selects
+
+
 class RuntimeState:
     """Everything one compiled model needs at run time; looked up by ``key`` from the graph."""
 
@@ -112,17 +115,24 @@ class RuntimeState:
     last = property(lambda self: self.clock.last, doc="the step in progress (StepStats)")
 
     # -- forwards ----------------------------------------------------------------------
-    def end_forward(self, fwd: ForwardContext, logits: Any, by_hook: bool = False) -> bool:
+    def end_forward(self, fwd: ForwardContext, logits: Any, by_hook: bool = False, out: Any = None) -> bool:
         """Bind ``fwd`` to the compiled function that produced the returned logits.  False if there is
         none (the logits come from eager code after the compiled graphs): no graph will select.
-        ``by_hook``: the string backend's hook on the model that owns the graphs (backend.py)."""
+        ``by_hook``: the string backend's hook on the model that owns the graphs (backend.py).  ``out``: the
+        forward's outputs; one computed from the logits with a parameter (outputs_after_head) makes the
+        step dense, recorded here with the reason."""
         if by_hook:
             self.hook_bound = True
         else:
             self.bound_forwards = True
         if isinstance(logits, Tensor):
             fwd.logits, fwd.logits_version = weakref.ref(logits), logits._version
-        return forwards.bind(fwd, logits)
+        bound = forwards.bind(fwd, logits)
+        if bound and out is not None and forwards.outputs_after_head(out, logits):
+            fwd.dense_reason = AFTER_HEAD_REASON
+            self.warn_once(AFTER_HEAD_REASON)
+            self.record_dense_step(int(logits.shape[0]), AFTER_HEAD_REASON, at_forward=True)
+        return bound
 
     def running_forward(self) -> tuple[bool, Optional[ForwardContext]]:
         """(is this backward the rule's head?, its forward) for the head graph's running backward.
@@ -137,11 +147,14 @@ class RuntimeState:
         A forward whose logits came from eager code (recorded dense at the forward) selects nothing."""
         fwd = forwards.running_forward()
         node = forwards.current_node()
+        if fwd is not None and fwd.dense_reason is not None:  # decided at its forward (outputs_after_head)
+            self._heads().append(node)  # the graphs upstream select nothing of their own either
+            return False, fwd
         # claim(): the eager-logits step is recorded at the forward (the string backend's hook), for the next
         # backward to take; in_step() alone is False until a graph claims it
         if fwd is None and (self._upstream_of_heads(node) or (self.clock.claim() and self.last.dense
                                                               and not self.last.provisional
-                                                              and self.last.fallback == UNBOUND_REASON)):
+                                                              and self.last.fallback in _AT_FORWARD)):
             return False, None
         self._heads().append(node)
         return True, fwd
