@@ -16,9 +16,9 @@ from .stats import StepStats
 
 _ATTR = "_capskip_forward"  # the attribute on the logits' autograd node that holds its ForwardContext
 
-NO_HEAD_REASON = ("no graph of this backward ran the rule (the first step of a model compiled in place or "
-                  "per block binds its logits from the second step on; or the logits come from eager code): "
-                  "dense backward")
+NO_HEAD_REASON = ("no graph of this backward ran the rule (a model compiled in place or per block binds its "
+                  "logits from its second step on, from the first with compile_regions or "
+                  "capskip_fx.mark_compiled_batches; or the logits come from eager code): dense backward")
 AFTER_HEAD_REASON = ("the returned logits, or an output computed from them, come from code after the head's "
                      "graph that also passes gradient to something the head's rows do not weight (a learnable "
                      "scale, bias, LayerNorm or Linear on the logits past a graph break or in eager code): the "
