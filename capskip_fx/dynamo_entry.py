@@ -152,6 +152,7 @@ class _BindOwner:
     def __init__(self, owner: torch.nn.Module):
         self.owner = weakref.ref(owner)
 
+    @torch._dynamo.disable  # a module compiled in place after bind() traces its hooks: this one stays eager
     def __call__(self, module, args, out) -> None:
         owner = self.owner()
         for backend in list(_BY_OWNER.get(owner, {}).values()) if owner is not None else ():
@@ -219,7 +220,11 @@ def bind(model: torch.nn.Module) -> None:
     inner = model._orig_mod if isinstance(model, OptimizedModule) else model
     if inner is not model:
         _WRAPPER_OF[inner] = weakref.ref(model)
-    if model not in _OWNER_BOUND and model not in _BY_OWNER:  # the forward binding, from the first step on
+    # the forward binding, from the first step on; not on a plain module none of whose parts is compiled yet:
+    # one compiled in place later would trace the hook (the first compile installs it then, as without bind)
+    compiled = inner is not model or getattr(model, "_compiled_call_impl", None) is not None or \
+        any(getattr(m, "_compiled_call_impl", None) is not None for m in model.modules())
+    if compiled and model not in _OWNER_BOUND and model not in _BY_OWNER:
         _OWNER_BOUND.add(model)
         _install_binding(model, _BindOwner(model))
     ref, held = weakref.ref(model), {}  # held: id of a model bound before -> whether ``model`` holds it
