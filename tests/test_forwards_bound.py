@@ -330,3 +330,21 @@ def test_regional_compile_binds_from_the_first_step(idiom):
         for (name, a), b in zip(ref.named_parameters(), m.parameters()):
             err = float((a.grad - b.grad).norm() / a.grad.norm())
             assert err < 1e-10, f"{idiom} step {step}, {name}: off by {err:.3g} from the dense gradient"
+
+
+@needs_batch_marking
+def test_marking_before_an_in_place_compile_leaves_the_binding_to_the_compile():
+    """mark_compiled_batches before the module itself is compiled in place: no early forward hook (the in-place
+    compile would trace it); the first compile binds as usual: one static first step, then selected steps,
+    and no eager-logits fallback."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    m = _seq().double()
+    capskip_fx.mark_compiled_batches(m)
+    m.compile(backend="capskip", options={"rule": "forced", "keep": 0.5, "backend": "aot_eager"})
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for _ in range(3):
+            F.cross_entropy(m(torch.randn(N, 6, dtype=torch.float64)), torch.randint(0, 3, (N,))).backward()
+    run = capskip_fx.summary(m)
+    assert run.steps == 3 and run.modes["selected"] == 2 and not run.fallbacks, str(run)
