@@ -155,6 +155,26 @@ def test_an_auxiliary_head_compiled_beside_the_main_one_gets_its_own_selection()
     _check(model, model, losses, 2, backward_order=False)
 
 
+def _forced_rows(model, entry: str, **opts):
+    """``model`` compiled by ``entry`` with the forced rows 1, 4, 6 of every batch, verify off, batches marked."""
+    opts = {"rule": "forced", "keep": lambda n: torch.tensor([1, 4, 6]), "backend": "aot_eager", "verify": False,
+            **opts}
+    cm = capskip_fx.compile(model, **opts) if entry == "capskip_compile" else \
+        torch.compile(model, backend="capskip", options=opts)
+    capskip_fx.mark_compiled_batches(cm)
+    return cm
+
+
+def _assert_reference_grads(ref, model, what: str, st) -> None:
+    """Every parameter's gradient as the reference's (none where it has none)."""
+    for (name, a), b in zip(ref.named_parameters(), model.parameters()):
+        if a.grad is None:
+            assert b.grad is None or not b.grad.any(), f"{what}, {name}: a gradient where none is due"
+            continue
+        err = float((a.grad - b.grad).norm() / a.grad.norm().clamp_min(1e-30))
+        assert err < 1e-10, f"{what}, {name}: off by {err:.3g} from the rule-weighted reference ({st})"
+
+
 @torch._dynamo.disable
 def _scale_eagerly(z, s):
     return z * s
@@ -188,10 +208,7 @@ def test_logits_scaled_after_the_head_are_weighted_or_run_dense(entry, where, le
     torch._dynamo.reset()
     torch.manual_seed(0)
     model = _ScaledAfterHead(where, learnable).double()
-    opts = {"rule": "forced", "keep": lambda n: torch.tensor([1, 4, 6]), "backend": "aot_eager", "verify": False}
-    cm = capskip_fx.compile(model, **opts) if entry == "capskip_compile" else \
-        torch.compile(model, backend="capskip", options=opts)
-    capskip_fx.mark_compiled_batches(cm)
+    cm = _forced_rows(model, entry)
     ref = copy.deepcopy(model)
     for step in range(2):
         x, y = torch.randn(N, 6, dtype=torch.float64), torch.randint(0, 3, (N,))
@@ -213,9 +230,7 @@ def test_logits_scaled_after_the_head_are_weighted_or_run_dense(entry, where, le
         ref.load_state_dict(model.state_dict())
         ref.zero_grad()
         (F.cross_entropy(ref(x), y, reduction="none") * w).sum().div(N).backward()
-        for (name, a), b in zip(ref.named_parameters(), model.parameters()):
-            err = float((a.grad - b.grad).norm() / a.grad.norm().clamp_min(1e-30))
-            assert err < 1e-10, f"step {step}, {name}: off by {err:.3g} from the rule-weighted reference ({st})"
+        _assert_reference_grads(ref, model, f"step {step}", st)
     assert len(capskip_fx.summary(cm).modes) == 1 and capskip_fx.summary(cm).steps == 2, capskip_fx.summary(cm)
 
 
@@ -253,11 +268,7 @@ def test_a_second_output_computed_from_the_logits_is_weighted_or_runs_dense(entr
     torch._dynamo.reset()
     torch.manual_seed(0)
     model = _SecondOutput(where, what).double()
-    opts = {"rule": "forced", "keep": lambda n: torch.tensor([1, 4, 6]), "normalize": "kept",
-            "backend": "aot_eager", "verify": False}
-    cm = capskip_fx.compile(model, **opts) if entry == "capskip_compile" else \
-        torch.compile(model, backend="capskip", options=opts)
-    capskip_fx.mark_compiled_batches(cm)
+    cm = _forced_rows(model, entry, normalize="kept")
     ref = copy.deepcopy(model)
     for step in range(2):
         x, y = torch.randn(N, 6, dtype=torch.float64), torch.randint(0, 3, (N,))
@@ -278,12 +289,7 @@ def test_a_second_output_computed_from_the_logits_is_weighted_or_runs_dense(entr
         ref.zero_grad()
         z, z2 = ref(x)
         ((F.cross_entropy(z, y, reduction="none") + F.cross_entropy(z2, y, reduction="none")) * w).sum().div(N).backward()
-        for (name, a), b in zip(ref.named_parameters(), model.parameters()):
-            if a.grad is None:
-                assert b.grad is None or not b.grad.any(), f"step {step}, {name}: a gradient where none is due"
-                continue
-            err = float((a.grad - b.grad).norm() / a.grad.norm().clamp_min(1e-30))
-            assert err < 1e-10, f"step {step}, {name}: off by {err:.3g} from the rule-weighted reference ({st})"
+        _assert_reference_grads(ref, model, f"step {step}", st)
 
 
 class _EagerBiasAfterHead(nn.Module):
