@@ -1,6 +1,6 @@
 """Custom ``torch.autograd.Function``s: row-wise only where the user says so.
 
-The layout proof (layout.py) reads the forward only; a Function's own ``backward`` is user code the proof
+The layout proof (placement/) reads the forward only; a Function's own ``backward`` is user code the proof
 never sees (``g - g.mean(0)`` mixes rows), so a graph holding one gathers no rows unless its class was
 declared row-wise with :func:`rowwise`: its backward's row ``b`` depends only on row ``b`` of its inputs,
 outputs and incoming gradients.  Dynamo keeps no reference to the class in the graph, so a declaration is

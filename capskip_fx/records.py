@@ -43,7 +43,7 @@ class RefusalKind(str, enum.Enum):
     UNDECLARED_FUNCTION = "undeclared autograd.Function"  # functions.py: capskip_fx.rowwise(cls) declares one
     NO_HEAD = "no head"  # no logits output and no batch-shaped tangent to mask
     STATIC_BATCH = "static batch"  # the logits' batch dim is not symbolic
-    CROSS_EXAMPLE = "cross-example"  # the forward mixes rows (layout.py)
+    CROSS_EXAMPLE = "cross-example"  # the forward mixes rows (placement/)
     BATCH_LAYOUT = "batch layout"  # a value's rows can't be gathered (token-major, unknown, odd sizes)
     ROW_INDEX_VALUE = "row index as a value"  # arange(N) used as a value reaches the backward
     IN_GRAPH_LOSS = "in-graph loss"  # the loss region reads more than the logits, or no dL/dz

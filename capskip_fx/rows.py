@@ -3,7 +3,7 @@
 Specs are read from the *example inputs* of the compiled backward (real strides from the compiled
 forward, not node meta).  A batch-shaped input has one dim of size ``outer * s * factor``, index
 ``(o * s + b) * factor + r``: batch-major when ``outer == 1``, token-major otherwise (the layout proof of
-the forward, layout.py, says which; the sizes alone cannot: ``T*s == s*T``).  Row ``b`` is gathered as
+the forward, placement/, says which; the sizes alone cannot: ``T*s == s*T``).  Row ``b`` is gathered as
 the ``b``-th slice of that dim viewed ``(outer, s, factor)``.
 """
 from __future__ import annotations

@@ -4,7 +4,7 @@ The wrapper marks the batch dim dynamic, so every batch-carrying size in the tra
 expression of one symbol ``s``.  A dim of size ``a*s`` (a >= 1 an integer) is the batch, possibly
 flattened batch-major with ``a`` inner rows (the ``view(B*T, D)`` inputs of the matmuls).
 
-The base module under the layout proof (layout.py), the row gather (rows.py), the graph passes, the
+The base module under the layout proof (placement/), the row gather (rows.py), the graph passes, the
 runtime and VCAS: it imports nothing of ours but ``records.Refused``.
 
 Sizes are compared structurally (``same_size``, ``exact_quotient``): no ``simplify`` and no guard is
@@ -197,7 +197,7 @@ def stride_symbols(example_inputs, sym: sympy.Symbol) -> dict:
 class Spec:
     """A backward input's batch: ``kind == "batch"`` has one dim ``dim`` of size ``outer * s * factor``,
     index ``(o * s + b) * factor + r``.  ``spec_of`` reads the sizes only, so it gives ``outer = 1``
-    (batch-major, ``factor`` the whole multiple of ``s``); the layout proof (layout.py) says whether that
+    (batch-major, ``factor`` the whole multiple of ``s``); the layout proof (placement/) says whether that
     is so, or which ``outer`` (token-major: ``x.transpose(0, 1).reshape(T*N, D)``) the dim really has."""
 
     kind: str  # "static" | "symint" | "batch"

@@ -1,6 +1,6 @@
 """The data path stays visible: no import cycle inside capskip_fx, no module importing another's
 private names, and the layers of shared/design/layout.md (the base modules -- ops, records,
-symbolic, layout, rows -- import only what lies below them; rules import torch only; neither the
+symbolic, placement, rows -- import only what lies below them; rules import torch only; neither the
 runtime nor VCAS imports the passes).  Every import counts, module-level or inside a function."""
 from __future__ import annotations
 
@@ -101,12 +101,32 @@ def test_layers_import_downward_only(low, forbidden):
     ("capskip_fx.ops", ()),
     ("capskip_fx.records", ()),
     ("capskip_fx.symbolic", ("capskip_fx.records",)),
-    ("capskip_fx.layout", ("capskip_fx.records", "capskip_fx.symbolic")),
     ("capskip_fx.rows", ("capskip_fx.symbolic",)),
 ])
 def test_base_modules_import_only_what_lies_below(base, below):
     bad = [(src, dst) for src, dst, _, _ in _imports() if src == base and dst not in below]
     assert not bad, f"{base} may import only {below}: {bad}"
+
+
+# placement/'s modules, bottom first: each imports only the ones before it (and records, symbolic); the
+# rules (ops_*) do not import each other's families above them, and prove.py, which imports them all, is last
+PLACEMENT_PARTS = ["lattice", "tables", "registry", "walk", "ops_pointwise", "ops_reductions", "ops_shape",
+                   "ops_indexing", "ops_matmul", "ops_per_sample", "ops_backward", "prove"]
+
+
+def test_placement_parts_import_downward_only():
+    """The placement proof is a base layer: it imports records and symbolic, and its parts only parts below."""
+    mods = {_module_name(p) for p in (PKG / "placement").glob("*.py") if p.name != "__init__.py"}
+    placed = {f"capskip_fx.placement.{m}" for m in PLACEMENT_PARTS}
+    assert mods == placed, f"placement modules not in PLACEMENT_PARTS (or listed but gone): {sorted(mods ^ placed)}"
+    rank = {f"capskip_fx.placement.{m}": i for i, m in enumerate(PLACEMENT_PARTS)}
+    edges = [(src, dst) for src, dst, _, _ in _imports() if src in rank]
+    assert ("capskip_fx.placement.prove", "capskip_fx.placement.walk") in edges, f"edges not collected: {edges}"
+    upward = [(src, dst) for src, dst in edges if dst in rank and rank[dst] >= rank[src]]
+    assert not upward, f"placement parts importing upward: {upward}"
+    below = {"capskip_fx.records", "capskip_fx.symbolic"}
+    outside = [(src, dst) for src, dst in edges if dst not in rank and dst not in below]
+    assert not outside, f"placement parts importing outside records and symbolic: {outside}"
 
 
 def test_rules_import_the_base_not_each_other():

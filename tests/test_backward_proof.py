@@ -22,7 +22,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 
 import capskip_fx
 from torch._inductor.utils import fresh_inductor_cache
-from capskip_fx.layout import Layout, analyze_backward
+from capskip_fx.placement import Layout, analyze_backward
 from capskip_fx.records import RefusalKind, counters
 
 aten, prims = torch.ops.aten, torch.ops.prims

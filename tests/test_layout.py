@@ -1,4 +1,4 @@
-"""capskip_fx.layout: where the batch lies in each forward value of a joint graph.
+"""capskip_fx.placement: where the batch lies in each forward value of a joint graph.
 
 Real AOT joint graphs come from Inductor's ``joint_custom_pre_pass`` (the hook InsertSelectPass uses);
 the pass records the graph and stops compile_fx right there (no partitioning, no code generation),
@@ -21,7 +21,7 @@ from torch._inductor.compile_fx import compile_fx
 from torch._inductor.custom_graph_pass import CustomGraphPass
 from torch._subclasses.fake_tensor import unset_fake_temporarily
 
-from capskip_fx.layout import Layout, LayoutAnalysis, analyze, backward_nodes, reshape_layout
+from capskip_fx.placement import Layout, LayoutAnalysis, analyze, backward_nodes, reshape_layout
 from capskip_fx.symbolic import batch_symbol
 
 N, T, D = 3, 5, 4  # batch, tokens, width: distinct so no size is mistaken for another
@@ -867,11 +867,11 @@ def test_any_index_pattern_is_per_row_or_refused(rows_kind, cols_kind, unsqueeze
 
 
 def test_the_op_table_in_the_design_doc_is_the_registry():
-    """docs/design.md's table of ops is generated from layout.py's registry (regenerate it with
-    ``layout.op_table_markdown()`` when a rule or an op is added)."""
+    """docs/design.md's table of ops is generated from the placement registry (regenerate it with
+    ``placement.op_table_markdown()`` when a rule or an op is added)."""
     import pathlib
 
-    from capskip_fx.layout import op_table_markdown
+    from capskip_fx.placement import op_table_markdown
     doc = (pathlib.Path(__file__).resolve().parents[1] / "docs" / "design.md").read_text()
     table = doc.split("<!-- op-table: generated -->\n", 1)[1].split("<!-- /op-table -->", 1)[0]
     assert table == op_table_markdown(), "docs/design.md's op table is stale: regenerate it from the registry"

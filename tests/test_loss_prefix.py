@@ -38,7 +38,7 @@ class Loss:
     smoothing: float = 0.0
     temperature: float = 1.0
     # divide a summed loss by the batch size: at the kept rows the backward would divide by their count, so
-    # the batch size used as a value keeps the loss's backward on every row (layout.py's "uses the batch size")
+    # the batch size used as a value keeps the loss's backward on every row (placement's "uses the batch size")
     per_batch: bool = False
     mixing: str = ""  # "mean": z - z.mean(0); "roll": z.roll(1, 0): the loss's backward mixes rows
     squared: bool = False  # the summed squares of the tokens' cross-entropies: row-wise, not a cross-entropy

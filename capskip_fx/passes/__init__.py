@@ -5,7 +5,7 @@ joint graph (AOTAutograd, before partitioning), ``pipeline.joint``:
                         heads/, one registry entry each)
   in_graph_loss.py   -- a loss computed inside the model from the logits
   row_index.py       -- the backward's reads of arange(N) get their own arange (x[arange(N), j])
-  insert_select.py   -- prove the forward's batch layout (layout.py: refuses graphs whose forward mixes
+  insert_select.py   -- prove the forward's batch layout (placement/: refuses graphs whose forward mixes
                         examples, BatchNorm in train mode, ...), insert ``capskip::select`` and mask every
                         batch-shaped tangent (exact semantics)
 backward graph (Inductor ``inner_compile``), ``pipeline.backward``:

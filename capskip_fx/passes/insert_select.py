@@ -32,7 +32,7 @@ import torch
 from torch import fx
 
 from .. import ops  # noqa: F401  (registers capskip::select)
-from ..layout import analyze
+from ..placement import analyze
 from ..records import RefusalKind, Refused
 from ..symbolic import batch_dim, batch_symbol_of, tangent_nodes
 from .find_head import Head, outputs_and_tangents
@@ -55,7 +55,7 @@ def tangents(graph: fx.Graph) -> list[fx.Node]:
 
 
 def prove_layout(graph: fx.Graph, sym, exclude=()) -> dict:
-    """Where the batch lies in every forward value (layout.py), by value name: what the backward pass
+    """Where the batch lies in every forward value (placement/), by value name: what the backward pass
     checks each gathered input against.  Refused for row mixing (CROSS_EXAMPLE), and for saved values
     or outputs whose rows can't be gathered."""
     result = analyze(graph, sym, exclude)

@@ -7,7 +7,7 @@ joint graph (Inductor's ``joint_custom_pre_pass``, before partitioning), :func:`
      loss_grad.match_cross_entropy  that loss recognised as a cross-entropy whose dL/dz the runtime can
                                     derive from the forward (its inputs then read by the selection node)
      row_index.recompute_row_indices the backward's reads of arange(N) get their own arange
-  3. insert_select.prove_layout     where the batch lies in every forward value (layout.py)
+  3. insert_select.prove_layout     where the batch lies in every forward value (placement/)
   4. insert_select.select_head      w = capskip::select(h, z, g); every batch-shaped tangent *= w;
                                     the graph returns a copy of z (z itself is saved); token
                                     logits uncopied (a stand-in saved where the rule reads none)
@@ -44,7 +44,7 @@ from typing import Any, Callable, Mapping, Optional
 from torch import fx
 from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
 
-from ..layout import backward_nodes
+from ..placement import backward_nodes
 from ..records import BackwardMode, Refusal, RefusalKind, Refused, counters
 from ..symbolic import batch_symbol_of, check_not_specialised
 from . import insert_select

@@ -7,7 +7,7 @@ backward reads) and the rest's specs of those outputs:
   1. every input is classified from its example (symbolic.spec_of): a tensor with the batch in one dim
      of size ``a*s``, read batch-major (``a`` rows per example, as the rest gathers its inputs) / a SymInt
      of ``s`` / no batch;
-  2. the layout analysis walks every node from those inputs (layout.analyze_rowwise) and must find no row
+  2. the layout analysis walks every node from those inputs (placement.analyze_rowwise) and must find no row
      mixing: no reduction over the batch (a token count the partitioner recomputed in the backward), no
      index, sort or shift along it, no value that lost its layout;
   3. every output is free, or batch-major in the dim and with the factor the rest reads it with.
@@ -26,7 +26,7 @@ from typing import Optional
 import sympy
 from torch import fx
 
-from ..layout import analyze_rowwise, spec_layout
+from ..placement import analyze_rowwise, spec_layout
 from ..records import RefusalKind, Refused
 from ..symbolic import Spec, spec_of
 

@@ -20,7 +20,7 @@ import sympy
 import torch
 from torch import fx
 
-from ..layout import backward_nodes
+from ..placement import backward_nodes
 from ..symbolic import expr_of, tangent_nodes
 
 aten = torch.ops.aten

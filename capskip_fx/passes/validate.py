@@ -3,7 +3,7 @@
 The joint graph's proof (insert_select.prove_layout) covers the forward values.  What executes is the
 partitioned backward after every rewrite: the selection node turned into the input ``capskip_w``, the
 backward's row indices recomputed (row_index.py), an in-graph loss's prefix split off.  This pass walks
-*that* graph with the same layout analysis (layout.analyze_backward), its inputs seeded with the layouts
+*that* graph with the same layout analysis (placement.analyze_backward), its inputs seeded with the layouts
 the runtime gathers them by (the plan's specs: the forward proof's dim, outer and inner for a saved value,
 batch-major for a tangent, the prefix's outputs and ``w``), and accepts it only if:
 
@@ -30,7 +30,7 @@ from __future__ import annotations
 
 from torch import fx
 
-from ..layout import Layout, analyze_backward, spec_layout
+from ..placement import Layout, analyze_backward, spec_layout
 from ..records import RefusalKind, Refused, counters
 
 W_INPUT = "capskip_w"  # the input selected_rows.py puts in place of the selection node
