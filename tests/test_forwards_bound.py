@@ -354,3 +354,116 @@ def test_marking_before_an_in_place_compile_leaves_the_binding_to_the_compile():
             F.cross_entropy(m(torch.randn(N, 6, dtype=torch.float64)), torch.randint(0, 3, (N,))).backward()
     run = capskip_fx.summary(m)
     assert run.steps == 3 and run.modes["selected"] == 2 and not run.fallbacks, str(run)
+
+
+# eager code after the head (a helper Dynamo does not trace): each row's gradient stays in its row, or not
+_EAGER_POST = {
+    "scale": (lambda z: z * 2.0, True), "cast": (lambda z: z.float().double(), True),
+    "softmax_classes": (lambda z: torch.log_softmax(z, dim=1), True), "columns_view": (lambda z: z[:, :2], True),
+    "gelu_then_scale": (lambda z: F.gelu(z) / 3.0, True),
+    "flip_rows": (lambda z: z.flip(0), False), "cumsum_rows": (lambda z: z.cumsum(0), False),
+    "sort_rows": (lambda z: z.sort(0).values, False), "softmax_rows": (lambda z: torch.log_softmax(z, dim=0), False),
+    "roll_rows": (lambda z: z.roll(1, 0), False), "rows_view": (lambda z: torch.cat([z[1:], z[:1]]), False),
+    "shifted_rows_view": (lambda z: z.view(-1)[3:].view(N - 1, 3), False),
+}
+
+
+class _EagerPost(nn.Module):
+    def __init__(self, what: str):
+        super().__init__()
+        self.a, self.head = nn.Linear(6, 16), nn.Linear(16, 3)
+        self.post = torch._dynamo.disable(_EAGER_POST[what][0])
+
+    def forward(self, x):
+        return self.post(self.head(torch.tanh(self.a(x))))
+
+
+@needs_batch_marking
+@pytest.mark.parametrize("entry", ["capskip_compile", "string"])
+@pytest.mark.parametrize("what", sorted(_EAGER_POST))
+def test_eager_code_after_the_head_selects_only_where_it_keeps_the_rows(entry, what):
+    """Eager ops between the head's graph and the returned logits: where each keeps a row's gradient in its
+    row (pointwise ops, casts, a softmax over the classes, a view of whole rows), the head selects and the
+    gradients are the rule-weighted ones; where one moves or mixes rows (flip, cumsum, sort or softmax over the
+    batch, a shift), the head would weight other rows than the loss's: the step runs dense, with the reason."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = _EagerPost(what).double()
+    cm = _forced_rows(model, entry)
+    ref = copy.deepcopy(model)
+    rowwise = _EAGER_POST[what][1]
+    for step in range(2):
+        x = torch.randn(N, 6, dtype=torch.float64)
+        model.zero_grad()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            z = cm(x)
+            y = torch.randint(0, z.shape[1], (z.shape[0],))
+            F.cross_entropy(z, y, reduction="none").sum().div(N).backward()
+        st = capskip_fx.stats(cm)
+        if rowwise:
+            assert st.mode == "selected" and st.kept == 3 and st.fallback is None, f"step {step}: {st}"
+            w = st.weight.double()
+        else:
+            assert st.mode == "dense" and st.kept == st.n, f"step {step}: {st}"
+            assert st.fallback.kind.value == "eager logits", f"step {step}: {st}"
+            w = torch.ones(z.shape[0], dtype=torch.float64)
+        ref.load_state_dict(model.state_dict())
+        ref.zero_grad()
+        (F.cross_entropy(ref(x), y, reduction="none") * w).sum().div(N).backward()
+        _assert_reference_grads(ref, model, f"step {step}", st)
+
+
+class _ParameterOutput(nn.Module):
+    """Logits beside a per-row view of a parameter (a learned loss weight, Kendall-style), returned as a view
+    (AOTAutograd regenerates it outside the graph) or computed in the graph."""
+
+    def __init__(self, how: str):
+        super().__init__()
+        self.how = how
+        self.a, self.head = nn.Linear(6, 16), nn.Linear(16, 3)
+        self.log_var = nn.Parameter(torch.tensor(0.3))
+
+    def forward(self, x):
+        z = self.head(torch.tanh(self.a(x)))
+        lv = {"view": lambda: self.log_var.expand(x.shape[0]), "in_graph": lambda: self.log_var.expand(x.shape[0]) * 1,
+              "parameter": lambda: self.log_var}[self.how]()
+        return z, lv
+
+
+@needs_batch_marking
+@pytest.mark.parametrize("entry", ["capskip_compile", "string"])
+@pytest.mark.parametrize("how", ["view", "parameter", "in_graph"])
+def test_an_output_returned_from_outside_the_graph_runs_dense(entry, how):
+    """A parameter (or a view of one) among the outputs is returned from outside the compiled graph, whose row
+    weights then never reach it: a per-row loss on it would give the parameter every row's gradient. Such a
+    step runs dense, with the reason; computed in the graph, the output's tangent is weighted and rows are
+    selected."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = _ParameterOutput(how).double()
+    cm = _forced_rows(model, entry)
+    ref = copy.deepcopy(model)
+
+    def rows(out, y):
+        z, lv = out
+        return torch.exp(-lv) * F.cross_entropy(z, y, reduction="none") + lv
+
+    for step in range(2):
+        x, y = torch.randn(N, 6, dtype=torch.float64), torch.randint(0, 3, (N,))
+        model.zero_grad()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            rows(cm(x), y).sum().div(N).backward()
+        st = capskip_fx.stats(cm)
+        if how == "in_graph":
+            assert st.mode == "selected" and st.kept == 3 and st.fallback is None, f"step {step}: {st}"
+            w = st.weight.double()
+        else:
+            assert st.mode == "dense" and st.kept == N, f"step {step}: {st}"
+            assert st.fallback.kind.value == "output outside the graph", f"step {step}: {st}"
+            w = torch.ones(N, dtype=torch.float64)
+        ref.load_state_dict(model.state_dict())
+        ref.zero_grad()
+        (rows(ref(x), y) * w).sum().div(N).backward()
+        _assert_reference_grads(ref, model, f"step {step}", st)

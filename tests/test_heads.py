@@ -46,6 +46,8 @@ class Net(nn.Module):
             return 0.7 * self.head(x0) - 0.3 * self.head_dist(x1)
         if self.kind == "learnable":
             return self.scale * self.head(x0)
+        if self.kind == "weight_penalty":  # a number times a scalar of the head's weight, added to every logit
+            return self.head(x0) + 0.1 * self.head.weight.pow(2).sum()
         w = self.head.weight
         if self.kind == "cosine":  # the scale folds into the mm's input
             return 10 * F.normalize(x0, dim=-1) @ F.normalize(w, dim=-1).T
@@ -189,7 +191,8 @@ def test_report_counts_the_steps_of_a_head_whose_selection_stays_in_the_graph():
 @pytest.mark.parametrize("kind,why", [("learnable", "learnable temperature"), ("computed", "computed, not a parameter"),
                                       ("cosine_learnable", "learnable temperature"),
                                       ("cosine_bias", "cosine head with a bias"),
-                                      ("cosine_dim0", "computed, not a parameter")])
+                                      ("cosine_dim0", "computed, not a parameter"),
+                                      ("weight_penalty", "not produced by a Linear")])
 def test_heads_capskip_cannot_follow_are_refused_with_the_reason(kind, why):
     _, _, st, _, _ = _step(kind, "random", keep=0.5)
     assert st.mode == "dense", f"a {kind} head CAPSkip cannot follow should run dense: {st}"

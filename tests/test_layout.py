@@ -367,6 +367,22 @@ def test_ops_along_feature_dims_are_row_separable(name, f):
     assert_saved_gatherable(g, res)
 
 
+def test_splitting_batch_slabs_back_out_is_row_separable():
+    """cat along the batch stacks whole slabs (token-major, outer 2); split or chunk back into those slabs,
+    each piece is batch-major again, and the graph is row-separable."""
+    g, res = joint("slabs_split", lambda: Fn(lambda h: sum(torch.cat([h, h * 2], 0).chunk(2, 0))), _x())
+    assert res.refusal is None, f"chunking batch slabs back out is row-separable, yet refused: {res.refusal}"
+    assert_saved_gatherable(g, res)
+
+
+def test_splitting_the_batch_in_halves_is_refused_as_mixing():
+    """chunk of the batch dim itself (not of whole slabs) then swapped back together: row mixing, named as
+    such (not an analysis error)."""
+    _, res = joint("batch_halves", lambda: Fn(lambda h: torch.cat(h.chunk(2, 0)[::-1])), _x())
+    assert res.refusal is not None and "cross-example op" in res.refusal, f"halves of the batch swapped: {res.refusal}"
+    assert "not analysed" not in res.refusal, f"the refusal should name the op, not an analysis error: {res.refusal}"
+
+
 # ------------------------------------------------------------------------------------------
 # token-major layouts
 

@@ -74,7 +74,12 @@ def _contiguous(shape: list, strides: list) -> bool:
 def _slab(w: Walk, x: Layout, start: Any, length: sympy.Expr) -> Optional[Layout]:
     """The part [start, start + length) of ``x``'s batch dim, if it is whole slabs of s*inner."""
     unit = w.sym * x.inner
-    start = expr_of(start.meta["val"]) if isinstance(start, fx.Node) else expr_of(start or 0)
+    if isinstance(start, fx.Node):
+        start = expr_of(start.meta["val"])
+    elif not isinstance(start, sympy.Expr):  # a split's pieces: their starts are sums of sizes already
+        start = expr_of(start or 0)
+    if start is None:
+        return None
     if start != 0 and (start.is_Number and start < 0 or exact_quotient(start, unit, w.sym) is None):
         return None
     outer = exact_quotient(length, unit, w.sym)

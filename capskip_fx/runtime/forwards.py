@@ -6,6 +6,8 @@ models interleaved).  The context lives exactly as long as that node: no registr
 """
 from __future__ import annotations
 
+import functools
+import re
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -24,8 +26,13 @@ AFTER_HEAD_REASON = ("the returned logits, or an output computed from them, come
                      "scale, bias, LayerNorm or Linear on the logits past a graph break or in eager code): the "
                      "rule's weights would not reach it, so no rule runs, dense backward (keep such a layer in "
                      "the head's graph, or apply a fixed scale as a number)")
-UNBOUND_REASON = ("the returned logits are not the output of a compiled graph (eager code after a graph "
-                  "break, or a head left out of a regional compile?): no rule runs, dense backward")
+OUTSIDE_GRAPH_REASON = ("an output of the forward is a parameter (or an input that requires grad) or a view of one "
+                        "(p.expand(N)), which AOTAutograd returns from outside the compiled graph: a loss on it "
+                        "would give that parameter every row's gradient, not the rule's; no rule runs, dense "
+                        "backward (compute it in the graph, p.expand(N) * 1, or keep the parameter in the model)")
+UNBOUND_REASON = ("the returned logits are not the output of a compiled graph, row for row (eager code after a "
+                  "graph break, a head left out of a regional compile, or eager ops after the head that move or "
+                  "mix rows: flip(0), cumsum(0), sort(0), log_softmax(dim=0), z[1:]): no rule runs, dense backward")
 
 
 @dataclass(eq=False)
@@ -54,7 +61,7 @@ class ForwardContext:
 def bind(fwd: ForwardContext, logits: Any) -> bool:
     """Attach ``fwd`` to the compiled function that produced ``logits``; False if there is none (eager
     logits after the compiled graphs) or it takes no attributes."""
-    node = _compiled_node(getattr(logits, "grad_fn", None))
+    node = head_node(logits)
     if node is None:
         return False
     try:
@@ -122,14 +129,14 @@ def outputs_after_head(out: Any, logits: Tensor) -> bool:
     another graph (a LayerNorm, a Linear or a learnable shift of the logits past a graph break or in eager
     code, returned beside them).  A loss on such an output would give those a gradient the rule does not
     weight.  Walks each other output's autograd graph down to the head's node, through any other node."""
-    head = _compiled_node(getattr(logits, "grad_fn", None))
+    head = head_node(logits)
     if head is None:
         return False
     for o in torch.utils._pytree.tree_leaves(out):
         if not isinstance(o, Tensor) or o is logits or o.grad_fn is None:
             continue
         start = o.grad_fn
-        if _compiled_node(start) is head:  # the head graph's own output: its graph is proven as a whole
+        if head_node(o) is head:  # the head graph's own output: its graph is proven as a whole
             continue
         seen, stack, reached, other = set(), [start], False, False
         while stack and not (reached and other):
@@ -150,6 +157,24 @@ def outputs_after_head(out: Any, logits: Tensor) -> bool:
     return False
 
 
+def outputs_outside_graph(out: Any, logits: Tensor) -> bool:
+    """Whether another output of the forward is a leaf that requires grad (a parameter) or a view of one:
+    AOTAutograd returns such an output from outside the compiled graph (it regenerates an alias of a graph
+    input after the graph), so the graph's row weights, which mask its batch-shaped outputs' tangents, never
+    reach it, and a per-row loss on ``p.expand(N)`` would give ``p`` every row's gradient."""
+    for o in torch.utils._pytree.tree_leaves(out):
+        if not isinstance(o, Tensor) or o is logits or not o.requires_grad:
+            continue
+        if o.grad_fn is None:  # a leaf itself
+            return True
+        if "CompiledFunction" in type(o.grad_fn).__name__:  # a graph's output (maybe a view of a buffer it made)
+            continue
+        base = o._base if o._is_view() else None
+        if base is not None and base.grad_fn is None and base.requires_grad:
+            return True
+    return False
+
+
 def logits_of(out: Any, index: Optional[int]) -> Optional[Tensor]:
     """The logits among a model's outputs: the tensor itself, the ``index``-th value of a tuple/list/dict,
     else a dict's ``logits`` (a Hugging Face ModelOutput), else the first 2-D tensor, else the first
@@ -165,11 +190,74 @@ def logits_of(out: Any, index: Optional[int]) -> Optional[Tensor]:
                 next((v for v in vals if isinstance(v, Tensor) and v.dim() == 3), None))
 
 
-def _compiled_node(node):
-    """The compiled function's autograd node under the views AOTAutograd replays on its outputs."""
-    for _ in range(4):
+def head_node(t: Any) -> Any:
+    """The autograd node of the compiled function whose output ``t`` is, row for row: ``t`` itself, a view of it
+    whose row b lies in its row b (AOTAutograd regenerates an output that aliases an intermediate as a view of
+    it), or either under eager ops that keep each row's gradient in its row (``_ROWWISE``).  None otherwise:
+    eager code that moves or mixes the rows (``flip(0)``, ``cumsum(0)``, ``sort(0)``, ``log_softmax(dim=0)``,
+    ``z[1:]``) would have the head weight other rows than the loss's, so no rule may run."""
+    if not isinstance(t, Tensor):
+        return None
+    if t._is_view():
+        if not _rows_inside(t, t._base):
+            return None
+        t = t._base
+    node = t.grad_fn
+    for _ in range(_EAGER_DEPTH):
         if node is None or "CompiledFunction" in type(node).__name__:
-            break
+            return node
         nxt = [f for f, _ in node.next_functions if f is not None]
-        node = nxt[0] if len(nxt) == 1 else None
-    return node
+        if len(nxt) != 1 or not _rowwise(node):
+            return None
+        node = nxt[0]
+    return None
+
+
+_EAGER_DEPTH = 8  # eager row-wise ops walked through between the head's graph and the returned logits
+
+
+def _rows_inside(v: Tensor, base: Tensor) -> bool:
+    """Row b of the view ``v`` lies within row b of its contiguous ``base`` (both split into ``v.shape[0]``
+    equal rows of memory): the view keeps each row in its row."""
+    if v.dim() == 0 or not base.is_contiguous() or v.shape[0] == 0 or base.numel() % v.shape[0]:
+        return False
+    row = base.numel() // v.shape[0]
+    rel = v.storage_offset() - base.storage_offset()
+    span = sum((size - 1) * stride for size, stride in zip(v.shape[1:], v.stride()[1:]))
+    return (v.shape[0] == 1 or v.stride(0) == row) and 0 <= rel and rel + span < row
+
+
+_COPIES = frozenset({"ToCopyBackward0", "CloneBackward0", "AliasBackward0"})
+_SOFTMAX = frozenset({"SoftmaxBackward0", "LogSoftmaxBackward0"})
+
+
+@functools.lru_cache(maxsize=None)
+def _pointwise_node(name: str) -> bool:
+    """The node class ``name`` (``MulBackward0``) is the backward of an aten op torch tags pointwise."""
+    m = re.fullmatch(r"([A-Za-z0-9]+?)Backward\d*", name)
+    if m is None:
+        return False
+    packet = getattr(torch.ops.aten, re.sub(r"(?<!^)(?=[A-Z])", "_", m.group(1)).lower(), None)
+    try:
+        overloads = [getattr(packet, o) for o in packet.overloads()] if packet is not None else []
+        # its functional overloads on a tensor (not .out, nor a SymInt's or a list's): all of them, since one
+        # node class may stand for several (MaxBackward0 is max.dim's, a reduction, beside max.other's)
+        tensor = [o for o in overloads if not o._schema.is_mutable and o._schema.arguments
+                  and isinstance(o._schema.arguments[0].type, torch.TensorType)]
+    except (AttributeError, RuntimeError):
+        return False
+    return bool(tensor) and all(torch.Tag.pointwise in o.tags for o in tensor)
+
+
+def _rowwise(node: Any) -> bool:
+    """An eager op of one gradient input whose backward keeps each row's gradient in its row: a pointwise op
+    (its other operands take no gradient, whatever they hold), a cast or copy, a softmax over another dim
+    than the batch's.  Views are not walked through here: without their input's sizes, their rows can't be
+    checked (head_node checks a view returned as the logits against its base)."""
+    name = type(node).__name__
+    if name in _COPIES:
+        return True
+    if name in _SOFTMAX:
+        result, dim = getattr(node, "_saved_result", None), getattr(node, "_saved_dim", None)
+        return isinstance(result, Tensor) and isinstance(dim, int) and result.dim() > 1 and dim % result.dim() != 0
+    return _pointwise_node(name)

@@ -32,7 +32,8 @@ from ..rules.base import HeadView, Rule, Selection
 from . import forwards
 from .checks import bad_targets_error, check_not_compiled_autograd, deferred_reason, fallback_reason, head_checks
 from .clock import StepClock, graph_task
-from .forwards import AFTER_HEAD_REASON, NO_HEAD_REASON, UNBOUND_REASON, ForwardContext, logits_of
+from .forwards import (AFTER_HEAD_REASON, NO_HEAD_REASON, OUTSIDE_GRAPH_REASON, UNBOUND_REASON, ForwardContext,
+                       logits_of)
 from .published import PublishedRows
 from .stats import RunSummary, StepStats
 from .view import global_view
@@ -79,7 +80,8 @@ def _print_summaries() -> None:
             print(str(run), file=sys.stderr)
 
 
-_AT_FORWARD = (UNBOUND_REASON, AFTER_HEAD_REASON)  # steps recorded dense at their forward: no graph selects
+# steps recorded dense at their forward: no graph selects
+_AT_FORWARD = (UNBOUND_REASON, AFTER_HEAD_REASON, OUTSIDE_GRAPH_REASON)
 
 
 class RuntimeState:
@@ -128,10 +130,13 @@ class RuntimeState:
         if isinstance(logits, Tensor):
             fwd.logits, fwd.logits_version = weakref.ref(logits), logits._version
         bound = forwards.bind(fwd, logits)
-        if bound and out is not None and forwards.outputs_after_head(out, logits):
-            fwd.dense_reason = AFTER_HEAD_REASON
-            self.warn_once(AFTER_HEAD_REASON)
-            self.record_dense_step(int(logits.shape[0]), AFTER_HEAD_REASON, at_forward=True)
+        if bound and out is not None:
+            reason = AFTER_HEAD_REASON if forwards.outputs_after_head(out, logits) else \
+                OUTSIDE_GRAPH_REASON if forwards.outputs_outside_graph(out, logits) else None
+            if reason is not None:
+                fwd.dense_reason = reason
+                self.warn_once(reason)
+                self.record_dense_step(int(logits.shape[0]), reason, at_forward=True)
         return bound
 
     def running_forward(self) -> tuple[bool, Optional[ForwardContext]]:

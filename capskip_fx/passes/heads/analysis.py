@@ -84,8 +84,11 @@ def _terms(z: fx.Node) -> Optional[list]:
         return [(1.0, m[0], m[1], p)]
     if p.target in (aten.mul.Tensor, aten.div.Tensor):
         a, c = p.args[0], p.args[1]
-        if p.target is aten.mul.Tensor and (constant(a) is not None or _scalar_tensor(a)):
+        if p.target is aten.mul.Tensor and (constant(a) is not None or _scalar_tensor(a)) and isinstance(c, fx.Node) \
+                and not _scalar_tensor(c):  # the scale first (2 * z): the other operand may be the head
             a, c = c, a
+        if not isinstance(a, fx.Node):
+            return None
         k = constant(c)
         if _scalar_tensor(c):
             inner = _terms(a)
