@@ -467,3 +467,50 @@ def test_an_output_returned_from_outside_the_graph_runs_dense(entry, how):
         ref.zero_grad()
         (rows(ref(x), y) * w).sum().div(N).backward()
         _assert_reference_grads(ref, model, f"step {step}", st)
+
+
+class _Scheduled(nn.Module):
+    """Logits over a temperature the training loop changes every step (a Python float): Dynamo recompiles
+    with it as a graph input, and the recompiled graph's logits are no longer a Linear scaled by a number."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.head = nn.Linear(6, 16), nn.Linear(16, 3)
+        self.temp = 1.0
+
+    def forward(self, x):
+        return self.head(torch.relu(self.a(x))) / self.temp
+
+
+@needs_batch_marking
+@pytest.mark.parametrize("entry", ["capskip_compile", "string"])
+def test_a_recompile_that_loses_the_head_records_its_dense_steps(entry):
+    """Every step is recorded (stats() moves on), and is either selected with the rule-weighted gradients or
+    dense with its reason and the dense gradients: never the dense gradients under an old step's selection."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = _Scheduled().double()
+    cm = _forced_rows(model, entry)
+    ref = copy.deepcopy(model)
+    modes = []
+    for step in range(4):
+        model.temp = ref.temp = 1.0 + 0.1 * step
+        x, y = torch.randn(N, 6, dtype=torch.float64), torch.randint(0, 3, (N,))
+        model.zero_grad()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            F.cross_entropy(cm(x), y).backward()
+        st = capskip_fx.stats(cm)
+        assert capskip_fx.summary(cm).steps == step + 1, f"step {step} not recorded: {capskip_fx.summary(cm)}"
+        if st.mode == "selected":
+            assert st.kept == 3 and st.fallback is None, f"step {step}: {st}"
+            w = st.weight.double()
+        else:
+            assert st.kept == N and st.fallback is not None, f"step {step}: a dense step without its reason: {st}"
+            w = torch.ones(N, dtype=torch.float64)
+        modes.append(st.mode)
+        ref.load_state_dict(model.state_dict())
+        ref.zero_grad()
+        (F.cross_entropy(ref(x), y, reduction="none") * w).sum().div(N).backward()
+        _assert_reference_grads(ref, model, f"step {step}", st)
+    assert "dense" in modes, f"the recompiled graph no longer holds a recognised head, yet no step ran dense: {modes}"

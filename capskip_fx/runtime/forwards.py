@@ -98,6 +98,20 @@ def upstream_graphs(node: Any) -> set:
     return found
 
 
+def has_upstream_graph(node: Any) -> bool:
+    """Whether a compiled function's autograd node lies upstream of ``node`` (stops at the first found)."""
+    seen, stack = set(), [f for f, _ in getattr(node, "next_functions", ())]
+    while stack:
+        f = stack.pop()
+        if f is None or id(f) in seen:
+            continue
+        if "CompiledFunction" in type(f).__name__:
+            return True
+        seen.add(id(f))
+        stack.extend(g for g, _ in f.next_functions)
+    return False
+
+
 def bypasses_upstream_graph(node: Any) -> bool:
     """Whether ``node``'s backward passes gradient both to a compiled function upstream (a head graph that
     may select rows) and to something else that function's row weights would not reach: a leaf (a

@@ -385,9 +385,16 @@ class RuntimeState:
     def body_backward(self, n: int, no_head: Optional[str] = None) -> None:
         """A body graph's backward.  After the head's (the usual order) nothing to do; first in its backward,
         no rule has run: the step is dense (replaced if a head graph of the same backward selects later)."""
-        if self.clock.claim() or self.bound_forwards:  # CapskipModule recorded it at its forward
+        if self.clock.claim():
             return
         reason = f"{no_head}: no rule runs, dense backward" if no_head else NO_HEAD_REASON
+        if self.bound_forwards:  # CapskipModule recorded a forward without a head graph at the forward ...
+            node = forwards.current_node()
+            if forwards.running_forward() is None or forwards.has_upstream_graph(node):
+                return  # ... or a head graph upstream of this one records the step
+            # the returned logits' own graph, with no head and no graph upstream (a recompile whose logits
+            # the head matcher no longer recognises, a temperature become a graph input): no rule runs
+            self.warn_once(reason)
         self.record_dense_step(n, self._eager_head_reason(reason), provisional=True)
 
     def record_dense_graph(self, n: int, reason: str) -> None:
