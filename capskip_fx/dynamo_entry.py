@@ -71,6 +71,14 @@ def capskip_backend(gm: fx.GraphModule, example_inputs, options: Optional[dict] 
         backend = _string_backend(opts, from_env)
         backend.options_key = key
     if owner is not None and key not in _BY_OWNER.get(owner, {}):
+        if frame_module is owner and getattr(owner, "_compiled_call_impl", None) is not None:
+            # the module compiled in place again, with other options: its compiled call is the new one's, so
+            # are stats() and report(); the earlier backends no longer run its forward, and the new call gets
+            # the binding and the batch marking the old one had
+            _BY_OWNER.pop(owner, None)
+            _OWNER_BOUND.discard(owner)
+            _MARKED.discard(owner)
+            _MARKS_RAN.pop(owner, None)
         _BY_OWNER.setdefault(owner, {})[key] = backend
         backend.state.published.owner = weakref.ref(owner)
         if owner not in _OWNER_BOUND:  # else bind() installed it before the first forward: it finds this backend
@@ -321,8 +329,12 @@ def _string_backend(opts: dict, from_env: bool) -> CapskipBackend:
 
 def backend_of(module) -> Optional[CapskipBackend]:
     """The string backend that compiled ``module`` (the module torch.compile returned, or the original),
-    the one holding its head graph when several settings compiled it; None if none did."""
-    found: list[CapskipBackend] = list(_BY_OWNER.get(module, {}).values()) if isinstance(module, torch.nn.Module) else []
+    the one holding its head graph when several settings compiled it (a module compiled in place again with
+    other options: the last compile's); None if none did."""
+    own: list[CapskipBackend] = list(_BY_OWNER.get(module, {}).values()) if isinstance(module, torch.nn.Module) else []
+    if own:  # the backends of its own forward (a module compiled in place again: the last one's)
+        return next((b for b in own if b.any_head), own[0])
+    found: list[CapskipBackend] = []
     inner = getattr(module, "_orig_mod", module)
     for p in inner.parameters() if isinstance(inner, torch.nn.Module) else ():
         for b in _BY_PARAM.get(p, {}).values():

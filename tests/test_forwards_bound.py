@@ -514,3 +514,43 @@ def test_a_recompile_that_loses_the_head_records_its_dense_steps(entry):
         (F.cross_entropy(ref(x), y, reduction="none") * w).sum().div(N).backward()
         _assert_reference_grads(ref, model, f"step {step}", st)
     assert "dense" in modes, f"the recompiled graph no longer holds a recognised head, yet no step ran dense: {modes}"
+
+
+@needs_batch_marking
+@pytest.mark.parametrize("mark", [False, True], ids=["unmarked", "marked"])
+def test_compiling_in_place_again_with_other_options_takes_over(mark):
+    """``m.compile(backend="capskip", options=...)`` a second time (other options mid-training): stats() and
+    the gradients follow the new options (after the new compile's static first batch, unless its batch is
+    marked), never the dense gradients under the old compile's last selection."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    m = _seq().double()
+    ref = copy.deepcopy(m)
+
+    def compile_keeping(rows):
+        m.compile(backend="capskip", options={**OPTS, "rule": "forced", "keep": lambda n: torch.tensor(rows)})
+        if mark:
+            capskip_fx.mark_compiled_batches(m)
+
+    def step():
+        x, y = torch.randn(N, 6, dtype=torch.float64), torch.randint(0, 3, (N,))
+        m.zero_grad()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            F.cross_entropy(m(x), y).backward()
+        st = capskip_fx.stats(m)
+        w = st.weight.double() if st.mode == "selected" else torch.ones(N, dtype=torch.float64)
+        ref.load_state_dict(m.state_dict())
+        ref.zero_grad()
+        (F.cross_entropy(ref(x), y, reduction="none") * w).sum().div(N).backward()
+        _assert_reference_grads(ref, m, f"step {st.step}", st)
+        return st
+
+    compile_keeping([1, 4, 6])
+    for _ in range(2):
+        step()
+    compile_keeping([0, 2])
+    sts = [step() for _ in range(3)]
+    assert [s.step for s in sts] == [0, 1, 2], f"stats() should read the new compile's steps: {sts}"
+    assert all(s.mode == "selected" and s.weight.nonzero().flatten().tolist() == [0, 2] for s in sts[1:]), sts
+    assert sts[0].mode == ("selected" if mark else "dense"), f"the new compile's first step: {sts[0]}"
