@@ -212,11 +212,13 @@ def head_node(t: Any) -> Any:
     ``z[1:]``) would have the head weight other rows than the loss's, so no rule may run."""
     if not isinstance(t, Tensor):
         return None
+    node = t.grad_fn
+    if node is not None and "CompiledFunction" in type(node).__name__:  # its output (a view made inside it too)
+        return node
     if t._is_view():
         if not _rows_inside(t, t._base):
             return None
-        t = t._base
-    node = t.grad_fn
+        node = t._base.grad_fn
     for _ in range(_EAGER_DEPTH):
         if node is None or "CompiledFunction" in type(node).__name__:
             return node
