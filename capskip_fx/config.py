@@ -97,9 +97,10 @@ class CapskipConfig:
             raise ValueError("vcas needs compiled graphs: use backend='inductor' or 'aot_eager', not 'eager'")
         if self.backend not in BACKENDS:
             raise ValueError(f"backend must be one of {BACKENDS}, got {self.backend!r}")
-        if not (isinstance(self.granule, int) and self.granule >= 1):
+        if not (isinstance(self.granule, int) and not isinstance(self.granule, bool) and self.granule >= 1):
             raise ValueError(f"granule must be a positive int, got {self.granule!r}")
-        if self.buckets is not None and not (isinstance(self.buckets, int) and self.buckets >= 1):
+        if self.buckets is not None and not (
+                isinstance(self.buckets, int) and not isinstance(self.buckets, bool) and self.buckets >= 1):
             raise ValueError(f"buckets must be a positive int or None, got {self.buckets!r}")
         if self.mode is not None:
             import torch._inductor

@@ -65,6 +65,7 @@ class RefusalKind(str, enum.Enum):
     LOGITS_NOT_KEPT = "logits not kept"  # the rule reads token logits its graph (built for another) did not keep
     AFTER_HEAD = "after the head"  # the returned logits' graph, after the head's, passes gradient the rows don't weight
     OUTSIDE_GRAPH = "output outside the graph"  # an output is a parameter or its view, returned from outside the graph
+    BEFORE_HEAD = "output before the head"  # an output holding the rows comes from a graph before the head's
 
 
 #: The one vocabulary for why a step was not ``selected``: compile-time refusals and run-time causes.
@@ -81,6 +82,7 @@ _REASON_KINDS = (
     ("the returned logits are not the output of a compiled graph", RefusalKind.EAGER_LOGITS),
     ("the returned logits, or an output computed from them", RefusalKind.AFTER_HEAD),
     ("an output of the forward is a parameter", RefusalKind.OUTSIDE_GRAPH),
+    ("an output of the forward holds the batch's rows but comes from a graph before", RefusalKind.BEFORE_HEAD),
     ("torch.compile produced no graph", RefusalKind.NO_GRAPH),
     ("Dynamo does not trace", RefusalKind.NO_GRAPH),
     ("no graph of this backward ran the rule", RefusalKind.NO_HEAD),

@@ -73,6 +73,14 @@ def test_budget_outside_unit_interval_raises_at_compile_everywhere(b):
         opt(torch.randn(4, 12))  # the string backend builds its rule when Dynamo hands it the graph
 
 
+@pytest.mark.parametrize("option,bad", [("buckets", True), ("buckets", 0), ("buckets", 2.0), ("granule", True),
+                                        ("granule", 0)])
+def test_count_options_take_positive_ints_only(option, bad):
+    """``buckets=True`` would read as one bucket (every step dense-masked, silently): refused, as 0 and 2.0."""
+    with pytest.raises(ValueError, match=f"{option} must be a positive int"):
+        capskip_fx.compile(Net(), **{option: bad})
+
+
 def test_unknown_rule_name_lists_valid_names_everywhere():
     valid = "valid names: " + ", ".join(sorted(capskip_fx.RULES))
     with pytest.raises(ValueError, match=valid):

@@ -554,3 +554,95 @@ def test_compiling_in_place_again_with_other_options_takes_over(mark):
     assert [s.step for s in sts] == [0, 1, 2], f"stats() should read the new compile's steps: {sts}"
     assert all(s.mode == "selected" and s.weight.nonzero().flatten().tolist() == [0, 2] for s in sts[1:]), sts
     assert sts[0].mode == ("selected" if mark else "dense"), f"the new compile's first step: {sts[0]}"
+
+
+@torch._dynamo.disable
+def _features_eagerly(a, x):
+    return torch.tanh(a(x))
+
+
+class _FeaturesOut(nn.Module):
+    """Logits beside the features the head reads, used by the loss too (a feature-norm term): from the head's
+    graph, from a graph ahead of a break before the head, from eager code, or detached."""
+
+    def __init__(self, where: str):
+        super().__init__()
+        self.where = where
+        self.a, self.head = nn.Linear(6, 16), nn.Linear(16, 3)
+
+    def forward(self, x):
+        h = _features_eagerly(self.a, x) if self.where == "eager" else torch.tanh(self.a(x))
+        if self.where == "break":
+            torch._dynamo.graph_break()
+        return self.head(h), (h.detach() if self.where == "detached" else h)
+
+
+@needs_batch_marking
+@pytest.mark.parametrize("entry", ["capskip_compile", "string"])
+@pytest.mark.parametrize("where", ["head_graph", "break", "eager", "detached"])
+def test_an_output_from_before_the_head_is_weighted_or_runs_dense(entry, where):
+    """A per-row loss term on an output that holds the batch's rows: from the head's graph its tangent is
+    weighted with the logits'; from a graph before the head's (or eager code) nothing weights it, so the
+    step runs dense, with the reason."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = _FeaturesOut(where).double()
+    cm = _forced_rows(model, entry, normalize="kept")
+    ref = copy.deepcopy(model)
+
+    def rows(out, y):
+        z, h = out
+        return F.cross_entropy(z, y, reduction="none") + h.pow(2).sum(1)
+
+    for step in range(2):
+        x, y = torch.randn(N, 6, dtype=torch.float64), torch.randint(0, 3, (N,))
+        model.zero_grad()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            rows(cm(x), y).sum().div(N).backward()
+        st = capskip_fx.stats(cm)
+        if where in ("head_graph", "detached"):
+            assert st.mode == "selected" and st.kept == 3 and st.fallback is None, f"step {step}: {st}"
+            w = st.weight.double()
+        else:
+            assert st.mode == "dense" and st.kept == N, f"step {step}: {st}"
+            # eager features reach the head's graph unmarked under capskip_fx.compile: a static batch first
+            kinds = ("output before the head", "static batch") if where == "eager" else ("output before the head",)
+            assert st.fallback.kind.value in kinds, f"step {step}: {st}"
+            w = torch.ones(N, dtype=torch.float64)
+        ref.load_state_dict(model.state_dict())
+        ref.zero_grad()
+        out = ref(x)
+        if where == "detached":
+            out = (out[0], out[1].detach())
+        (rows(out, y) * w).sum().div(N).backward()
+        _assert_reference_grads(ref, model, f"step {step}", st)
+
+
+@needs_batch_marking
+@pytest.mark.parametrize("body", ["other_rows", "random"])
+def test_layers_compiled_with_other_options_than_the_head_are_its_body(body):
+    """A per-layer compile whose body Linears got other options than the head (another backend, another rule
+    state): they lie upstream of the head that selected, so they run as its body, on its rows; they never
+    select rows of their own (which would zero the body's gradients where the two sets differ)."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(6, 16), nn.GELU(), nn.Linear(16, 16), nn.GELU(), nn.Linear(16, 3)).double()
+    ref = copy.deepcopy(m)
+    body_opts = {**OPTS, "rule": "forced", "keep": lambda n: torch.tensor([0, 2])} if body == "other_rows" else OPTS
+    for layer in (m[0], m[2]):
+        layer.compile(backend="capskip", options=body_opts)
+    m[4].compile(backend="capskip", options={**OPTS, "rule": "forced", "keep": lambda n: torch.tensor([1, 4, 6])})
+    capskip_fx.mark_compiled_batches(m)
+    for step in range(3):
+        x, y = torch.randn(N, 6, dtype=torch.float64), torch.randint(0, 3, (N,))
+        m.zero_grad()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            F.cross_entropy(m(x), y).backward()
+        st = capskip_fx.stats(m)
+        assert st.mode == "selected" and st.weight.nonzero().flatten().tolist() == [1, 4, 6], f"step {step}: {st}"
+        ref.load_state_dict(m.state_dict())
+        ref.zero_grad()
+        (F.cross_entropy(ref(x), y, reduction="none") * st.weight.double()).sum().div(N).backward()
+        _assert_reference_grads(ref, m, f"step {step}", st)

@@ -1,6 +1,7 @@
 """Every rule through the compiled model, and rule state surviving a checkpoint."""
 from __future__ import annotations
 
+import copy
 import io
 
 import pytest
@@ -72,6 +73,23 @@ def test_state_dict_roundtrip_gives_identical_decisions(name):
     resumed = [_step(cm2, x, y, i)[1] for x, y, i in batches[3:]]
     for a, b in zip(after, resumed):
         assert torch.equal(a, b), name
+
+
+@pytest.mark.parametrize("name", ["sb", "random", "kabena", "ub", "stale_sb"])
+def test_loading_a_state_saved_before_the_first_step_starts_over(name):
+    """A state saved before any step (no generator drawn yet), loaded into the same model after steps: the
+    next steps select as the first ones did (the generator reseeds, as a fresh run's)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(12, 16), nn.GELU(), nn.Linear(16, 5)).double()
+    cm = capskip_fx.compile(model, rule=make_rule(name, **RULE_OPTS.get(name, {})), backend="eager", seed=3)
+    batches = [(make_input("mlp", N, torch.float64, seed=s), torch.randint(0, 5, (N,)), torch.arange(N) + N * s)
+               for s in range(3)]
+    initial = copy.deepcopy(capskip_fx.state_dict(cm))
+    first = [_step(cm, x, y, i)[1] for x, y, i in batches]
+    capskip_fx.load_state_dict(cm, initial)
+    again = [_step(cm, x, y, i)[1] for x, y, i in batches]
+    for s, (a, b) in enumerate(zip(first, again)):
+        assert torch.equal(a, b), f"{name}, step {s}: {a.tolist()} after the reload, {b.tolist()} at first"
 
 
 def test_checkpoint_keys_are_the_models_and_nest():

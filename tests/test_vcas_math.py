@@ -635,6 +635,21 @@ def test_controller_state_dict_round_trip():
         "a loaded controller must continue exactly like the original after the same probe")
 
 
+def test_controller_loading_an_empty_state_starts_over():
+    """A runner saved before it existed (a state from before the first step) loads ``{}``: the controller is
+    then a fresh one, its sizes kept (rho and nu all ones, s 1, step 0)."""
+    cfg = VCAS(freq=7, tau_act=0.05)
+    c = VcasController(cfg)
+    c.ensure(3, 2)
+    fresh = c.state_dict()
+    c.update(_probe(sgd=1.0, act=1.0, w_var=[0.0, 1.0], w_sgd=[1.0, 1.0],
+                    norms=[torch.arange(1.0, 6.0), torch.ones(5), torch.tensor([9.0, 1, 0, 0, 0])]))
+    c.step = 15
+    assert c.state_dict() != fresh, "the probe should have moved the controller"
+    c.load_state_dict({})
+    assert c.state_dict() == fresh, f"an empty state should give a fresh controller: {c.state_dict()} vs {fresh}"
+
+
 @pytest.mark.parametrize("freq", [1, 3, 100])
 def test_controller_is_probe(freq):
     c = VcasController(VCAS(freq=freq))

@@ -467,12 +467,14 @@ class Rule:
 class SeededRule(Rule):
     """A rule that draws random numbers; list ``"generator_state"`` in ``_state_keys``."""
 
-    def __init__(self, seed: int = 0):
-        self.seed = int(seed)
+    def __init__(self, seed: Optional[int] = None):
+        # a seed of its own: its own generator; none: the runtime's (seeded by compile(seed=...))
+        self.own_seed = seed is not None
+        self.seed = 0 if seed is None else int(seed)
         self._generator: Optional[torch.Generator] = None
 
     def generator(self, view: HeadView) -> torch.Generator:
-        if view.generator is not None:
+        if view.generator is not None and not self.own_seed:
             return view.generator
         dev = view.z.device
         g = self._generator

@@ -85,7 +85,7 @@ class KABENA(SeededRule):
     _state_keys = ("generator_state",)
     journaled = True  # its one state, the generator, is noted where it draws (SeededRule.generator)
 
-    def __init__(self, tau: float = 0.1, pi_min: float = 0.1, bias: bool = True, seed: int = 0,
+    def __init__(self, tau: float = 0.1, pi_min: float = 0.1, bias: bool = True, seed: Optional[int] = None,
                  normalize: str = "batch"):
         super().__init__(seed)
         self.normalize = check_normalize(normalize, "kabena")  # "batch": HT with the 1/N denominator

@@ -37,7 +37,7 @@ class RandomSkip(SeededRule):
     _state_keys = ("generator_state", "match_state")
 
     def __init__(self, keep: Optional[float] = None, match: Union[None, str, Rule] = None,
-                 unbiased: bool = False, seed: int = 0, normalize: Optional[str] = None):
+                 unbiased: bool = False, seed: Optional[int] = None, normalize: Optional[str] = None):
         super().__init__(seed)
         if normalize is None:
             normalize = "kept" if unbiased else "batch"

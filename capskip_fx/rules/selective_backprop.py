@@ -105,7 +105,7 @@ class SelectiveBackprop(SeededRule):
     journaled = True  # a step notes the slots it writes: undone in O(N), whatever R
 
     def __init__(self, beta: float = 3.0, history: int = 1024, keep: Optional[float] = None,
-                 p_min: float = 0.0, sample: Optional[bool] = None, prime_epochs: int = 1, seed: int = 0,
+                 p_min: float = 0.0, sample: Optional[bool] = None, prime_epochs: int = 1, seed: Optional[int] = None,
                  normalize: str = "kept", start: float = 0.5, end: float = 0.9, interrupt: int = 2,
                  total_steps: Optional[int] = None, total_epochs: Optional[int] = None, min_keep: int = 0):
         super().__init__(seed)

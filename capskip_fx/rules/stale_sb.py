@@ -71,7 +71,7 @@ class StaleSB(SelectiveBackprop):
 
     def __init__(self, beta: float = 3.0, history: int = 1024, staleness: int = 2,
                  num_examples: Optional[int] = None, p_min: float = 0.0, prime_epochs: int = 1,
-                 seed: int = 0, normalize: str = "kept"):
+                 seed: Optional[int] = None, normalize: str = "kept"):
         super().__init__(beta=beta, history=history, p_min=p_min, prime_epochs=prime_epochs, seed=seed,
                          normalize=normalize)
         if int(staleness) < 0:

@@ -103,7 +103,7 @@ class UpperBoundIS(SeededRule):
     reads_logits = False  # its scores are ||dL/dz_i||
 
     def __init__(self, b: Union[None, int, float] = None, tau_th: Optional[float] = 2.0,
-                 momentum: float = 0.9, smooth: float = 0.0, seed: int = 0, off: str = "uniform",
+                 momentum: float = 0.9, smooth: float = 0.0, seed: Optional[int] = None, off: str = "uniform",
                  normalize: str = "batch"):
         super().__init__(seed)
         if isinstance(b, bool):

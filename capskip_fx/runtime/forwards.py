@@ -30,6 +30,10 @@ OUTSIDE_GRAPH_REASON = ("an output of the forward is a parameter (or an input th
                         "(p.expand(N)), which AOTAutograd returns from outside the compiled graph: a loss on it "
                         "would give that parameter every row's gradient, not the rule's; no rule runs, dense "
                         "backward (compute it in the graph, p.expand(N) * 1, or keep the parameter in the model)")
+BEFORE_HEAD_REASON = ("an output of the forward holds the batch's rows but comes from a graph before the head's "
+                      "(ahead of a graph break) or from eager code: a loss on it would give its rows' gradients to "
+                      "the parameters unweighted, the skipped rows' included; no rule runs, dense backward (return "
+                      "it from the head's graph: no graph break between it and the head)")
 UNBOUND_REASON = ("the returned logits are not the output of a compiled graph, row for row (eager code after a "
                   "graph break, a head left out of a regional compile, or eager ops after the head that move or "
                   "mix rows: flip(0), cumsum(0), sort(0), log_softmax(dim=0), z[1:]): no rule runs, dense backward")
@@ -146,29 +150,52 @@ def outputs_after_head(out: Any, logits: Tensor) -> bool:
     head = head_node(logits)
     if head is None:
         return False
-    for o in torch.utils._pytree.tree_leaves(out):
-        if not isinstance(o, Tensor) or o is logits or o.grad_fn is None:
-            continue
-        start = o.grad_fn
-        if head_node(o) is head:  # the head graph's own output: its graph is proven as a whole
-            continue
-        seen, stack, reached, other = set(), [start], False, False
-        while stack and not (reached and other):
-            f = stack.pop()
-            if f is None or id(f) in seen:
-                continue
-            seen.add(id(f))
-            if len(seen) > _WALK_LIMIT:
-                return True
-            if f is head:
-                reached = True
-                continue
-            nxt = list(f.next_functions)
-            other = other or not nxt  # a leaf (AccumulateGrad)
-            stack.extend(g for g, _ in nxt)
-        if reached and other:
+    for o in _other_outputs(out, logits, head):
+        reached, other = _walk_to(o.grad_fn, head)
+        if reached is None or (reached and other):
             return True
     return False
+
+
+def outputs_before_head(out: Any, logits: Tensor) -> bool:
+    """Whether another output of the forward holds the batch's rows (dim 0 of the logits' size) but does not
+    come from the head's graph: the output of a graph before a graph break ahead of the head, or of eager
+    code.  The row weights act in the head's graph and the graphs it feeds back into; a loss on such an
+    output gives its rows' gradients to the parameters unweighted (the rows the head skips included)."""
+    head = head_node(logits)
+    if head is None or logits.dim() == 0:
+        return False
+    for o in _other_outputs(out, logits, head):
+        if o.dim() > 0 and o.shape[0] == logits.shape[0] and _walk_to(o.grad_fn, head)[0] is False:
+            return True
+    return False
+
+
+def _other_outputs(out: Any, logits: Tensor, head: Any) -> list:
+    """The forward's outputs besides the logits that take gradient through a node of their own (not the head
+    graph's own outputs: its graph is proven as a whole)."""
+    return [o for o in torch.utils._pytree.tree_leaves(out)
+            if isinstance(o, Tensor) and o is not logits and o.grad_fn is not None and head_node(o) is not head]
+
+
+def _walk_to(start: Any, head: Any) -> tuple:
+    """(whether the autograd graph from ``start`` reaches ``head``, whether it reaches a leaf): walks until it
+    knows both; ``(None, None)`` past _WALK_LIMIT nodes."""
+    seen, stack, reached, other = set(), [start], False, False
+    while stack and not (reached and other):
+        f = stack.pop()
+        if f is None or id(f) in seen:
+            continue
+        seen.add(id(f))
+        if len(seen) > _WALK_LIMIT:
+            return None, None
+        if f is head:
+            reached = True
+            continue
+        nxt = list(f.next_functions)
+        other = other or not nxt  # a leaf (AccumulateGrad)
+        stack.extend(g for g, _ in nxt)
+    return reached, other
 
 
 def outputs_outside_graph(out: Any, logits: Tensor) -> bool:

@@ -32,8 +32,8 @@ from ..rules.base import HeadView, Rule, Selection
 from . import forwards
 from .checks import bad_targets_error, check_not_compiled_autograd, deferred_reason, fallback_reason, head_checks
 from .clock import StepClock, graph_task
-from .forwards import (AFTER_HEAD_REASON, NO_HEAD_REASON, OUTSIDE_GRAPH_REASON, UNBOUND_REASON, ForwardContext,
-                       logits_of)
+from .forwards import (AFTER_HEAD_REASON, BEFORE_HEAD_REASON, NO_HEAD_REASON, OUTSIDE_GRAPH_REASON, UNBOUND_REASON,
+                       ForwardContext, logits_of)
 from .published import PublishedRows
 from .stats import RunSummary, StepStats
 from .view import global_view
@@ -81,7 +81,16 @@ def _print_summaries() -> None:
 
 
 # steps recorded dense at their forward: no graph selects
-_AT_FORWARD = (UNBOUND_REASON, AFTER_HEAD_REASON, OUTSIDE_GRAPH_REASON)
+_AT_FORWARD = (UNBOUND_REASON, AFTER_HEAD_REASON, OUTSIDE_GRAPH_REASON, BEFORE_HEAD_REASON)
+
+
+# the running backward's heads, shared by every model's state: (graph task, head nodes, ids of the compiled
+# nodes upstream of them, how many heads were walked)
+_BACKWARD: list = [(None, [], set(), 0)]
+
+
+def _end_of_backward() -> None:
+    _BACKWARD[0] = (None, [], set(), 0)
 
 
 class RuntimeState:
@@ -109,7 +118,6 @@ class RuntimeState:
         self.published = PublishedRows()  # this backward's gathered input gradients, for the body graphs
         self._skipped: tuple = (None, None)  # (the last selection's weight, its rows of weight 0 or None)
         # (graph task, its selecting heads' nodes, the compiled nodes upstream of them, heads walked so far)
-        self._upstream: tuple = (None, [], set(), 0)
 
     # the clock's numbers and the step in progress, where the API, the backwards and checkpoints read them
     step = property(lambda self: self.clock.step, lambda self, v: setattr(self.clock, "step", v))
@@ -132,7 +140,8 @@ class RuntimeState:
         bound = forwards.bind(fwd, logits)
         if bound and out is not None:
             reason = AFTER_HEAD_REASON if forwards.outputs_after_head(out, logits) else \
-                OUTSIDE_GRAPH_REASON if forwards.outputs_outside_graph(out, logits) else None
+                OUTSIDE_GRAPH_REASON if forwards.outputs_outside_graph(out, logits) else \
+                BEFORE_HEAD_REASON if forwards.outputs_before_head(out, logits) else None
             if reason is not None:
                 fwd.dense_reason = reason
                 self.warn_once(reason)
@@ -166,16 +175,15 @@ class RuntimeState:
 
     def _heads(self) -> list:
         """The nodes of the heads that selected in the running backward, and of its refused heads (kept for
-        this backward only)."""
+        this backward only), whichever model's state they ran under: a graph compiled with other options
+        than the head's (a Linear of a per-layer compile) that lies upstream of it is a body of that head's
+        backward, not a head with its own selection."""
         task = graph_task()
-        if self._upstream[0] != task:
-            self._upstream = (task, [], set(), 0)
+        if _BACKWARD[0][0] != task:
+            _BACKWARD[0] = (task, [], set(), 0)
             # nodes hold the autograd graph's structure: dropped when this backward ends
-            torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
-        return self._upstream[1]
-
-    def _end_of_backward(self) -> None:
-        self._upstream = (None, [], set(), 0)
+            torch.autograd.Variable._execution_engine.queue_callback(_end_of_backward)
+        return _BACKWARD[0][1]
 
     def refused_backward(self) -> bool:
         """A refused graph's backward (dense).  If a forward bound it (it returned that forward's logits), it
@@ -211,10 +219,10 @@ class RuntimeState:
         The autograd graph is walked only when an unbound head graph asks (per-layer compile, a first step),
         from the heads not walked yet: a model whose forwards are all bound never walks it."""
         heads = self._heads()
-        task, _, upstream, walked = self._upstream
+        task, _, upstream, walked = _BACKWARD[0]
         for h in heads[walked:]:
             upstream.update(forwards.upstream_graphs(h))
-        self._upstream = (task, heads, upstream, len(heads))
+        _BACKWARD[0] = (task, heads, upstream, len(heads))
         return id(node) in upstream
 
     def generator(self, device: torch.device) -> torch.Generator:
@@ -438,8 +446,10 @@ class RuntimeState:
         self.step = state.get("step", 0)
         self.epoch = state.get("epoch", 0)
         self._pending_runners = list(state.get("runners", state.get("vcas", [])))  # "vcas": older checkpoints
-        for r, st in zip(self.runners, self._pending_runners):
-            r.load_state_dict(st)
+        for i, r in enumerate(self.runners):  # one saved before it existed (before the first step): fresh
+            r.load_state_dict(self._pending_runners[i] if i < len(self._pending_runners) else {})
         if state.get("generator") is not None:
             self._generator = torch.Generator(device=state.get("generator_device") or "cpu")
             self._generator.set_state(state["generator"])
+        else:  # saved before its first draw: the next draw reseeds with ``seed``, as a fresh run's does
+            self._generator = None

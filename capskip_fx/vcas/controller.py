@@ -228,8 +228,8 @@ class VcasController:
 
     def load_state_dict(self, state: dict) -> None:
         self.s = float(state.get("s", 1.0))
-        self.rho = list(state.get("rho", self.rho))
-        self.nu = list(state.get("nu", self.nu))
+        self.rho = list(state.get("rho", [1.0] * len(self.rho)))  # missing: a fresh controller's
+        self.nu = list(state.get("nu", [1.0] * len(self.nu)))
         self.step = int(state.get("step", 0))
         self.probes_done = int(state.get("probes_done", 0))
         self.flops_mean = float(state.get("flops_mean", 1.0))
