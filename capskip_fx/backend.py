@@ -19,7 +19,7 @@ from torch import fx
 from . import aot_cache
 from .config import CapskipConfig
 from .passes import pipeline
-from .records import BackwardMode, CompileRecord, GraphRecord, Refusal, RefusalKind, counters
+from .records import ONE_ROW_NOTE, BackwardMode, CompileRecord, GraphRecord, Refusal, RefusalKind, counters
 from .functions import undeclared_function
 from .runtime.backward import SelectedRowBackward
 from .runtime.executors import Dense, MaskedInGraph
@@ -215,7 +215,7 @@ class CapskipBackend:
         """A pipeline result into the graph's record (the one path a compile-time refusal takes): the
         graph's first refusal is counted (GraphRecord.settle) and warned once."""
         refusal = rec.settle(**fields)
-        if refusal is not None:
+        if refusal is not None and refusal.detail != ONE_ROW_NOTE:  # a batch of 1: by design, no warning
             where = f" [{refusal.where}]" if refusal.where else ""
             runs = ("dense backward for this graph: all rows, the rule's weights applied (dense-masked: exact, "
                     "no speed-up)" if fields.get("backward") == BackwardMode.DENSE_MASKED else

@@ -68,6 +68,10 @@ class RefusalKind(str, enum.Enum):
     BEFORE_HEAD = "output before the head"  # an output holding the rows comes from a graph before the head's
 
 
+#: a graph specialised to a batch of 1 (a ragged last batch, string backend): its dense step is by design
+ONE_ROW_NOTE = ("a batch of size 1: Dynamo specialises its batch dim (a graph of its own for this size), whose "
+                "backward could not drop rows anyway: dense backward, by design")
+
 #: The one vocabulary for why a step was not ``selected``: compile-time refusals and run-time causes.
 FallbackKind = RefusalKind
 

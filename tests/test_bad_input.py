@@ -21,6 +21,7 @@ from capskip_fx.rules import CAPSkip, make_rule
 
 from conftest import max_rel_err, reference_grads
 from helpers.models import MLP, grads
+from helpers.torch_features import needs_batch_marking
 
 pytestmark = pytest.mark.usefixtures("many_compiles")  # conftest: every test compiles its own model
 
@@ -238,6 +239,29 @@ def test_softmax_losses_are_not_mistaken_for_mse(loss):
 
 
 # ---------------------------------------------------------------- batches
+
+@needs_batch_marking
+def test_batch_of_one_under_the_string_backend_is_dense_by_design_without_a_warning():
+    """A ragged last batch of 1 under ``backend="capskip"``: Dynamo specialises a graph for it, whose dense step
+    is by design (a note, no fallback, no warning), not a "no classifier head" refusal."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(12, 16), nn.GELU(), nn.Linear(16, C))
+    cm = torch.compile(model, backend="capskip", options={"rule": "forced", "keep": 0.5, "backend": "aot_eager"})
+    capskip_fx.mark_compiled_batches(cm)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for n in (N, 1, N):
+            F.cross_entropy(cm(torch.randn(n, 12)), torch.randint(0, C, (n,))).backward()
+            st = capskip_fx.stats(cm)
+            if n == 1:
+                assert st.mode == "dense" and st.fallback is None and "size 1" in (st.note or ""), st
+            else:
+                assert st.mode == "selected", st
+    said = [str(w.message) for w in caught if "capskip_fx" in str(w.message)]
+    assert not said, f"a batch of 1 is by design: no warning, got {said}"
+    run = capskip_fx.summary(cm)
+    assert run.steps == 3 and not run.fallbacks and sum(run.dense_by_design.values()) == 1, run
+
 
 def test_batch_of_one_is_dense_with_reason_and_no_recompile():
     model, cm = _net(rule="capskip", budget=1.0)

@@ -41,11 +41,12 @@ from dataclasses import dataclass, field, replace
 from types import MappingProxyType
 from typing import Any, Callable, Mapping, Optional
 
+import torch
 from torch import fx
 from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
 
 from ..placement import backward_nodes
-from ..records import BackwardMode, Refusal, RefusalKind, Refused, counters
+from ..records import ONE_ROW_NOTE, BackwardMode, Refusal, RefusalKind, Refused, counters
 from ..symbolic import batch_symbol_of, check_not_specialised
 from . import insert_select
 from .find_head import find_head
@@ -149,13 +150,23 @@ def joint(graph: fx.Graph, ctx: JointContext) -> Optional[JointResult]:
 def _body(graph: fx.Graph, ctx: JointContext, no_head: Refusal) -> JointResult:
     sym = insert_select.body_symbol(graph)
     if sym is None:
-        return _refused(no_head, ctx)
+        # a ragged last batch of 1 (the head matcher sees its specialised graph): say so, not "no head"
+        return _refused(Refusal(RefusalKind.STATIC_BATCH, ONE_ROW_NOTE) if _one_row(graph) else no_head, ctx)
     try:
         layouts = insert_select.prove_layout(graph, sym)
         masked = insert_select.select_body(graph, sym, ctx.key)
     except Refused as e:
         return _refused(e.refusal, ctx)
     return JointResult(body=True, no_head=no_head.detail, masked_tangents=masked, layouts=MappingProxyType(layouts))
+
+
+def _one_row(graph: fx.Graph) -> bool:
+    """The first output's tangent (the logits') has a static dim 0 of 1: a graph specialised to one row."""
+    for n in insert_select.tangents(graph):
+        v = n.meta.get("val")
+        if isinstance(v, torch.Tensor) and v.dim() >= 1:
+            return isinstance(v.shape[0], int) and v.shape[0] == 1
+    return False
 
 
 def _refused(refusal: Refusal, ctx: JointContext) -> JointResult:

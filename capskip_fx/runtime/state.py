@@ -27,7 +27,7 @@ from typing import Any, Optional
 import torch
 from torch import Tensor
 
-from ..records import Fallback, RefusalKind, fallback_kind
+from ..records import ONE_ROW_NOTE, Fallback, RefusalKind, fallback_kind
 from ..rules.base import HeadView, Rule, Selection
 from . import forwards
 from .checks import bad_targets_error, check_not_compiled_autograd, deferred_reason, fallback_reason, head_checks
@@ -408,6 +408,11 @@ class RuntimeState:
     def record_dense_graph(self, n: int, reason: str) -> None:
         """A refused graph's dense backward (string backend): the step's stats, once per backward, unless
         a selecting graph already recorded this backward."""
+        if str(reason) == ONE_ROW_NOTE:  # a batch of 1: dense by design, a note, not a fallback
+            if not self.clock.claim():
+                self.record_dense_step(n, None, provisional=True)
+                self.last.note = ONE_ROW_NOTE
+            return
         if self.clock.claim():
             # a refused graph says why no rule ran better than a body graph's "no head" (its backward ran first)
             provisional_no_head = self.last.provisional and fallback_kind(self.last._fallback) is RefusalKind.NO_HEAD
