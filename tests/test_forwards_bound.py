@@ -646,3 +646,55 @@ def test_layers_compiled_with_other_options_than_the_head_are_its_body(body):
         ref.zero_grad()
         (F.cross_entropy(ref(x), y, reduction="none") * st.weight.double()).sum().div(N).backward()
         _assert_reference_grads(ref, m, f"step {step}", st)
+
+
+class _FeaturesAfterEager(nn.Module):
+    """Logits beside the head graph's features passed through eager code: row-wise (a scale) or moving rows
+    (flip over the batch)."""
+
+    def __init__(self, what: str):
+        super().__init__()
+        self.a, self.head = nn.Linear(6, 16), nn.Linear(16, 3)
+        self.post = torch._dynamo.disable((lambda t: t * 2.0) if what == "scale" else (lambda t: t.flip(0)))
+
+    def forward(self, x):
+        h = torch.tanh(self.a(x))
+        return self.head(h), self.post(h)
+
+
+@needs_batch_marking
+@pytest.mark.parametrize("entry", ["capskip_compile", "string"])
+@pytest.mark.parametrize("what", ["scale", "flip"])
+def test_another_output_through_eager_code_keeps_its_rows_or_runs_dense(entry, what):
+    """Another output of the head's graph passed through eager code before the loss: row-wise eager ops keep
+    the head's row weights on the loss's rows; an op that moves rows would put them on other rows, so that
+    step runs dense, with the reason."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = _FeaturesAfterEager(what).double()
+    cm = _forced_rows(model, entry)
+    ref = copy.deepcopy(model)
+    scale = torch.arange(1.0, N + 1, dtype=torch.float64)  # row-dependent, so moved rows would show
+
+    def rows(out, y):
+        z, f = out
+        return F.cross_entropy(z, y, reduction="none") + f.pow(2).sum(1) * scale
+
+    for step in range(2):
+        x, y = torch.randn(N, 6, dtype=torch.float64), torch.randint(0, 3, (N,))
+        model.zero_grad()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            rows(cm(x), y).sum().div(N).backward()
+        st = capskip_fx.stats(cm)
+        if what == "scale":
+            assert st.mode == "selected" and st.kept == 3 and st.fallback is None, f"step {step}: {st}"
+            w = st.weight.double()
+        else:
+            assert st.mode == "dense" and st.kept == N, f"step {step}: {st}"
+            assert st.fallback.kind.value == "after the head", f"step {step}: {st}"
+            w = torch.ones(N, dtype=torch.float64)
+        ref.load_state_dict(model.state_dict())
+        ref.zero_grad()
+        (rows(ref(x), y) * w).sum().div(N).backward()
+        _assert_reference_grads(ref, model, f"step {step}", st)

@@ -23,9 +23,10 @@ NO_HEAD_REASON = ("no graph of this backward ran the rule (a model compiled in p
                   "capskip_fx.mark_compiled_batches; or the logits come from eager code): dense backward")
 AFTER_HEAD_REASON = ("the returned logits, or an output computed from them, come from code after the head's "
                      "graph that also passes gradient to something the head's rows do not weight (a learnable "
-                     "scale, bias, LayerNorm or Linear on the logits past a graph break or in eager code): the "
-                     "rule's weights would not reach it, so no rule runs, dense backward (keep such a layer in "
-                     "the head's graph, or apply a fixed scale as a number)")
+                     "scale, bias, LayerNorm or Linear on the logits past a graph break or in eager code), or "
+                     "eager code there moves the rows (flip(0), sort(0)): the rule's weights would not reach it "
+                     "or would land on other rows, so no rule runs, dense backward (keep such code in the head's "
+                     "graph, or apply a fixed scale as a number)")
 OUTSIDE_GRAPH_REASON = ("an output of the forward is a parameter (or an input that requires grad) or a view of one "
                         "(p.expand(N)), which AOTAutograd returns from outside the compiled graph: a loss on it "
                         "would give that parameter every row's gradient, not the rule's; no rule runs, dense "
@@ -152,7 +153,9 @@ def outputs_after_head(out: Any, logits: Tensor) -> bool:
         return False
     for o in _other_outputs(out, logits, head):
         reached, other = _walk_to(o.grad_fn, head)
-        if reached is None or (reached and other):
+        # reached through eager code that is not row-wise (flip(0) of the head graph's features): the head's
+        # row weights would land on other rows than the loss's
+        if reached is None or (reached and (other or head_node(o) is None)):
             return True
     return False
 
