@@ -649,29 +649,35 @@ def test_layers_compiled_with_other_options_than_the_head_are_its_body(body):
 
 
 class _FeaturesAfterEager(nn.Module):
-    """Logits beside the head graph's features passed through eager code: row-wise (a scale) or moving rows
-    (flip over the batch)."""
+    """Logits beside the head graph's features passed through eager code or through a graph of their own past a
+    graph break: row-wise (a scale) or moving rows (flip over the batch)."""
 
-    def __init__(self, what: str):
+    def __init__(self, what: str, where: str = "eager"):
         super().__init__()
         self.a, self.head = nn.Linear(6, 16), nn.Linear(16, 3)
-        self.post = torch._dynamo.disable((lambda t: t * 2.0) if what == "scale" else (lambda t: t.flip(0)))
+        post = (lambda t: t * 2.0) if what == "scale" else (lambda t: t.flip(0))
+        self.where = where
+        self.post = torch._dynamo.disable(post) if where == "eager" else post
 
     def forward(self, x):
         h = torch.tanh(self.a(x))
-        return self.head(h), self.post(h)
+        z = self.head(h)
+        if self.where == "break":  # the next graph (refused for flip: its rows are not proven to stay rows)
+            torch._dynamo.graph_break()
+        return z, self.post(h)
 
 
 @needs_batch_marking
 @pytest.mark.parametrize("entry", ["capskip_compile", "string"])
+@pytest.mark.parametrize("where", ["eager", "break"])
 @pytest.mark.parametrize("what", ["scale", "flip"])
-def test_another_output_through_eager_code_keeps_its_rows_or_runs_dense(entry, what):
-    """Another output of the head's graph passed through eager code before the loss: row-wise eager ops keep
-    the head's row weights on the loss's rows; an op that moves rows would put them on other rows, so that
-    step runs dense, with the reason."""
+def test_another_output_through_eager_code_keeps_its_rows_or_runs_dense(entry, where, what):
+    """Another output of the head's graph passed through eager code or a later graph before the loss: row-wise
+    code keeps the head's row weights on the loss's rows; code that moves rows would put them on other rows,
+    so that step runs dense, with the reason."""
     torch._dynamo.reset()
     torch.manual_seed(0)
-    model = _FeaturesAfterEager(what).double()
+    model = _FeaturesAfterEager(what, where).double()
     cm = _forced_rows(model, entry)
     ref = copy.deepcopy(model)
     scale = torch.arange(1.0, N + 1, dtype=torch.float64)  # row-dependent, so moved rows would show

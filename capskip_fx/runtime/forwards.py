@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 import re
+import weakref
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -24,9 +25,10 @@ NO_HEAD_REASON = ("no graph of this backward ran the rule (a model compiled in p
 AFTER_HEAD_REASON = ("the returned logits, or an output computed from them, come from code after the head's "
                      "graph that also passes gradient to something the head's rows do not weight (a learnable "
                      "scale, bias, LayerNorm or Linear on the logits past a graph break or in eager code), or "
-                     "eager code there moves the rows (flip(0), sort(0)): the rule's weights would not reach it "
-                     "or would land on other rows, so no rule runs, dense backward (keep such code in the head's "
-                     "graph, or apply a fixed scale as a number)")
+                     "code there may move the rows (flip(0), sort(0), softmax over the batch: eager code, or a "
+                     "graph past a break that is refused): the rule's weights would not reach it or would land "
+                     "on other rows, so no rule runs, dense backward (keep such code in the head's graph, or "
+                     "apply a fixed scale as a number)")
 OUTSIDE_GRAPH_REASON = ("an output of the forward is a parameter (or an input that requires grad) or a view of one "
                         "(p.expand(N)), which AOTAutograd returns from outside the compiled graph: a loss on it "
                         "would give that parameter every row's gradient, not the rule's; no rule runs, dense "
@@ -142,21 +144,58 @@ def bypasses_upstream_graph(node: Any) -> bool:
 _WALK_LIMIT = 20_000  # autograd nodes one forward's check may visit (past it: assumed after the head)
 
 
-def outputs_after_head(out: Any, logits: Tensor) -> bool:
+# outputs of the graphs this forward ran that are not proven to keep their rows (a refused graph: flip(0),
+# softmax over the batch past a graph break); id -> tensor, dropped with the tensor
+_UNPROVEN: "weakref.WeakValueDictionary[int, Tensor]" = weakref.WeakValueDictionary()
+
+
+def note_unproven(outs: list) -> None:
+    """A refused graph's outputs, from inside its compiled forward (they get their grad_fn after)."""
+    for o in outs:
+        if isinstance(o, Tensor):
+            _UNPROVEN[id(o)] = o
+
+
+def take_unproven() -> frozenset:
+    """The autograd nodes of the refused graphs run since the last call (ids), and forget them."""
+    nodes = frozenset(id(o.grad_fn) for o in list(_UNPROVEN.values()) if o.grad_fn is not None)
+    _UNPROVEN.clear()
+    return nodes
+
+
+def outputs_after_head(out: Any, logits: Tensor, unproven: frozenset = frozenset()) -> bool:
     """Whether another output of the forward is computed from the logits' head graph together with something
     that graph's row weights would not reach: a leaf (a parameter, an input that requires grad) or a value of
     another graph (a LayerNorm, a Linear or a learnable shift of the logits past a graph break or in eager
     code, returned beside them).  A loss on such an output would give those a gradient the rule does not
-    weight.  Walks each other output's autograd graph down to the head's node, through any other node."""
+    weight.  Or through code that may move its rows: eager code that is not row-wise, or a graph not proven
+    row-wise (``unproven``: take_unproven's nodes).  Walks each other output's autograd graph down to the
+    head's node, through any other node."""
     head = head_node(logits)
     if head is None:
         return False
     for o in _other_outputs(out, logits, head):
         reached, other = _walk_to(o.grad_fn, head)
-        # reached through eager code that is not row-wise (flip(0) of the head graph's features): the head's
-        # row weights would land on other rows than the loss's
-        if reached is None or (reached and (other or head_node(o) is None)):
+        # reached through code that is not row-wise (flip(0) of the head graph's features, in eager code or
+        # in a refused graph): the head's row weights would land on other rows than the loss's
+        if reached is None or (reached and (other or head_node(o) is None or _through(o.grad_fn, unproven, head))):
             return True
+    return False
+
+
+def _through(start: Any, nodes: frozenset, head: Any) -> bool:
+    """Whether a path from ``start`` to ``head`` passes one of ``nodes`` (ids)."""
+    if not nodes:
+        return False
+    seen, stack = set(), [start]
+    while stack:
+        f = stack.pop()
+        if f is None or f is head or id(f) in seen:
+            continue
+        seen.add(id(f))
+        if id(f) in nodes and _walk_to(f, head)[0] is not False:
+            return True
+        stack.extend(g for g, _ in f.next_functions)
     return False
 
 

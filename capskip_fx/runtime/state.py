@@ -138,8 +138,9 @@ class RuntimeState:
         if isinstance(logits, Tensor):
             fwd.logits, fwd.logits_version = weakref.ref(logits), logits._version
         bound = forwards.bind(fwd, logits)
+        unproven = forwards.take_unproven()
         if bound and out is not None:
-            reason = AFTER_HEAD_REASON if forwards.outputs_after_head(out, logits) else \
+            reason = AFTER_HEAD_REASON if forwards.outputs_after_head(out, logits, unproven) else \
                 OUTSIDE_GRAPH_REASON if forwards.outputs_outside_graph(out, logits) else \
                 BEFORE_HEAD_REASON if forwards.outputs_before_head(out, logits) else None
             if reason is not None:
