@@ -92,8 +92,9 @@ def capskip_backend(gm: fx.GraphModule, example_inputs, options: Optional[dict] 
     _LAST[0] = weakref.ref(backend)
     _pin_to_module(gm)
     # only where the batch came static: a mark added on a frame traced dynamic would recompile it for nothing
-    if frame_module is not None and _static_batch(gm) and install_batch_marking(frame_module) \
-            and not _MARKS_RAN.get(frame_module, False):
+    # (a batch of 1 is specialised whatever the marks: compiled, its step recorded dense by design)
+    if frame_module is not None and _static_batch(gm) and not _one_row(example_inputs) \
+            and install_batch_marking(frame_module) and not _MARKS_RAN.get(frame_module, False):
         return _StaticFirst(gm, backend)
     return backend(gm, example_inputs)  # a static batch with marks on: the model specialises it (refused, said)
 
@@ -407,6 +408,13 @@ def install_batch_marking(module: torch.nn.Module) -> bool:
         return False
     _MARKED.add(module)
     return True
+
+
+def _one_row(example_inputs) -> bool:
+    """The frame's first tensor argument that is not a parameter (the batch) has one row."""
+    rows = [t for t in example_inputs if isinstance(t, torch.Tensor) and not isinstance(t, torch.nn.Parameter)
+            and t.dim() > 0]
+    return bool(rows) and rows[0].shape[0] == 1
 
 
 def _static_batch(gm: fx.GraphModule) -> bool:

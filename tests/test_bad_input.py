@@ -241,16 +241,21 @@ def test_softmax_losses_are_not_mistaken_for_mse(loss):
 # ---------------------------------------------------------------- batches
 
 @needs_batch_marking
-def test_batch_of_one_under_the_string_backend_is_dense_by_design_without_a_warning():
+@pytest.mark.parametrize("how", ["marked", "dynamic", "first"])
+def test_batch_of_one_under_the_string_backend_is_dense_by_design_without_a_warning(how):
     """A ragged last batch of 1 under ``backend="capskip"``: Dynamo specialises a graph for it, whose dense step
-    is by design (a note, no fallback, no warning), not a "no classifier head" refusal."""
+    is by design (a note, no fallback, no warning), not a "no classifier head" refusal; one step, counted once,
+    whether the batches were marked, compiled with ``dynamic=True`` (no marks: not taken for a static first
+    batch) or the batch of 1 comes first."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(12, 16), nn.GELU(), nn.Linear(16, C))
-    cm = torch.compile(model, backend="capskip", options={"rule": "forced", "keep": 0.5, "backend": "aot_eager"})
-    capskip_fx.mark_compiled_batches(cm)
+    cm = torch.compile(model, backend="capskip", options={"rule": "forced", "keep": 0.5, "backend": "aot_eager"},
+                       dynamic=True if how == "dynamic" else None)
+    if how != "dynamic":
+        capskip_fx.mark_compiled_batches(cm)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        for n in (N, 1, N):
+        for n in ((1, N, N) if how == "first" else (N, 1, N)):
             F.cross_entropy(cm(torch.randn(n, 12)), torch.randint(0, C, (n,))).backward()
             st = capskip_fx.stats(cm)
             if n == 1:
