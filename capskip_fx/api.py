@@ -89,8 +89,8 @@ class CapskipModule(nn.Module):
             # a batch of 1 specialises the batch dim: a recompile (an Inductor compile per ragged last
             # batch) whose backward can't drop rows anyway.  The eager model is the same dense step.
             out = self.model(*args, **kwargs)
-            self._state.record_dense_step(1, None)
-            self._state.clock.last.note = _N1_NOTE  # by design, as the static first batch: not a fallback
+            # by design, as the static first batch: not a fallback; counted in the step of its backward
+            self._state.one_row_forward(logits_of(out, self._backend.logits_index), _N1_NOTE)
             return out
         if self.config.dynamic_batch and n >= 2:
             mark_batch_dynamic((args, kwargs))  # n, as _batch_size finds it: the first tensor's dim 0

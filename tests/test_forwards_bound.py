@@ -704,3 +704,37 @@ def test_another_output_through_eager_code_keeps_its_rows_or_runs_dense(entry, w
         ref.zero_grad()
         (rows(ref(x), y) * w).sum().div(N).backward()
         _assert_reference_grads(ref, model, f"step {step}", st)
+
+
+@needs_batch_marking
+@pytest.mark.parametrize("entry", ["capskip_compile", "string"])
+@pytest.mark.parametrize("order", ["full_first", "one_first"])
+def test_a_batch_of_one_beside_another_forward_is_one_forward_of_the_step(entry, order):
+    """A forward of one row (dense by design) and a full batch's, back-propagated together: one step whose
+    forwards are both (n = N + 1, the full batch's rows selected, the row of one kept), one step per backward
+    in the summary, and gradients as the reference's with the full batch's weights and the one row's 1."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = _Custom().double()
+    cm = _forced_rows(model, entry)
+    ref = copy.deepcopy(model)
+    sizes = (N, 1) if order == "full_first" else (1, N)
+    for step in range(3):
+        xs = [torch.randn(n, 6, dtype=torch.float64) for n in sizes]
+        ys = [torch.randint(0, 3, (n,)) for n in sizes]
+        model.zero_grad()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            sum(F.cross_entropy(cm(x), y, reduction="sum") for x, y in zip(xs, ys)).backward()
+        st = capskip_fx.stats(cm)
+        assert st.n == N + 1 and st.kept == 4 and st.mode == "selected" and len(st.forwards) == 2, f"step {step}: {st}"
+        one = next(f for f in st.forwards if f.n == 1)
+        assert one.mode == "dense" and one.fallback is None and one.note, f"step {step}: {one}"
+        w = next(f for f in st.forwards if f.n == N).weight.double()
+        ref.load_state_dict(model.state_dict())
+        ref.zero_grad()
+        sum((F.cross_entropy(ref(x), y, reduction="none") * (w if x.shape[0] == N else 1.0)).sum()
+            for x, y in zip(xs, ys)).backward()
+        _assert_reference_grads(ref, model, f"step {step}", st)
+    run = capskip_fx.summary(cm)
+    assert run.steps == 3 and not run.fallbacks, run

@@ -244,7 +244,7 @@ class Dense:
         # the step: recorded here without bound forwards; with them, here too when this graph returned the logits
         # (CapskipModule records at the forward only where no graph has a head; record_dense_graph keeps that one)
         if (head or not self.state.bound_forwards) and self.batch_arg is not None:
-            self.state.record_dense_graph(int(args[self.batch_arg].shape[0]), self.reason)
+            self.state.record_dense_graph(int(args[self.batch_arg].shape[0]), self.reason, head)
         if self.record is not None:
             self.record.ran("dense", self.reason)
         return self.compiled(args)

@@ -406,11 +406,13 @@ class RuntimeState:
             self.warn_once(reason)
         self.record_dense_step(n, self._eager_head_reason(reason), provisional=True)
 
-    def record_dense_graph(self, n: int, reason: str) -> None:
+    def record_dense_graph(self, n: int, reason: str, head: bool = False) -> None:
         """A refused graph's dense backward (string backend): the step's stats, once per backward, unless
-        a selecting graph already recorded this backward."""
+        a selecting graph already recorded this backward.  ``head``: the graph returned its forward's logits."""
         if str(reason) == ONE_ROW_NOTE:  # a batch of 1: dense by design, a note, not a fallback
-            if not self.clock.claim():
+            if head:
+                self.one_row_backward(n, ONE_ROW_NOTE)
+            elif not self.clock.claim():
                 self.record_dense_step(n, None, provisional=True)
                 self.last.note = ONE_ROW_NOTE
             return
@@ -420,6 +422,27 @@ class RuntimeState:
             self.last.fallback = reason if provisional_no_head else self.last.fallback or reason
             return
         self.record_dense_step(n, self._eager_head_reason(reason), provisional=True)
+
+    def one_row_forward(self, logits: Any, note: str) -> None:
+        """A training forward of one row that ran no rule (dense by design, ``note``): one more forward of the
+        step its backward belongs to (another forward's of the same backward, or a step of its own), counted
+        when the gradient reaches its logits.  Logits that take no gradient: a step of its own, now."""
+        if isinstance(logits, Tensor) and logits.requires_grad:
+            n = int(logits.shape[0]) if logits.dim() else 1
+            logits.register_hook(lambda g: self.one_row_backward(n, note))
+            return
+        self.record_dense_step(1, None)
+        self.last.note = note
+
+    def one_row_backward(self, n: int, note: str) -> None:
+        """The backward of a one-row forward (see one_row_forward): added to the running backward's step, or
+        a step of its own that a head selecting later in the same backward keeps as one of its forwards."""
+        if not self.clock.claim():
+            self.record_dense_step(n, None, provisional=True)
+            self.last.note = note
+        one = StepStats(step=self.last.step, n=n, kept=n, rows=n, dense=True, variants=self.variants)
+        one.note = note
+        self.last.add(one)
 
     def _eager_head_reason(self, reason: str) -> str:
         """A graph with no head, in a model whose head runs outside its compiled blocks: the step's reason is
