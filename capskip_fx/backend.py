@@ -22,7 +22,6 @@ from .passes import pipeline
 from .records import ONE_ROW_NOTE, BackwardMode, CompileRecord, GraphRecord, Refusal, RefusalKind, counters
 from .functions import undeclared_function
 from .runtime.backward import SelectedRowBackward
-from .runtime import forwards
 from .runtime.executors import Dense, MaskedInGraph
 from .runtime.state import RuntimeState
 from .vcas import build_backward as vcas_backward
@@ -67,13 +66,12 @@ class _Forward:
     static and the head graph could not drop rows.  The tag is what ``maybe_mark_dynamic`` sets.
     """
 
-    def __init__(self, compiled, out_idx: list[int], training: bool, published=None, unproven: bool = False):
+    def __init__(self, compiled, out_idx: list[int], training: bool, published=None):
         self._boxed_call = True
         self.compiled = compiled
         self.out_idx = out_idx
         self.training = training
         self.published = published  # runtime/published.py: watches the outputs for hooks (reuse of rows)
-        self.unproven = unproven  # a refused graph: its rows are not proven to stay rows (forwards.note_unproven)
 
     def __call__(self, args):
         if self.training:
@@ -85,8 +83,6 @@ class _Forward:
                 torch._dynamo.maybe_mark_dynamic(o, 0)
         if self.training and self.published is not None:
             self.published.watch(id(self), [outs[i] for i in self.out_idx])
-        if self.training and self.unproven:
-            forwards.note_unproven(outs)
         return outs
 
     def __getattr__(self, name):
@@ -317,8 +313,7 @@ class CapskipBackend:
 
     def _wrap(self, rec: GraphRecord, built: Built, compiled):
         if built.kind == "forward":
-            wrapper = _Forward(compiled, built.out_idx, built.training, self.state.published,
-                               unproven=rec.refusal is not None)
+            wrapper = _Forward(compiled, built.out_idx, built.training, self.state.published)
         elif built.kind == "dense":
             wrapper = Dense(compiled, self.state, rec.reason, built.batch_arg, rec) if rec.reason else compiled
         else:

@@ -66,6 +66,7 @@ class RefusalKind(str, enum.Enum):
     AFTER_HEAD = "after the head"  # the returned logits' graph, after the head's, passes gradient the rows don't weight
     OUTSIDE_GRAPH = "output outside the graph"  # an output is a parameter or its view, returned from outside the graph
     BEFORE_HEAD = "output before the head"  # an output holding the rows comes from a graph before the head's
+    HOOK = "backward hook"  # a hook on the logits' gradient (tensor or module backward hook) runs before the weights
 
 
 #: a graph specialised to a batch of 1 (a ragged last batch, string backend): its dense step is by design
@@ -87,6 +88,7 @@ _REASON_KINDS = (
     ("the returned logits, or an output computed from them", RefusalKind.AFTER_HEAD),
     ("an output of the forward is a parameter", RefusalKind.OUTSIDE_GRAPH),
     ("an output of the forward holds the batch's rows but comes from a graph before", RefusalKind.BEFORE_HEAD),
+    ("a backward hook runs on the returned logits' gradient", RefusalKind.HOOK),
     ("torch.compile produced no graph", RefusalKind.NO_GRAPH),
     ("Dynamo does not trace", RefusalKind.NO_GRAPH),
     ("no graph of this backward ran the rule", RefusalKind.NO_HEAD),

@@ -159,8 +159,12 @@ def _forced_rows(model, entry: str, **opts):
     """``model`` compiled by ``entry`` with the forced rows 1, 4, 6 of every batch, verify off, batches marked."""
     opts = {"rule": "forced", "keep": lambda n: torch.tensor([1, 4, 6]), "backend": "aot_eager", "verify": False,
             **opts}
-    cm = capskip_fx.compile(model, **opts) if entry == "capskip_compile" else \
-        torch.compile(model, backend="capskip", options=opts)
+    if entry == "in_place":
+        model.compile(backend="capskip", options=opts)
+        cm = model
+    else:
+        cm = capskip_fx.compile(model, **opts) if entry == "capskip_compile" else \
+            torch.compile(model, backend="capskip", options=opts)
     capskip_fx.mark_compiled_batches(cm)
     return cm
 
@@ -655,7 +659,8 @@ class _FeaturesAfterEager(nn.Module):
     def __init__(self, what: str, where: str = "eager"):
         super().__init__()
         self.a, self.head = nn.Linear(6, 16), nn.Linear(16, 3)
-        post = (lambda t: t * 2.0) if what == "scale" else (lambda t: t.flip(0))
+        post = {"scale": lambda t: t * 2.0, "flip": lambda t: t.flip(0), "centre": lambda t: t - t.mean(0),
+                "flip_view": lambda t: t.flip(0)[:, :4]}[what]  # a view: AOTAutograd regenerates it outside
         self.where = where
         self.post = torch._dynamo.disable(post) if where == "eager" else post
 
@@ -668,25 +673,26 @@ class _FeaturesAfterEager(nn.Module):
 
 
 @needs_batch_marking
-@pytest.mark.parametrize("entry", ["capskip_compile", "string"])
+@pytest.mark.parametrize("entry", ["capskip_compile", "string", "in_place"])
 @pytest.mark.parametrize("where", ["eager", "break"])
-@pytest.mark.parametrize("what", ["scale", "flip"])
+@pytest.mark.parametrize("what", ["scale", "flip", "centre", "flip_view"])
 def test_another_output_through_eager_code_keeps_its_rows_or_runs_dense(entry, where, what):
     """Another output of the head's graph passed through eager code or a later graph before the loss: row-wise
-    code keeps the head's row weights on the loss's rows; code that moves rows would put them on other rows,
-    so that step runs dense, with the reason."""
+    code keeps the head's row weights on the loss's rows; code that moves or mixes rows (refused past a break:
+    its backward, which runs before the head's, makes the head's forward dense) would put them on other rows,
+    so that step runs dense, with the reason, on every step (an in-place compile binds each forward twice)."""
     torch._dynamo.reset()
     torch.manual_seed(0)
     model = _FeaturesAfterEager(what, where).double()
+    ref = copy.deepcopy(model)  # before an in-place compile
     cm = _forced_rows(model, entry)
-    ref = copy.deepcopy(model)
     scale = torch.arange(1.0, N + 1, dtype=torch.float64)  # row-dependent, so moved rows would show
 
     def rows(out, y):
         z, f = out
         return F.cross_entropy(z, y, reduction="none") + f.pow(2).sum(1) * scale
 
-    for step in range(2):
+    for step in range(3):
         x, y = torch.randn(N, 6, dtype=torch.float64), torch.randint(0, 3, (N,))
         model.zero_grad()
         with warnings.catch_warnings():
@@ -738,3 +744,69 @@ def test_a_batch_of_one_beside_another_forward_is_one_forward_of_the_step(entry,
         _assert_reference_grads(ref, model, f"step {step}", st)
     run = capskip_fx.summary(cm)
     assert run.steps == 3 and not run.fallbacks, run
+
+
+@needs_batch_marking
+@pytest.mark.parametrize("entry", ["capskip_compile", "string"])
+@pytest.mark.parametrize("hook", ["tensor_flip", "tensor_scale", "module_flip"])
+def test_a_backward_hook_on_the_logits_gradient_runs_dense(entry, hook):
+    """A hook on the returned logits' gradient (a tensor hook, a full backward pre-hook on the model) runs before
+    the head's graph weights its rows: it could move them (flip(0)) or see every row's gradient, so the step runs
+    dense with the reason, its gradients the dense reference's with the same hook."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = _Custom().double()
+    ref = copy.deepcopy(model)
+    edit = (lambda g: g.flip(0)) if hook.endswith("flip") else (lambda g: g * 3.0)
+    if hook == "module_flip":
+        for m in (model, ref):
+            m.register_full_backward_pre_hook(lambda m, go: (edit(go[0]),))
+    cm = _forced_rows(model, entry)
+    for step in range(3):
+        x, y = torch.randn(N, 6, dtype=torch.float64), torch.randint(0, 3, (N,))
+        model.zero_grad()
+        ref.load_state_dict(model.state_dict())
+        ref.zero_grad()
+        for m in (cm, ref):
+            z = m(x)
+            if hook.startswith("tensor"):
+                z.register_hook(edit)
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                F.cross_entropy(z, y).backward()
+        st = capskip_fx.stats(cm)
+        assert st.mode == "dense" and st.kept == N, f"step {step}: {st}"
+        assert st.fallback.kind.value == "backward hook", f"step {step}: {st}"
+        _assert_reference_grads(ref, model, f"step {step}", st)
+
+
+@needs_batch_marking
+@pytest.mark.parametrize("entry", ["capskip_compile", "string"])
+@pytest.mark.parametrize("view", ["every_other", "split_pairs"])
+def test_logits_viewed_at_every_other_row_run_dense(entry, view):
+    """Eager code returning every other row of the head's logits (z[::2], or z.view(N // 2, 2, C)[:, 0]): row b
+    of the returned logits is the head's row 2b, so the head's rows are not the loss's: dense, with the reason."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    pick = (lambda z: z[::2]) if view == "every_other" else (lambda z: z.view(z.shape[0] // 2, 2, z.shape[1])[:, 0])
+
+    class Picked(_Custom):
+        def forward(self, x):
+            return torch._dynamo.disable(pick)(super().forward(x))
+
+    model = Picked().double()
+    ref = copy.deepcopy(model)
+    cm = _forced_rows(model, entry)
+    for step in range(2):
+        x, y = torch.randn(N, 6, dtype=torch.float64), torch.randint(0, 3, (N // 2,))
+        model.zero_grad()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            F.cross_entropy(cm(x), y).backward()
+        st = capskip_fx.stats(cm)
+        assert st.mode == "dense", f"step {step}: {st}"
+        assert st.fallback.kind.value == "eager logits", f"step {step}: {st}"
+        ref.load_state_dict(model.state_dict())
+        ref.zero_grad()
+        F.cross_entropy(ref(x), y).backward()
+        _assert_reference_grads(ref, model, f"step {step}", st)

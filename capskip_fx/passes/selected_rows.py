@@ -101,9 +101,10 @@ def plan_backward(gm: fx.GraphModule, example_inputs, layouts: dict) -> tuple[fx
     tensors = sel.args[:-1]  # (h, z, g) or (g,); the last arg is the state key
     if not all(a in pos for a in tensors):
         raise Refused("the selection's inputs are computed inside the backward (not saved activations), so the rows "
-                      "cannot be chosen before it runs: the rule's weights mask every row instead (e.g. heads summed "
-                      "with different weights, 0.7 * head(a) + 0.3 * head2(b): give them one weight to select rows; "
-                      "docs/limits.md)", RefusalKind.SELECTION)
+                      "cannot be chosen before it runs: the rule's weights mask every row instead (e.g. a head "
+                      "inside torch.utils.checkpoint, whose input the backward recomputes: keep the head out of the "
+                      "checkpoint; or heads summed with different weights, 0.7 * head(a) + 0.3 * head2(b): give "
+                      "them one weight to select rows; docs/limits.md)", RefusalKind.SELECTION)
     sym = batch_symbol_of(example_inputs[pos[tensors[-1]]])
     strides = stride_symbols(example_inputs, sym)
     specs = [spec_of(v, sym, strides) for v in example_inputs]

@@ -238,9 +238,13 @@ class Dense:
         self._boxed_call = True
         self.compiled, self.state, self.reason, self.batch_arg = compiled, state, reason, batch_arg
         self.record = record  # the graph's record: report() counts its backwards (steps, last)
+        refusal = record.refusal if record is not None else None
+        self.mixes = refusal is not None and refusal.kind is RefusalKind.CROSS_EXAMPLE  # it moves or mixes rows
 
     def __call__(self, args):
         head = self.state.refused_backward()
+        if not head and self.mixes:
+            self.state.mixing_backward(int(args[self.batch_arg].shape[0]) if self.batch_arg is not None else 0)
         # the step: recorded here without bound forwards; with them, here too when this graph returned the logits
         # (CapskipModule records at the forward only where no graph has a head; record_dense_graph keeps that one)
         if (head or not self.state.bound_forwards) and self.batch_arg is not None:

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import functools
 import re
-import weakref
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -37,6 +36,10 @@ BEFORE_HEAD_REASON = ("an output of the forward holds the batch's rows but comes
                       "(ahead of a graph break) or from eager code: a loss on it would give its rows' gradients to "
                       "the parameters unweighted, the skipped rows' included; no rule runs, dense backward (return "
                       "it from the head's graph: no graph break between it and the head)")
+HOOK_REASON = ("a backward hook runs on the returned logits' gradient before the head's graph weights its rows (a "
+               "tensor hook on the logits, a full backward hook on the model or a global one): it could move or mix "
+               "rows, or see every row's gradient, so no rule runs, dense backward (apply such a change to the loss, "
+               "or remove the hook)")
 UNBOUND_REASON = ("the returned logits are not the output of a compiled graph, row for row (eager code after a "
                   "graph break, a head left out of a regional compile, or eager ops after the head that move or "
                   "mix rows: flip(0), cumsum(0), sort(0), log_softmax(dim=0), z[1:]): no rule runs, dense backward")
@@ -52,6 +55,7 @@ class ForwardContext:
     logits: Any = None  # a weakref to the logits the forward returned, and their version then
     logits_version: int = 0
     dense_reason: Optional[str] = None  # set at the forward: this forward's head runs no rule (outputs_after_head)
+    n: int = 0  # the returned logits' rows
 
     def edited_logits(self, saved: Tensor) -> bool:
         """The returned logits were modified in place since the forward, and ``saved`` (what the backward
@@ -144,59 +148,41 @@ def bypasses_upstream_graph(node: Any) -> bool:
 _WALK_LIMIT = 20_000  # autograd nodes one forward's check may visit (past it: assumed after the head)
 
 
-# outputs of the graphs this forward ran that are not proven to keep their rows (a refused graph: flip(0),
-# softmax over the batch past a graph break); id -> tensor, dropped with the tensor
-_UNPROVEN: "weakref.WeakValueDictionary[int, Tensor]" = weakref.WeakValueDictionary()
-
-
-def note_unproven(outs: list) -> None:
-    """A refused graph's outputs, from inside its compiled forward (they get their grad_fn after)."""
-    for o in outs:
-        if isinstance(o, Tensor):
-            _UNPROVEN[id(o)] = o
-
-
-def take_unproven() -> frozenset:
-    """The autograd nodes of the refused graphs run since the last call (ids), and forget them."""
-    nodes = frozenset(id(o.grad_fn) for o in list(_UNPROVEN.values()) if o.grad_fn is not None)
-    _UNPROVEN.clear()
-    return nodes
-
-
-def outputs_after_head(out: Any, logits: Tensor, unproven: frozenset = frozenset()) -> bool:
+def outputs_after_head(out: Any, logits: Tensor) -> bool:
     """Whether another output of the forward is computed from the logits' head graph together with something
     that graph's row weights would not reach: a leaf (a parameter, an input that requires grad) or a value of
     another graph (a LayerNorm, a Linear or a learnable shift of the logits past a graph break or in eager
     code, returned beside them).  A loss on such an output would give those a gradient the rule does not
-    weight.  Or through code that may move its rows: eager code that is not row-wise, or a graph not proven
-    row-wise (``unproven``: take_unproven's nodes).  Walks each other output's autograd graph down to the
+    weight.  Or through eager code that may move its rows (not row-wise); a graph past a break that moves
+    them is found at its backward (heads_upstream).  Walks each other output's autograd graph down to the
     head's node, through any other node."""
     head = head_node(logits)
     if head is None:
         return False
     for o in _other_outputs(out, logits, head):
         reached, other = _walk_to(o.grad_fn, head)
-        # reached through code that is not row-wise (flip(0) of the head graph's features, in eager code or
-        # in a refused graph): the head's row weights would land on other rows than the loss's
-        if reached is None or (reached and (other or head_node(o) is None or _through(o.grad_fn, unproven, head))):
+        # reached through eager code that is not row-wise (flip(0) of the head graph's features): the head's
+        # row weights would land on other rows than the loss's
+        if reached is None or (reached and (other or head_node(o) is None)):
             return True
     return False
 
 
-def _through(start: Any, nodes: frozenset, head: Any) -> bool:
-    """Whether a path from ``start`` to ``head`` passes one of ``nodes`` (ids)."""
-    if not nodes:
-        return False
-    seen, stack = set(), [start]
-    while stack:
+def heads_upstream(node: Any) -> list:
+    """The forwards bound to compiled functions upstream of ``node``: walks the running backward's autograd
+    graph from ``node`` down, not past a bound one (what lies beyond is its body), nor past _WALK_LIMIT nodes."""
+    seen, bound, stack = set(), [], [f for f, _ in getattr(node, "next_functions", ())]
+    while stack and len(seen) < _WALK_LIMIT:
         f = stack.pop()
-        if f is None or f is head or id(f) in seen:
+        if f is None or id(f) in seen:
             continue
         seen.add(id(f))
-        if id(f) in nodes and _walk_to(f, head)[0] is not False:
-            return True
-        stack.extend(g for g, _ in f.next_functions)
-    return False
+        fwd = getattr(f, _ATTR, None) if "CompiledFunction" in type(f).__name__ else None
+        if fwd is not None:
+            bound.append(fwd)
+        else:
+            stack.extend(g for g, _ in f.next_functions)
+    return bound
 
 
 def outputs_before_head(out: Any, logits: Tensor) -> bool:
@@ -305,6 +291,10 @@ def _rows_inside(v: Tensor, base: Tensor) -> bool:
     """Row b of the view ``v`` lies within row b of its contiguous ``base`` (both split into ``v.shape[0]``
     equal rows of memory): the view keeps each row in its row."""
     if v.dim() == 0 or not base.is_contiguous() or v.shape[0] == 0 or base.numel() % v.shape[0]:
+        return False
+    if v.shape[0] < base.shape[0] and v.dim() <= base.dim():
+        # fewer rows than the base's dim 0 and no dim split off it ((N T, V) viewed (N, T, V)): every other row
+        # (t[::2], t.view(N // 2, 2, d)[:, 0]) or a slice: row b of the view is not the base's row b
         return False
     row = base.numel() // v.shape[0]
     rel = v.storage_offset() - base.storage_offset()

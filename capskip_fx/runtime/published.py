@@ -105,6 +105,28 @@ class PublishedRows:
         return len(self._items)
 
 
+def user_hooks(hooks: dict) -> bool:
+    """Whether ``hooks`` (a module's or tensor's hook dict) holds a hook that is not PyTorch's own (FSDP2's
+    pre-backward unshard on the outputs, ...: those move no gradient)."""
+    for hook in hooks.values():
+        fn = getattr(hook, "func", hook)  # functools.partial
+        fn = getattr(fn, "__func__", fn)  # a bound method
+        if not (getattr(fn, "__module__", None) or "").startswith("torch."):
+            return True
+    return False
+
+
+def root_backward_hooks(model: torch.nn.Module) -> bool:
+    """The model itself (not its submodules), or the global registry, has a full backward (pre-)hook of the
+    user's: it runs on the gradient of the model's outputs."""
+    from torch.nn.modules import module as module_mod
+
+    roots = [m for m in (model, getattr(model, "_orig_mod", None)) if m is not None]  # torch.compile's wrapper
+    dicts = [module_mod._global_backward_hooks, module_mod._global_backward_pre_hooks]
+    dicts += [d for m in roots for d in (m._backward_hooks, m._backward_pre_hooks)]
+    return any(user_hooks(d) for d in dicts)
+
+
 def has_backward_hooks(model: torch.nn.Module) -> bool:
     """A module (or the global registry) has a full backward (pre-)hook: it may write a gradient's ``.data``."""
     from torch.nn.modules import module as module_mod

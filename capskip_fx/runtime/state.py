@@ -32,9 +32,9 @@ from ..rules.base import HeadView, Rule, Selection
 from . import forwards
 from .checks import bad_targets_error, check_not_compiled_autograd, deferred_reason, fallback_reason, head_checks
 from .clock import StepClock, graph_task
-from .forwards import (AFTER_HEAD_REASON, BEFORE_HEAD_REASON, NO_HEAD_REASON, OUTSIDE_GRAPH_REASON, UNBOUND_REASON,
-                       ForwardContext, logits_of)
-from .published import PublishedRows
+from .forwards import (AFTER_HEAD_REASON, BEFORE_HEAD_REASON, HOOK_REASON, NO_HEAD_REASON, OUTSIDE_GRAPH_REASON,
+                       UNBOUND_REASON, ForwardContext, logits_of)
+from .published import PublishedRows, root_backward_hooks, user_hooks
 from .stats import RunSummary, StepStats
 from .view import global_view
 
@@ -137,10 +137,10 @@ class RuntimeState:
             self.bound_forwards = True
         if isinstance(logits, Tensor):
             fwd.logits, fwd.logits_version = weakref.ref(logits), logits._version
+            fwd.n = int(logits.shape[0]) if logits.dim() else 0
         bound = forwards.bind(fwd, logits)
-        unproven = forwards.take_unproven()
         if bound and out is not None:
-            reason = AFTER_HEAD_REASON if forwards.outputs_after_head(out, logits, unproven) else \
+            reason = AFTER_HEAD_REASON if forwards.outputs_after_head(out, logits) else \
                 OUTSIDE_GRAPH_REASON if forwards.outputs_outside_graph(out, logits) else \
                 BEFORE_HEAD_REASON if forwards.outputs_before_head(out, logits) else None
             if reason is not None:
@@ -162,6 +162,8 @@ class RuntimeState:
         A forward whose logits came from eager code (recorded dense at the forward) selects nothing."""
         fwd = forwards.running_forward()
         node = forwards.current_node()
+        if fwd is not None and fwd.dense_reason is None and fwd.stats is None and self._hooked(fwd):
+            self._dense_in_backward([fwd], HOOK_REASON, fwd.n)
         if fwd is not None and fwd.dense_reason is not None:  # decided at its forward (outputs_after_head)
             self._heads().append(node)  # the graphs upstream select nothing of their own either
             return False, fwd
@@ -196,6 +198,40 @@ class RuntimeState:
             self._heads().append(forwards.current_node())
             return True
         return False
+
+    def mixing_backward(self, n: int) -> None:
+        """A refused graph's backward, a graph that moves or mixes rows and returned no forward's logits
+        (features flipped or centred over the batch past a graph break, on their way to the loss).  The heads
+        upstream of it run their backwards after it, and their row weights would land on other rows than the
+        loss's: their forwards run dense, recorded with the reason.  Unbound heads upstream become its body."""
+        node = forwards.current_node()
+        self._heads().append(node)  # as a refused head: an unbound graph upstream selects nothing of its own
+        bound = forwards.heads_upstream(node)
+        fresh = [f for f in bound if f.dense_reason is None and f.stats is None]
+        if fresh:
+            self._dense_in_backward(fresh, AFTER_HEAD_REASON, n)
+
+    def _dense_in_backward(self, fwds: list, reason: str, n: int) -> None:
+        """Forwards whose heads' backwards, still to run in this backward, must run dense for ``reason``:
+        recorded in the step (begun by another forward's head, or recorded now for their backwards to claim)."""
+        for f in fwds:
+            f.dense_reason = reason
+        self.warn_once(reason)
+        rows = sum(f.n for f in fwds) or n
+        if self.clock.claim():  # a step this backward began (another forward's head): it did not all select
+            self.last.fallback = self.last.fallback or reason
+        else:
+            self.record_dense_step(rows, reason, at_forward=True)
+            self.clock.claim()
+
+    def _hooked(self, fwd: ForwardContext) -> bool:
+        """A backward hook runs on the returned logits' gradient before the head's graph weights its rows: a
+        tensor hook on the logits, or a full backward hook on the model or a global one."""
+        t = fwd.logits() if fwd.logits is not None else None
+        if t is not None and t._backward_hooks and user_hooks(t._backward_hooks):
+            return True
+        owner = self.published.owner() if self.published.owner else None
+        return owner is not None and root_backward_hooks(owner)
 
     def after_head_backward(self, n: int) -> bool:
         """A body graph's backward that a forward bound (it returned that forward's logits, after the head's
