@@ -40,6 +40,7 @@ class CapskipModule(nn.Module):
         self.config = config
         self._state = state
         state.published.owner = weakref.ref(model)  # its module backward hooks gate the reuse of rows
+        state.published.wrapper = weakref.ref(self)  # a backward hook on it acts on the logits' gradient too
         key = ops.register(state)
         self._backend = CapskipBackend(config, state, key, logits_index)
         head: Optional[nn.Linear] = None

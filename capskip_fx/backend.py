@@ -101,6 +101,13 @@ def _batch_arg(gm: fx.GraphModule, example_inputs) -> Optional[int]:
     return tangent[0] if tangent else (tensors[0][0] if tensors else None)
 
 
+def _rows_out(gm: fx.GraphModule, example_inputs) -> bool:
+    """A backward graph's tangent has a dim 0 (its forward returned rows, not only a loss's scalar)."""
+    names = [n.name for n in gm.graph.find_nodes(op="placeholder")]
+    return any(name.startswith("tangents") and isinstance(t, torch.Tensor) and t.dim() > 0
+               for name, t in zip(names, example_inputs))
+
+
 def _marked_batch(example_inputs) -> bool:
     """Whether an input tensor's dim 0 carries a dynamic mark (``maybe_mark_dynamic`` / ``mark_dynamic``: the
     backend's example inputs are the real tensors the frame was called with)."""
@@ -155,6 +162,7 @@ class Built:
     out_idx: list = field(default_factory=list)
     training: bool = True
     batch_arg: Optional[int] = None
+    rows_out: bool = False  # "dense": a tangent holds rows (not a loss's scalar): a refused one may move them
 
 
 def _batch_outputs(gm: fx.GraphModule) -> list[int]:
@@ -315,7 +323,10 @@ class CapskipBackend:
         if built.kind == "forward":
             wrapper = _Forward(compiled, built.out_idx, built.training, self.state.published)
         elif built.kind == "dense":
-            wrapper = Dense(compiled, self.state, rec.reason, built.batch_arg, rec) if rec.reason else compiled
+            # a refused graph whose outputs hold rows may move them (flip(0), an undeclared Function, a static
+            # batch no proof ran on): the heads upstream of it run dense (RuntimeState.mixing_backward)
+            mixes = built.rows_out and rec.reason != ONE_ROW_NOTE
+            wrapper = Dense(compiled, self.state, rec.reason, built.batch_arg, rec, mixes) if rec.reason else compiled
         else:
             wrapper = SelectedRowBackward(compiled, rec.plan, self.state, self.config, rec)
         return aot_cache.carry_cache_attrs(wrapper, compiled)
@@ -338,7 +349,8 @@ class CapskipBackend:
         self._settle(rec, res.record_fields())
         if res.plan is None:
             if res.refusal is None:  # no selection node: the plain backward
-                return res.compiled, Built("dense", batch_arg=_batch_arg(gm, example_inputs))
+                return res.compiled, Built("dense", batch_arg=_batch_arg(gm, example_inputs),
+                                           rows_out=_rows_out(gm, example_inputs))
             if res.select_in_graph:  # a head graph: select runs in its backward, at N rows
                 self.state.masked_reason = self.state.masked_reason or res.refusal.detail
                 return MaskedInGraph(res.compiled, rec), None  # its graph calls select(..., key): this model's

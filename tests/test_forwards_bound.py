@@ -12,6 +12,7 @@ selection, and ``stats()`` must count every forward.
 from __future__ import annotations
 
 import copy
+import functools
 import warnings
 
 import pytest
@@ -748,7 +749,7 @@ def test_a_batch_of_one_beside_another_forward_is_one_forward_of_the_step(entry,
 
 @needs_batch_marking
 @pytest.mark.parametrize("entry", ["capskip_compile", "string"])
-@pytest.mark.parametrize("hook", ["tensor_flip", "tensor_scale", "module_flip"])
+@pytest.mark.parametrize("hook", ["tensor_flip", "tensor_scale", "torch_softmax", "module_flip", "wrapper_flip"])
 def test_a_backward_hook_on_the_logits_gradient_runs_dense(entry, hook):
     """A hook on the returned logits' gradient (a tensor hook, a full backward pre-hook on the model) runs before
     the head's graph weights its rows: it could move them (flip(0)) or see every row's gradient, so the step runs
@@ -758,10 +759,15 @@ def test_a_backward_hook_on_the_logits_gradient_runs_dense(entry, hook):
     model = _Custom().double()
     ref = copy.deepcopy(model)
     edit = (lambda g: g.flip(0)) if hook.endswith("flip") else (lambda g: g * 3.0)
+    if hook == "torch_softmax":  # a torch function as the hook: the user's all the same
+        edit = functools.partial(torch.softmax, dim=0)
     if hook == "module_flip":
         for m in (model, ref):
             m.register_full_backward_pre_hook(lambda m, go: (edit(go[0]),))
     cm = _forced_rows(model, entry)
+    if hook == "wrapper_flip":  # on the module capskip_fx.compile returns (or torch.compile's wrapper)
+        cm.register_full_backward_pre_hook(lambda m, go: (edit(go[0]),))
+        ref.register_full_backward_pre_hook(lambda m, go: (edit(go[0]),))
     for step in range(3):
         x, y = torch.randn(N, 6, dtype=torch.float64), torch.randint(0, 3, (N,))
         model.zero_grad()
@@ -769,7 +775,7 @@ def test_a_backward_hook_on_the_logits_gradient_runs_dense(entry, hook):
         ref.zero_grad()
         for m in (cm, ref):
             z = m(x)
-            if hook.startswith("tensor"):
+            if hook.startswith("tensor") or hook == "torch_softmax":
                 z.register_hook(edit)
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
@@ -809,4 +815,131 @@ def test_logits_viewed_at_every_other_row_run_dense(entry, view):
         ref.load_state_dict(model.state_dict())
         ref.zero_grad()
         F.cross_entropy(ref(x), y).backward()
+        _assert_reference_grads(ref, model, f"step {step}", st)
+
+
+class _Ident(torch.autograd.Function):  # not declared row-wise (capskip_fx.rowwise): its graph is refused
+    @staticmethod
+    def forward(ctx, t):
+        return t * 1.0
+
+    @staticmethod
+    def backward(ctx, g):
+        return g
+
+
+_POSTS = {  # the head graph's features on their way to the loss, each moving rows somewhere after the head
+    "undeclared_function_then_flip": lambda h: (torch._dynamo.graph_break(), _Ident.apply(h).flip(0))[1],
+    "eager_then_flip_graph": lambda h: torch._dynamo.disable(lambda t: t * 1.0)(h).flip(0),
+    "eager_flip_then_graph": lambda h: torch._dynamo.disable(lambda t: t.flip(0))(h) * 2.0,
+}
+
+
+class _Posted(nn.Module):
+    def __init__(self, post: str):
+        super().__init__()
+        self.a, self.head, self.post = nn.Linear(6, 16), nn.Linear(16, 3), post
+
+    def forward(self, x):
+        h = torch.tanh(self.a(x))
+        return self.head(h), _POSTS[self.post](h)
+
+
+@needs_batch_marking
+@pytest.mark.parametrize("entry", ["capskip_compile", "string"])
+@pytest.mark.parametrize("post", sorted(_POSTS))
+def test_features_moved_by_a_graph_no_proof_covers_run_dense(entry, post):
+    """Features moved after the head by a graph refused for another reason than row mixing (an undeclared
+    autograd.Function first, a static batch behind eager code) or by eager code before a later graph: no proof
+    says their rows stay rows, so the step runs dense (`after the head`), exact."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = _Posted(post).double()
+    ref = copy.deepcopy(model)
+    cm = _forced_rows(model, entry)
+    scale = torch.arange(1.0, N + 1, dtype=torch.float64)
+
+    def rows(out, y):
+        return F.cross_entropy(out[0], y, reduction="none") + out[1].pow(2).sum(1) * scale
+
+    for step in range(2):
+        x, y = torch.randn(N, 6, dtype=torch.float64), torch.randint(0, 3, (N,))
+        model.zero_grad()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            rows(cm(x), y).sum().div(N).backward()
+        st = capskip_fx.stats(cm)
+        assert st.mode == "dense" and st.kept == N and st.fallback.kind.value == "after the head", f"step {step}: {st}"
+        ref.load_state_dict(model.state_dict())
+        ref.zero_grad()
+        rows(ref(x), y).sum().div(N).backward()
+        _assert_reference_grads(ref, model, f"step {step}", st)
+
+
+class _LossPastBreak(_Custom):
+    """A Hugging Face-like model: the loss computed in the forward, in a graph of its own past a break."""
+
+    def forward(self, x, labels):
+        z = super().forward(x)
+        torch._dynamo.graph_break()
+        return F.cross_entropy(z, labels), z
+
+
+@needs_batch_marking
+@pytest.mark.parametrize("entry", ["capskip_compile", "string"])
+def test_a_loss_computed_past_a_break_still_selects(entry):
+    """The loss's own graph past a break is refused (no head: a scalar), but it holds no rows to move: the head
+    upstream keeps selecting, its gradients the rule-weighted reference's."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = _LossPastBreak().double()
+    ref = copy.deepcopy(model)
+    cm = _forced_rows(model, entry)
+    for step in range(2):
+        x, y = torch.randn(N, 6, dtype=torch.float64), torch.randint(0, 3, (N,))
+        model.zero_grad()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            cm(x, y)[0].backward()
+        st = capskip_fx.stats(cm)
+        assert st.mode == "selected" and st.kept == 3 and st.fallback is None, f"step {step}: {st}"
+        ref.load_state_dict(model.state_dict())
+        ref.zero_grad()
+        (F.cross_entropy(ref(x, y)[1], y, reduction="none") * st.weight.double()).sum().div(N).backward()
+        _assert_reference_grads(ref, model, f"step {step}", st)
+
+
+@needs_batch_marking
+@pytest.mark.parametrize("entry", ["capskip_compile", "string"])
+@pytest.mark.parametrize("flipped_first", [True, False])
+def test_two_forwards_one_moved_after_the_head_are_two_forwards_of_the_step(entry, flipped_first):
+    """Two forwards, one back-propagated through features flipped past a break: that one runs dense (`after the
+    head`), the other selects; the step lists both (n = 2N), and gradients are the reference's with each
+    forward's weights."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = _FeaturesAfterEager("flip", "break").double()
+    ref = copy.deepcopy(model)
+    cm = _forced_rows(model, entry)
+    scale = torch.arange(1.0, N + 1, dtype=torch.float64)
+    flips = (True, False) if flipped_first else (False, True)
+
+    def rows(out, y, flip):
+        return F.cross_entropy(out[0], y, reduction="none") + (out[1].pow(2).sum(1) * scale if flip else 0.0)
+
+    for step in range(2):
+        xs = [torch.randn(N, 6, dtype=torch.float64) for _ in flips]
+        y = torch.randint(0, 3, (N,))
+        model.zero_grad()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            sum(rows(cm(x), y, f).sum() for x, f in zip(xs, flips)).div(N).backward()
+        st = capskip_fx.stats(cm)
+        assert st.n == 2 * N and len(st.forwards) == 2 and st.kept == N + 3, f"step {step}: {st}"
+        dense = [f for f in st.forwards if f.mode == "dense"]
+        assert len(dense) == 1 and dense[0].fallback.kind.value == "after the head", f"step {step}: {st.forwards}"
+        w = next(f for f in st.forwards if f.mode == "selected").weight.double()
+        ref.load_state_dict(model.state_dict())
+        ref.zero_grad()
+        sum((rows(ref(x), y, f) * (1.0 if f else w)).sum() for x, f in zip(xs, flips)).div(N).backward()
         _assert_reference_grads(ref, model, f"step {step}", st)

@@ -96,10 +96,10 @@ class StepClock:
             self.last = StepStats(step=self.step, variants=variants)
             self.step += 1
         elif self.last.provisional:  # a graph of this backward recorded it dense before the head ran
-            # forwards dense by design (a batch of 1: RuntimeState.one_row_backward) stay in the step
-            by_design = [f for f in self.last.forwards if f.dense and f.note]
+            # forwards that ran no rule (a batch of 1, a forward made dense at its backward) stay in the step
+            dense = [f for f in self.last.forwards if f.dense]
             self.last = StepStats(step=self.last.step, variants=variants)
-            for f in by_design:
+            for f in dense:
                 self.last.add(f)
         return self.last.step
 

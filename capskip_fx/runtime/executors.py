@@ -234,12 +234,12 @@ class Dense:
     without bound forwards (the string backend), and as that head; CapskipModule records at its forward
     where no graph has a head."""
 
-    def __init__(self, compiled, state, reason: Optional[str], batch_arg: Optional[int], record=None):
+    def __init__(self, compiled, state, reason: Optional[str], batch_arg: Optional[int], record=None,
+                 mixes: bool = False):
         self._boxed_call = True
         self.compiled, self.state, self.reason, self.batch_arg = compiled, state, reason, batch_arg
         self.record = record  # the graph's record: report() counts its backwards (steps, last)
-        refusal = record.refusal if record is not None else None
-        self.mixes = refusal is not None and refusal.kind is RefusalKind.CROSS_EXAMPLE  # it moves or mixes rows
+        self.mixes = mixes  # refused with rows in its outputs: it may move or mix them (backend._wrap)
 
     def __call__(self, args):
         head = self.state.refused_backward()

@@ -38,6 +38,7 @@ class PublishedRows:
         self._items: list[tuple[Tensor, int, Tensor, int]] = []  # (gradient, its version, idx, n)
         self._outputs: dict[int, list[Tensor]] = {}  # compiled forward -> its last batch outputs (watch)
         self._owner: Optional[weakref.ref] = None  # the model, for its module backward hooks
+        self.wrapper: Optional[weakref.ref] = None  # capskip_fx.compile's module around the model
         self._hooks: tuple = (None, True)  # (graph task, whether a module backward hook may run) per backward
 
     def watch(self, graph: int, outs: list) -> None:
@@ -106,24 +107,24 @@ class PublishedRows:
 
 
 def user_hooks(hooks: dict) -> bool:
-    """Whether ``hooks`` (a module's or tensor's hook dict) holds a hook that is not PyTorch's own (FSDP2's
-    pre-backward unshard on the outputs, ...: those move no gradient)."""
+    """Whether ``hooks`` (a module's or tensor's hook dict) holds a hook that is not torch.distributed's own
+    (FSDP2's pre-backward unshard on the outputs: it reads no gradient)."""
     for hook in hooks.values():
         fn = getattr(hook, "func", hook)  # functools.partial
         fn = getattr(fn, "__func__", fn)  # a bound method
-        if not (getattr(fn, "__module__", None) or "").startswith("torch."):
+        if not (getattr(fn, "__module__", None) or "").startswith("torch.distributed."):
             return True
     return False
 
 
-def root_backward_hooks(model: torch.nn.Module) -> bool:
-    """The model itself (not its submodules), or the global registry, has a full backward (pre-)hook of the
-    user's: it runs on the gradient of the model's outputs."""
+def root_backward_hooks(*roots: Optional[torch.nn.Module]) -> bool:
+    """One of ``roots`` (the model, the module wrapping it) or the global registry has a full backward
+    (pre-)hook of the user's: it runs on the gradient of the model's outputs."""
     from torch.nn.modules import module as module_mod
 
-    roots = [m for m in (model, getattr(model, "_orig_mod", None)) if m is not None]  # torch.compile's wrapper
+    mods = [m for r in roots if r is not None for m in (r, getattr(r, "_orig_mod", None)) if m is not None]
     dicts = [module_mod._global_backward_hooks, module_mod._global_backward_pre_hooks]
-    dicts += [d for m in roots for d in (m._backward_hooks, m._backward_pre_hooks)]
+    dicts += [d for m in mods for d in (m._backward_hooks, m._backward_pre_hooks)]
     return any(user_hooks(d) for d in dicts)
 
 

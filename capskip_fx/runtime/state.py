@@ -200,8 +200,9 @@ class RuntimeState:
         return False
 
     def mixing_backward(self, n: int) -> None:
-        """A refused graph's backward, a graph that moves or mixes rows and returned no forward's logits
-        (features flipped or centred over the batch past a graph break, on their way to the loss).  The heads
+        """A refused graph's backward, a graph whose outputs hold rows it may move or mix (refused: flip(0), a
+        centring over the batch, an undeclared Function, a static batch no proof ran on), that returned no
+        forward's logits (features past a graph break, on their way to the loss).  The heads
         upstream of it run their backwards after it, and their row weights would land on other rows than the
         loss's: their forwards run dense, recorded with the reason.  Unbound heads upstream become its body."""
         node = forwards.current_node()
@@ -212,17 +213,21 @@ class RuntimeState:
             self._dense_in_backward(fresh, AFTER_HEAD_REASON, n)
 
     def _dense_in_backward(self, fwds: list, reason: str, n: int) -> None:
-        """Forwards whose heads' backwards, still to run in this backward, must run dense for ``reason``:
-        recorded in the step (begun by another forward's head, or recorded now for their backwards to claim)."""
+        """Forwards whose heads' backwards, still to run in this backward, must run dense for ``reason``: each
+        one more forward of the running backward's step, dense, with the reason."""
+        self.warn_once(reason)
         for f in fwds:
             f.dense_reason = reason
-        self.warn_once(reason)
-        rows = sum(f.n for f in fwds) or n
-        if self.clock.claim():  # a step this backward began (another forward's head): it did not all select
-            self.last.fallback = self.last.fallback or reason
-        else:
-            self.record_dense_step(rows, reason, at_forward=True)
-            self.clock.claim()
+            self._add_forward(StepStats(n=f.n or n, kept=f.n or n, rows=f.n or n, _fallback=reason, dense=True,
+                                        variants=self.variants))
+
+    def _add_forward(self, one: StepStats) -> None:
+        """``one`` (a forward that ran no rule) into the running backward's step: the step another forward's head
+        began, or one of its own that a head selecting later in this backward keeps as one of its forwards."""
+        if not self.clock.claim():
+            self.record_dense_step(one.n, None, provisional=True)
+        one.step = self.last.step
+        self.last.add(one)
 
     def _hooked(self, fwd: ForwardContext) -> bool:
         """A backward hook runs on the returned logits' gradient before the head's graph weights its rows: a
@@ -230,8 +235,8 @@ class RuntimeState:
         t = fwd.logits() if fwd.logits is not None else None
         if t is not None and t._backward_hooks and user_hooks(t._backward_hooks):
             return True
-        owner = self.published.owner() if self.published.owner else None
-        return owner is not None and root_backward_hooks(owner)
+        pub = self.published
+        return root_backward_hooks(pub.owner() if pub.owner else None, pub.wrapper() if pub.wrapper else None)
 
     def after_head_backward(self, n: int) -> bool:
         """A body graph's backward that a forward bound (it returned that forward's logits, after the head's
@@ -471,14 +476,11 @@ class RuntimeState:
         self.last.note = note
 
     def one_row_backward(self, n: int, note: str) -> None:
-        """The backward of a one-row forward (see one_row_forward): added to the running backward's step, or
-        a step of its own that a head selecting later in the same backward keeps as one of its forwards."""
-        if not self.clock.claim():
-            self.record_dense_step(n, None, provisional=True)
-            self.last.note = note
-        one = StepStats(step=self.last.step, n=n, kept=n, rows=n, dense=True, variants=self.variants)
+        """The backward of a one-row forward (see one_row_forward): one more forward of the running backward's
+        step, dense by design."""
+        one = StepStats(n=n, kept=n, rows=n, dense=True, variants=self.variants)
         one.note = note
-        self.last.add(one)
+        self._add_forward(one)
 
     def _eager_head_reason(self, reason: str) -> str:
         """A graph with no head, in a model whose head runs outside its compiled blocks: the step's reason is
