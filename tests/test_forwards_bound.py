@@ -180,6 +180,30 @@ def _assert_reference_grads(ref, model, what: str, st) -> None:
         assert err < 1e-10, f"{what}, {name}: off by {err:.3g} from the rule-weighted reference ({st})"
 
 
+def _steps_against_reference(model, cm, ref, rows, steps: int, dense_kind=None) -> None:
+    """``steps`` steps of ``rows(outputs, y).sum() / N`` back-propagated through ``cm``: each selects the forced
+    rows (``dense_kind`` None) or runs dense with a reason of kind ``dense_kind``, and every gradient is the
+    float64 reference's with the step's row weights (all ones when dense)."""
+    for step in range(steps):
+        x, y = torch.randn(N, 6, dtype=torch.float64), torch.randint(0, 3, (N,))
+        model.zero_grad()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            rows(cm(x), y).sum().div(N).backward()
+        st = capskip_fx.stats(cm)
+        if dense_kind is None:
+            assert st.mode == "selected" and st.kept == 3 and st.fallback is None, f"step {step}: {st}"
+            w = st.weight.double()
+        else:
+            assert st.mode == "dense" and st.kept == N, f"step {step}: {st}"
+            assert st.fallback.kind.value == dense_kind, f"step {step}: {st}"
+            w = torch.ones(N, dtype=torch.float64)
+        ref.load_state_dict(model.state_dict())
+        ref.zero_grad()
+        (rows(ref(x), y) * w).sum().div(N).backward()
+        _assert_reference_grads(ref, model, f"step {step}", st)
+
+
 @torch._dynamo.disable
 def _scale_eagerly(z, s):
     return z * s
@@ -454,24 +478,7 @@ def test_an_output_returned_from_outside_the_graph_runs_dense(entry, how):
         z, lv = out
         return torch.exp(-lv) * F.cross_entropy(z, y, reduction="none") + lv
 
-    for step in range(2):
-        x, y = torch.randn(N, 6, dtype=torch.float64), torch.randint(0, 3, (N,))
-        model.zero_grad()
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            rows(cm(x), y).sum().div(N).backward()
-        st = capskip_fx.stats(cm)
-        if how == "in_graph":
-            assert st.mode == "selected" and st.kept == 3 and st.fallback is None, f"step {step}: {st}"
-            w = st.weight.double()
-        else:
-            assert st.mode == "dense" and st.kept == N, f"step {step}: {st}"
-            assert st.fallback.kind.value == "output outside the graph", f"step {step}: {st}"
-            w = torch.ones(N, dtype=torch.float64)
-        ref.load_state_dict(model.state_dict())
-        ref.zero_grad()
-        (rows(ref(x), y) * w).sum().div(N).backward()
-        _assert_reference_grads(ref, model, f"step {step}", st)
+    _steps_against_reference(model, cm, ref, rows, 2, None if how == "in_graph" else "output outside the graph")
 
 
 class _Scheduled(nn.Module):
@@ -693,24 +700,7 @@ def test_another_output_through_eager_code_keeps_its_rows_or_runs_dense(entry, w
         z, f = out
         return F.cross_entropy(z, y, reduction="none") + f.pow(2).sum(1) * scale
 
-    for step in range(3):
-        x, y = torch.randn(N, 6, dtype=torch.float64), torch.randint(0, 3, (N,))
-        model.zero_grad()
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            rows(cm(x), y).sum().div(N).backward()
-        st = capskip_fx.stats(cm)
-        if what == "scale":
-            assert st.mode == "selected" and st.kept == 3 and st.fallback is None, f"step {step}: {st}"
-            w = st.weight.double()
-        else:
-            assert st.mode == "dense" and st.kept == N, f"step {step}: {st}"
-            assert st.fallback.kind.value == "after the head", f"step {step}: {st}"
-            w = torch.ones(N, dtype=torch.float64)
-        ref.load_state_dict(model.state_dict())
-        ref.zero_grad()
-        (rows(ref(x), y) * w).sum().div(N).backward()
-        _assert_reference_grads(ref, model, f"step {step}", st)
+    _steps_against_reference(model, cm, ref, rows, 3, None if what == "scale" else "after the head")
 
 
 @needs_batch_marking
@@ -862,18 +852,7 @@ def test_features_moved_by_a_graph_no_proof_covers_run_dense(entry, post):
     def rows(out, y):
         return F.cross_entropy(out[0], y, reduction="none") + out[1].pow(2).sum(1) * scale
 
-    for step in range(2):
-        x, y = torch.randn(N, 6, dtype=torch.float64), torch.randint(0, 3, (N,))
-        model.zero_grad()
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            rows(cm(x), y).sum().div(N).backward()
-        st = capskip_fx.stats(cm)
-        assert st.mode == "dense" and st.kept == N and st.fallback.kind.value == "after the head", f"step {step}: {st}"
-        ref.load_state_dict(model.state_dict())
-        ref.zero_grad()
-        rows(ref(x), y).sum().div(N).backward()
-        _assert_reference_grads(ref, model, f"step {step}", st)
+    _steps_against_reference(model, cm, ref, rows, 2, "after the head")
 
 
 class _LossPastBreak(_Custom):
