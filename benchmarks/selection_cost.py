@@ -5,6 +5,7 @@ excluded.
     python benchmarks/selection_cost.py --threads 1                       # the table (docs/benchmarks.md)
     python benchmarks/selection_cost.py --threads 2 --mlp                 # CAPSkip's step vs forced's, same rows
     python benchmarks/selection_cost.py --mlp --device cuda               # the same on a GPU (examples/gpu_check.sh)
+    python benchmarks/selection_cost.py --threads 2 --blocks --n 256 1024 4096 --d 192 512 768   # block sizes
 
 Table: per point, the rows' dL/dz are cross-entropy's on random logits (N, C) whose labels are the argmax
 for --correct-frac of the rows; h (N, d) standard normal.  "dense" = an eager forward + backward of a
@@ -15,6 +16,10 @@ time is its whole ``select`` (labels, losses, the draw); CAPSkip's also ``capski
 capskip_fx.compile; steps of CAPSkip (b = 0.3; eager selection, and ``compile=True``: the running sums
 compiled with static shapes) alternate with steps of the ``forced`` rule keeping exactly the rows CAPSkip
 kept on the same batch (same model, same graphs, the rule swapped).
+
+--blocks: the running-sum route's block size.  Per point, ``prefix_sq_norms`` (bias column, random d and x)
+at every power-of-two block from 32 to min(N, 512), and the Gram, interleaved: the block prefix_route
+picks against the fastest.
 """
 from __future__ import annotations
 
@@ -32,7 +37,7 @@ import torch.nn.functional as F
 
 from capskip_fx.cpu import retain_freed_memory
 from capskip_fx.rules import CAPSkip, HeadView, KABENA, SelectiveBackprop
-from capskip_fx.rules.base import prefix_route
+from capskip_fx.rules.base import prefix_route, prefix_sq_norms
 from capskip_fx.rules.capskip import capskip_weights
 from capskip_fx.rules.labels import correct_mask
 
@@ -50,6 +55,7 @@ def parse(argv=None):
     p.add_argument("--mlp", action="store_true", help="the compiled MLP step check instead of the table")
     p.add_argument("--compiled", action="store_true",
                    help="table: one more column, CAPSkip(compile=True)'s select (its compile before the timing)")
+    p.add_argument("--blocks", action="store_true", help="the running route's block sizes instead of the table")
     p.add_argument("--steps", type=int, default=30, help="--mlp: timed steps per arm")
     p.add_argument("--device", default="cpu", help="--mlp: where the model and batch live (cpu or cuda)")
     p.add_argument("--out", default=None, help="write the results as JSON here")
@@ -118,6 +124,28 @@ def point(n: int, c: int, d: int, a) -> dict:
             "same_selection": bool(torch.equal(w["gram"], w["running"])), "kept": int((w["gram"] != 0).sum()),
             "ms": {k: v * 1e3 for k, v in med.items()},
             "share": {k: v / med["dense"] for k, v in med.items() if k != "dense"}}
+
+
+def blocks(a) -> list[dict]:
+    rows = []
+    print("| N | C | d | route, block picked | its ms | fastest | its ms | picked / fastest | Gram ms |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for n in a.n:
+        for c in a.c:
+            for d in a.d:
+                g = torch.Generator().manual_seed(n * 7919 + c * 31 + d)
+                dd, x = torch.randn(n, c, generator=g), torch.randn(n, d, generator=g)
+                arms = {f"running {b}": (lambda b=b: prefix_sq_norms(dd, x, "running", b, bias=True))
+                        for b in (32, 64, 128, 256, 512) if b <= n}
+                arms["gram"] = lambda: prefix_sq_norms(dd, x, "gram", bias=True)
+                ms = {k: v * 1e3 for k, v in interleave(arms, a.reps, a.point_seconds).items()}
+                route, block = prefix_route(n, c, d + 1)
+                picked = "gram" if route == "gram" else f"running {block}"
+                fastest = min(ms, key=ms.get)
+                rows.append({"n": n, "c": c, "d": d, "picked": picked, "fastest": fastest, "ms": ms})
+                print(f"| {n} | {c} | {d} | {picked} | {ms[picked]:.2f} | {fastest} | {ms[fastest]:.2f} | "
+                      f"{ms[picked] / ms[fastest]:.2f} | {ms['gram']:.2f} |", flush=True)
+    return rows
 
 
 def table(a) -> list[dict]:
@@ -228,7 +256,7 @@ def main(argv=None):
             "malloc_tuned": malloc_tuned,
             "torch": torch.__version__, "load": os.getloadavg(), "argv": sys.argv[1:]}
     print(f"# {head}", flush=True)
-    res = mlp_check(a) if a.mlp else table(a)
+    res = mlp_check(a) if a.mlp else blocks(a) if a.blocks else table(a)
     head["load_after"] = os.getloadavg()
     print(f"# load average after: {head['load_after']}")
     if a.out:

@@ -269,7 +269,10 @@ def test_routes_give_the_same_selection_on_a_large_batch():
     """Auto picks the running sums here (N = 600 against C e / (C + e) ~ 7), over several blocks and a padded
     last one; its kept set is the Gram's and the brute force's, ties and misclassified rows included."""
     n, c, d = 600, 10, 20
-    assert prefix_route(n, c, d + 1)[0] == "running", "the cost model should pick running sums at N = 600, C = 10, d = 20"
+    assert prefix_route(n, c, d + 1) == ("running", 64), (
+        "the cost model should pick running sums in 64-row blocks at N = 600, C = 10, d = 20 (the exclusive "
+        f"prefix over 32-row blocks costs as much as the block sums from about 512 rows), got {prefix_route(n, c, d + 1)}")
+    assert prefix_route(256, 10, 513) == ("running", 32), "32-row blocks below 512 rows (faster at N = 256)"
     assert prefix_route(64, 1000, 769)[0] == "gram", "the cost model should pick the Gram at N = 64, C = 1000, d = 768"
     # measured faster there on 1 and 2 threads (docs/benchmarks.md, Selection cost): RUNNING_MAC_COST
     assert prefix_route(256, 100, 769)[0] == "gram", "the cost model should pick the Gram at N = 256, C = 100, d = 768"

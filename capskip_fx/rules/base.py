@@ -184,6 +184,11 @@ def sequence_gram_exact(d: Tensor, x: Tensor, route: str) -> Tensor:
 PREFIX_ROUTES = ("gram", "running")
 #: the running-sum route's smallest block: batched matmuls of fewer rows run far below the machine's rate
 MIN_PREFIX_BLOCK = 32
+#: from this many rows the smallest block doubles: the exclusive prefix ``E @ u`` costs ``(N / B)^2 C e``,
+#: as much as the block sums at N = 1024 with 32-row blocks; 64-row blocks ran 14-27 % faster at N = 1024
+#: and 4096 with C = 10 on 2 threads, 32-row ones 10-20 % faster at N = 256
+#: (benchmarks/results/prefix_block_sweep_t2.json)
+LARGE_BATCH_ROWS = 512
 #: the running-sum route's extra ops (about ten) priced in multiply-adds (~50 us on one CPU thread)
 RUNNING_FIXED_COST = 1 << 21
 #: a multiply-add in the running sums' small batched matmuls against one in the Gram's large ones: at 1.0 the
@@ -192,11 +197,13 @@ RUNNING_FIXED_COST = 1 << 21
 RUNNING_MAC_COST = 1.5
 
 
-def prefix_block(c: int, e: int) -> int:
-    """Rows per block of the running-sum route (a power of two): per row it costs ``2 C e`` (the block
-    sums, the products with the running sum) plus ``B (C + e)`` (its block's Gram), and ``C e / B`` for the
-    running sums themselves (their memory), which B near ``C e / (C + e)`` balances."""
-    return max(MIN_PREFIX_BLOCK, 1 << max(0, round(math.log2(max(1.0, c * e / (c + e))))))
+def prefix_block(c: int, e: int, n: int = 0) -> int:
+    """Rows per block of the running-sum route for N = ``n`` rows (a power of two): per row it costs ``2 C e``
+    (the block sums, the products with the running sum) plus ``B (C + e)`` (its block's Gram), and ``C e / B``
+    for the running sums themselves (their memory), which B near ``C e / (C + e)`` balances; at least
+    MIN_PREFIX_BLOCK rows, twice that from LARGE_BATCH_ROWS rows."""
+    floor = MIN_PREFIX_BLOCK * (2 if n >= LARGE_BATCH_ROWS else 1)
+    return max(floor, 1 << max(0, round(math.log2(max(1.0, c * e / (c + e))))))
 
 
 def prefix_route(n: int, c: int, e: int) -> tuple[str, int]:
@@ -204,7 +211,7 @@ def prefix_route(n: int, c: int, e: int) -> tuple[str, int]:
     Gram ``N^2 (C + e)`` while N is small against ``C e / (C + e)``, else running sums
     ``N (2 C e + B (C + e)) + (N / B) C e``, each at RUNNING_MAC_COST, plus their fixed cost
     (RUNNING_FIXED_COST)."""
-    b = prefix_block(c, e)
+    b = prefix_block(c, e, n)
     gram = n * n * (c + e)
     running = RUNNING_MAC_COST * (n * (2 * c * e + b * (c + e)) + -(-n // b) * c * e) + RUNNING_FIXED_COST
     return ("gram", n) if gram <= running else ("running", b)
@@ -273,7 +280,7 @@ def prefix_sq_norms(d: Tensor, x: Tensor, route: Optional[str] = None, block: Op
         dd, xx = torch.inner(d, d), torch.inner(x, x)
         # (D D^T) * (X X^T + 1) as D D^T + (D D^T) * (X X^T): one op, no (N, N) ones
         return prefix_diagonal(torch.addcmul(dd, dd, xx) if bias else dd * xx), "gram"
-    return _running_sq_norms(d, x, block or prefix_block(c, e + int(bias)), bias), "running"
+    return _running_sq_norms(d, x, block or prefix_block(c, e + int(bias), n), bias), "running"
 
 
 def _running_sq_norms(d: Tensor, x: Tensor, block: int, bias: bool) -> Tensor:
