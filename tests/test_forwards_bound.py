@@ -922,3 +922,51 @@ def test_two_forwards_one_moved_after_the_head_are_two_forwards_of_the_step(entr
         ref.zero_grad()
         sum((rows(ref(x), y, f) * (1.0 if f else w)).sum() for x, f in zip(xs, flips)).div(N).backward()
         _assert_reference_grads(ref, model, f"step {step}", st)
+
+
+class _MaybeScaled(nn.Module):
+    """The head's logits returned as they are, or times a learnable scale past a graph break."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.head = nn.Linear(6, 16), nn.Linear(16, 3)
+        self.scale = nn.Parameter(torch.tensor(1.5))
+
+    def forward(self, x, scaled: bool):
+        z = self.head(F.gelu(self.a(x)))
+        if not scaled:
+            return z
+        torch._dynamo.graph_break()
+        return z * self.scale
+
+
+@needs_batch_marking
+@pytest.mark.parametrize("entry", ["capskip_compile", "string"])
+@pytest.mark.parametrize("scaled_first", [True, False])
+def test_two_forwards_one_scaled_after_the_head_are_two_forwards_of_the_step(entry, scaled_first):
+    """Two forwards in one backward, one through a learnable scale past a break: that forward runs dense
+    (`after the head`), the other selects; the step lists both (n = 2N, kept N + 3) and gradients are the
+    reference's with each forward's weights."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = _MaybeScaled().double()
+    ref = copy.deepcopy(model)
+    cm = _forced_rows(model, entry)
+    order = (True, False) if scaled_first else (False, True)
+    for step in range(2):
+        xs = [torch.randn(N, 6, dtype=torch.float64) for _ in order]
+        y = torch.randint(0, 3, (N,))
+        model.zero_grad()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            sum(F.cross_entropy(cm(x, s), y) for x, s in zip(xs, order)).backward()
+        st = capskip_fx.stats(cm)
+        assert st.n == 2 * N and len(st.forwards) == 2 and st.kept == N + 3, f"step {step}: {st}"
+        dense = [f for f in st.forwards if f.mode == "dense"]
+        assert len(dense) == 1 and dense[0].fallback.kind.value == "after the head", f"step {step}: {st.forwards}"
+        w = next(f for f in st.forwards if f.mode == "selected").weight.double()
+        ref.load_state_dict(model.state_dict())
+        ref.zero_grad()
+        sum((F.cross_entropy(ref(x, s), y, reduction="none") * (1.0 if s else w)).sum() / N
+            for x, s in zip(xs, order)).backward()
+        _assert_reference_grads(ref, model, f"step {step}", st)

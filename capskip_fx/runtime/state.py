@@ -241,19 +241,17 @@ class RuntimeState:
     def after_head_backward(self, n: int) -> bool:
         """A body graph's backward that a forward bound (it returned that forward's logits, after the head's
         graph): when it passes gradient to more than the one graph upstream (a learnable logit scale after a
-        graph break), the rows the head would select could not weight that gradient.  Then the step runs
+        graph break), the rows the head would select could not weight that gradient.  Then that forward runs
         dense: this graph counts as the backward's (refused) head, so the graphs upstream select no rows of
-        their own, and the step is recorded dense with the reason.  True if so."""
+        their own, and the forward is one dense forward of the step, with the reason (another forward of the
+        same backward may still select).  True if so."""
         node = forwards.current_node()
-        if forwards.running_forward() is None or not forwards.bypasses_upstream_graph(node):
+        fwd = forwards.running_forward()
+        if fwd is None or not forwards.bypasses_upstream_graph(node):
             return False
         self._heads().append(node)
-        self.warn_once(AFTER_HEAD_REASON)
-        if self.clock.claim():  # a step this backward began (another forward's head): it did not all select
-            self.last.fallback = self.last.fallback or AFTER_HEAD_REASON
-        else:  # recorded now, claimed at once: the other graphs of this backward add to it
-            self.record_dense_step(n, AFTER_HEAD_REASON, at_forward=True)
-            self.clock.claim()
+        if fwd.dense_reason is None and fwd.stats is None:
+            self._dense_in_backward([fwd], AFTER_HEAD_REASON, n)
         return True
 
     def _upstream_of_heads(self, node) -> bool:
