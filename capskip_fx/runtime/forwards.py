@@ -93,34 +93,40 @@ def running_forward() -> Optional[ForwardContext]:
     return getattr(current, _ATTR, None) if current is not None else None
 
 
-def upstream_graphs(node: Any) -> set:
-    """ids of the compiled functions' autograd nodes upstream of ``node`` (the graphs whose outputs fed the
-    graph of ``node``, through eager code or not): a Linear compiled on its own inside the model, the
-    blocks of a regional compile.  Walks the autograd graph, which the running backward still holds."""
-    seen, found, stack = set(), set(), [f for f, _ in getattr(node, "next_functions", ())]
-    while stack:
+def _compiled(f: Any) -> bool:
+    """Whether autograd node ``f`` is a compiled function's (AOTAutograd's ``CompiledFunctionBackward``)."""
+    return "CompiledFunction" in type(f).__name__
+
+
+def _nodes_from(stack: list, descend=lambda f: True, limit: Optional[int] = None):
+    """The autograd nodes reachable from those in ``stack`` (themselves included), depth first, each once, at
+    most ``limit``; one for which ``descend`` is False is yielded but not walked past.  The running backward
+    still holds the graph it walks."""
+    seen: set = set()
+    while stack and (limit is None or len(seen) < limit):
         f = stack.pop()
         if f is None or id(f) in seen:
             continue
         seen.add(id(f))
-        if "CompiledFunction" in type(f).__name__:
-            found.add(id(f))
-        stack.extend(g for g, _ in f.next_functions)
-    return found
+        yield f
+        if descend(f):
+            stack.extend(g for g, _ in f.next_functions)
+
+
+def _below(node: Any) -> list:
+    return [f for f, _ in getattr(node, "next_functions", ())]
+
+
+def upstream_graphs(node: Any) -> set:
+    """ids of the compiled functions' autograd nodes upstream of ``node`` (the graphs whose outputs fed the
+    graph of ``node``, through eager code or not): a Linear compiled on its own inside the model, the
+    blocks of a regional compile."""
+    return {id(f) for f in _nodes_from(_below(node)) if _compiled(f)}
 
 
 def has_upstream_graph(node: Any) -> bool:
     """Whether a compiled function's autograd node lies upstream of ``node`` (stops at the first found)."""
-    seen, stack = set(), [f for f, _ in getattr(node, "next_functions", ())]
-    while stack:
-        f = stack.pop()
-        if f is None or id(f) in seen:
-            continue
-        if "CompiledFunction" in type(f).__name__:
-            return True
-        seen.add(id(f))
-        stack.extend(g for g, _ in f.next_functions)
-    return False
+    return any(_compiled(f) for f in _nodes_from(_below(node)))
 
 
 def bypasses_upstream_graph(node: Any) -> bool:
@@ -130,7 +136,7 @@ def bypasses_upstream_graph(node: Any) -> bool:
     eager ops of a single gradient input are walked through (weighting rows past them weights them too)."""
     found, other = None, False
     for f, _ in getattr(node, "next_functions", ()):
-        while f is not None and "CompiledFunction" not in type(f).__name__:
+        while f is not None and not _compiled(f):
             nxt = [g for g, _ in f.next_functions if g is not None]
             if len(nxt) != 1:
                 other = True
@@ -171,18 +177,12 @@ def outputs_after_head(out: Any, logits: Tensor) -> bool:
 def heads_upstream(node: Any) -> list:
     """The forwards bound to compiled functions upstream of ``node``: walks the running backward's autograd
     graph from ``node`` down, not past a bound one (what lies beyond is its body), nor past _WALK_LIMIT nodes."""
-    seen, bound, stack = set(), [], [f for f, _ in getattr(node, "next_functions", ())]
-    while stack and len(seen) < _WALK_LIMIT:
-        f = stack.pop()
-        if f is None or id(f) in seen:
-            continue
-        seen.add(id(f))
-        fwd = getattr(f, _ATTR, None) if "CompiledFunction" in type(f).__name__ else None
-        if fwd is not None:
-            bound.append(fwd)
-        else:
-            stack.extend(g for g, _ in f.next_functions)
-    return bound
+    nodes = _nodes_from(_below(node), descend=lambda f: _bound(f) is None, limit=_WALK_LIMIT)
+    return [fwd for fwd in map(_bound, nodes) if fwd is not None]
+
+
+def _bound(f: Any) -> Optional[ForwardContext]:
+    return getattr(f, _ATTR, None) if _compiled(f) else None
 
 
 def outputs_before_head(out: Any, logits: Tensor) -> bool:
@@ -209,20 +209,16 @@ def _other_outputs(out: Any, logits: Tensor, head: Any) -> list:
 def _walk_to(start: Any, head: Any) -> tuple:
     """(whether the autograd graph from ``start`` reaches ``head``, whether it reaches a leaf): walks until it
     knows both; ``(None, None)`` past _WALK_LIMIT nodes."""
-    seen, stack, reached, other = set(), [start], False, False
-    while stack and not (reached and other):
-        f = stack.pop()
-        if f is None or id(f) in seen:
-            continue
-        seen.add(id(f))
-        if len(seen) > _WALK_LIMIT:
+    reached = other = False
+    for count, f in enumerate(_nodes_from([start], descend=lambda f: f is not head), 1):
+        if count > _WALK_LIMIT:
             return None, None
         if f is head:
             reached = True
-            continue
-        nxt = list(f.next_functions)
-        other = other or not nxt  # a leaf (AccumulateGrad)
-        stack.extend(g for g, _ in nxt)
+        elif not f.next_functions:  # a leaf (AccumulateGrad)
+            other = True
+        if reached and other:
+            break
     return reached, other
 
 
@@ -236,7 +232,7 @@ def outputs_outside_graph(out: Any, logits: Tensor) -> bool:
             continue
         if o.grad_fn is None:  # a leaf itself
             return True
-        if "CompiledFunction" in type(o.grad_fn).__name__:  # a graph's output (maybe a view of a buffer it made)
+        if _compiled(o.grad_fn):  # a graph's output (maybe a view of a buffer it made)
             continue
         base = o._base if o._is_view() else None
         if base is not None and base.grad_fn is None and base.requires_grad:
@@ -268,14 +264,14 @@ def head_node(t: Any) -> Any:
     if not isinstance(t, Tensor):
         return None
     node = t.grad_fn
-    if node is not None and "CompiledFunction" in type(node).__name__:  # its output (a view made inside it too)
+    if node is not None and _compiled(node):  # its output (a view made inside it too)
         return node
     if t._is_view():
         if not _rows_inside(t, t._base):
             return None
         node = t._base.grad_fn
     for _ in range(_EAGER_DEPTH):
-        if node is None or "CompiledFunction" in type(node).__name__:
+        if node is None or _compiled(node):
             return node
         nxt = [f for f, _ in node.next_functions if f is not None]
         if len(nxt) != 1 or not _rowwise(node):
