@@ -241,22 +241,28 @@ def test_softmax_losses_are_not_mistaken_for_mse(loss):
 # ---------------------------------------------------------------- batches
 
 @needs_batch_marking
-@pytest.mark.parametrize("how", ["marked", "dynamic", "first"])
+@pytest.mark.parametrize("how", ["marked", "dynamic", "first", "in_place", "in_place_unmarked"])
 def test_batch_of_one_under_the_string_backend_is_dense_by_design_without_a_warning(how):
     """A ragged last batch of 1 under ``backend="capskip"``: Dynamo specialises a graph for it, whose dense step
-    is by design (a note, no fallback, no warning), not a "no classifier head" refusal; one step, counted once,
-    whether the batches were marked, compiled with ``dynamic=True`` (no marks: not taken for a static first
-    batch) or the batch of 1 comes first."""
+    is by design (a note, no fallback, no warning), not a "no classifier head" or "static batch" refusal; one
+    step, counted once, whether the batches were marked, compiled with ``dynamic=True`` (no marks: not taken
+    for a static first batch), the batch of 1 comes first, or the model was compiled in place (its head graph
+    specialised to one row: a head found, not a missing one)."""
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(12, 16), nn.GELU(), nn.Linear(16, C))
-    cm = torch.compile(model, backend="capskip", options={"rule": "forced", "keep": 0.5, "backend": "aot_eager"},
-                       dynamic=True if how == "dynamic" else None)
-    if how != "dynamic":
+    model = nn.Sequential(nn.Linear(20, 64), nn.GELU(), nn.Linear(64, 5))
+    opts = {"rule": "forced", "keep": 0.5, "backend": "aot_eager"}
+    if how.startswith("in_place"):
+        model.compile(backend="capskip", options=opts)
+        cm = model
+    else:
+        cm = torch.compile(model, backend="capskip", options=opts, dynamic=True if how == "dynamic" else None)
+    if how not in ("dynamic", "in_place_unmarked"):
         capskip_fx.mark_compiled_batches(cm)
+    sizes = (1, N, N) if how == "first" else (N, N, 1, N)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        for n in ((1, N, N) if how == "first" else (N, 1, N)):
-            F.cross_entropy(cm(torch.randn(n, 12)), torch.randint(0, C, (n,))).backward()
+        for i, n in enumerate(sizes):
+            F.cross_entropy(cm(torch.randn(n, 20)), torch.randint(0, 5, (n,))).backward()
             st = capskip_fx.stats(cm)
             if n == 1:
                 assert st.mode == "dense" and st.fallback is None and "size 1" in (st.note or ""), st
@@ -265,7 +271,7 @@ def test_batch_of_one_under_the_string_backend_is_dense_by_design_without_a_warn
     said = [str(w.message) for w in caught if "capskip_fx" in str(w.message)]
     assert not said, f"a batch of 1 is by design: no warning, got {said}"
     run = capskip_fx.summary(cm)
-    assert run.steps == 3 and not run.fallbacks and sum(run.dense_by_design.values()) == 1, run
+    assert run.steps == len(sizes) and not run.fallbacks and sum(run.dense_by_design.values()) == 1, run
 
 
 def test_batch_of_one_is_dense_with_reason_and_no_recompile():

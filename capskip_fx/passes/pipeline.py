@@ -123,6 +123,8 @@ def joint(graph: fx.Graph, ctx: JointContext) -> Optional[JointResult]:
             head = find_head(graph, ctx.logits_index)
         except Refused as no_head:
             return _body(graph, ctx, no_head.refusal)
+        if _one_row(graph):  # a head specialised to a batch of 1 (marks or not): dense by design, not refused
+            return _refused(Refusal(RefusalKind.STATIC_BATCH, ONE_ROW_NOTE), ctx)
         sym = batch_symbol_of(head.z.meta["val"], ctx.marked_batch)
         loss = find_in_graph_loss(graph, head, backward_nodes(graph))
         recipe, loss_inputs, why = None, None, None
