@@ -9,6 +9,8 @@ inputs (``mark_batch_dynamic``), from its first graph on.
 """
 from __future__ import annotations
 
+import functools
+
 from . import compat
 
 compat.check()  # a moved torch internal fails here, loudly
@@ -127,9 +129,14 @@ class _StaticFirst:
                 backend.state.record_dense_step(int(rows[0].shape[0]), None, at_forward=True)
                 backend.state.clock.last.note = STATIC_FIRST
                 if grads:
-                    clock = backend.state.clock
-                    grads[0].register_hook(lambda g: clock.claim() and None)
+                    grads[0].register_hook(functools.partial(_claim, backend.state.clock))
         return out
+
+
+def _claim(clock, grad) -> None:
+    """A tensor hook that claims the step for the running backward; returns None (the gradient unchanged)
+    whatever claim() says (a second backward through the same output finds it claimed)."""
+    clock.claim()
 
 
 class _BindLogits:

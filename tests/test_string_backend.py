@@ -252,3 +252,31 @@ def test_dynamic_batch_option_refused_naming_the_variable():
     with pytest.raises(Exception, match="CAPSKIP_DYNAMIC_BATCH=0") as e:
         model(torch.randn(8, 6))
     assert "torch.compile(options=...)" in str(e.value), f"the error should say where the option was given: {e.value}"
+
+
+@pytest.mark.parametrize("entry", ["string", "in_place"])
+def test_two_backwards_through_the_static_first_step(entry):
+    """The unmarked first batch runs eagerly (dense by design) and a hook on its output claims the step: a
+    second backward through the same output (retain_graph=True) passes its gradient unchanged (the hook
+    returned False once, which autograd took for a replacement gradient), and both steps give eager's
+    gradients."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.GELU(), torch.nn.Linear(16, 3)).double()
+    ref = copy.deepcopy(model)
+    opts = {"rule": "forced", "keep": 0.5, "backend": "aot_eager"}
+    if entry == "string":
+        cm = torch.compile(model, backend="capskip", options=opts)
+    else:
+        model.compile(backend="capskip", options=opts)
+        cm = model
+    x, y = torch.randn(8, 6, dtype=torch.float64), torch.randint(0, 3, (8,))
+    z = cm(x)
+    F.cross_entropy(z, y).backward(retain_graph=True)
+    z.pow(2).mean().backward()
+    st = capskip_fx.stats(cm)
+    assert st.mode == "dense" and st.fallback is None, st
+    zr = ref(x)
+    (F.cross_entropy(zr, y) + zr.pow(2).mean()).backward()
+    got = {k: p.grad for k, p in model.named_parameters()}
+    want = {k: p.grad for k, p in ref.named_parameters()}
+    assert max_rel_err(got, want) < 1e-12, "the first step's two backwards should give eager's gradients"
