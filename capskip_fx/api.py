@@ -24,6 +24,8 @@ from .rules import Rule, build_rule, make_rule
 from .runtime.state import UNBOUND_REASON, ForwardContext, RunSummary, RuntimeState, StepStats, logits_of
 
 _RULE_STATE_KEY = "_capskip"
+#: the original module -> the CapskipModule capskip_fx.compile last made of it (stats(original) finds it)
+_WRAPPER_OF: "weakref.WeakKeyDictionary[nn.Module, weakref.ref]" = weakref.WeakKeyDictionary()
 
 
 class CapskipModule(nn.Module):
@@ -41,6 +43,7 @@ class CapskipModule(nn.Module):
         self._state = state
         state.published.owner = weakref.ref(model)  # its module backward hooks gate the reuse of rows
         state.published.wrapper = weakref.ref(self)  # a backward hook on it acts on the logits' gradient too
+        _WRAPPER_OF[model] = weakref.ref(self)
         key = ops.register(state)
         self._backend = CapskipBackend(config, state, key, logits_index)
         head: Optional[nn.Linear] = None
@@ -239,8 +242,10 @@ def _check_not_fsdp2(model: nn.Module) -> None:
         return
     if any(isinstance(m, FSDPModule) for m in model.modules()):
         raise NotImplementedError(
-            "capskip_fx does not support FSDP2 (fully_shard): Dynamo hands no graph of FSDP2-managed "
-            "modules to a backend here, so no row could be dropped. Use DistributedDataParallel: "
+            "capskip_fx.compile does not take an FSDP2 (fully_shard) model as a whole: Dynamo hands no graph "
+            "of FSDP2-managed modules to a backend here, so no row could be dropped. Compile its blocks and "
+            "head in place instead: fully_shard each block, capskip_fx.compile_regions(model, ...), then "
+            "fully_shard the root (docs/recipes.md, Regional compile and FSDP2); or use DistributedDataParallel: "
             "DDP(capskip_fx.compile(model))")
 
 
@@ -269,6 +274,8 @@ def _backend_of(model) -> CapskipBackend:
     if isinstance(model, CapskipBackend):
         return model
     backend = backend_of(model) if isinstance(model, nn.Module) else None
+    if backend is None and isinstance(model, nn.Module):
+        backend = _wrapped_backend(model)
     if backend is None and isinstance(model, nn.Module) and any(isinstance(m, nn.RNNBase) for m in model.modules()):
         raise TypeError(f"capskip_fx.stats/report: no graph of this model reached capskip: {_no_graph_reason(model)}")
     if backend is None:
@@ -278,6 +285,22 @@ def _backend_of(model) -> CapskipBackend:
                         "torch._dynamo.config.recompile_limit instances of its class were compiled before it "
                         "(see Dynamo's warning; torch.compile(..., isolate_recompiles=True) avoids that)")
     return backend
+
+
+def _wrapped_backend(model: nn.Module) -> Optional[CapskipBackend]:
+    """The backend of the one CapskipModule ``model`` is, holds (``DDP(cm)``, a container) or was compiled
+    from (the original module, or one holding it); None if none.  Several: an error naming the fix."""
+    found: dict = {}
+    for m in model.modules():
+        ref = _WRAPPER_OF.get(m)
+        for w in (m, ref() if ref is not None else None):
+            if isinstance(w, CapskipModule):
+                found[id(w.backend)] = w.backend
+    if len(found) > 1:
+        raise TypeError(f"capskip_fx.stats/report: this module holds {len(found)} modules compiled by "
+                        "capskip_fx.compile (or was compiled more than once): pass the one returned by "
+                        "capskip_fx.compile")
+    return next(iter(found.values()), None)
 
 
 def stats(model) -> StepStats:

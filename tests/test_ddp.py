@@ -137,6 +137,8 @@ def test_fsdp2_is_refused_clearly(tmp_path):
     out = torch.load(path, weights_only=False)
     assert "FSDP2" in out["refused"], (
         f"compiling an FSDP2-sharded model must refuse and name FSDP2; got {out['refused']!r}")
+    assert "capskip_fx.compile_regions" in out["refused"], (
+        f"the FSDP2 refusal must name regional compile, which supports FSDP2; got {out['refused']!r}")
     assert "DDP(capskip_fx.compile(model))" in out["refused"], (
         f"the FSDP2 refusal must point to the supported pattern DDP(capskip_fx.compile(model)); got {out['refused']!r}")
     assert "no graph" in out["fallback"], (

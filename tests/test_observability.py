@@ -393,3 +393,35 @@ def test_report_counts_a_refused_graphs_dense_backwards():
             _step(cm, seed=s)
     rep = capskip_fx.report(cm)
     assert [(r["backward"], r["steps"], r["last"]) for r in rep] == [("dense", {"dense": 3}, "dense")], rep.rows
+
+
+class _Holder(nn.Module):
+    def __init__(self, inner):
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, x):
+        return self.inner(x)
+
+
+def test_stats_of_the_original_module_or_a_holder_of_a_capskip_compile_module():
+    """stats/summary/report take the module capskip_fx.compile returned, the original module, or a module
+    holding either (DDP(cm), a container); a module holding two compiled ones is an error naming the fix."""
+    def step(m):
+        F.cross_entropy(m(torch.randn(8, 6)), torch.randint(0, 3, (8,))).backward()
+
+    models = [nn.Sequential(nn.Linear(6, 16), nn.GELU(), nn.Linear(16, 3)) for _ in range(2)]
+    cms = [capskip_fx.compile(m, rule="forced", keep=0.5, backend="aot_eager") for m in models]
+    for _ in range(2):
+        step(cms[0])
+    want = capskip_fx.stats(cms[0])
+    assert want.mode == "selected" and want.kept == 4, want
+    for label, m in (("original", models[0]), ("holder of the compiled", _Holder(cms[0])),
+                     ("holder of the original", _Holder(models[0]))):
+        assert capskip_fx.stats(m) is want, f"stats({label}) should be the compiled module's"
+        assert capskip_fx.summary(m).steps == 2 and len(capskip_fx.report(m).rows) >= 1, label
+    both = nn.ModuleList(cms)
+    with pytest.raises(TypeError, match="holds 2 modules compiled by capskip_fx.compile"):
+        capskip_fx.stats(both)
+    with pytest.raises(TypeError, match="expect the module returned by capskip_fx.compile"):
+        capskip_fx.stats(nn.Linear(2, 2))

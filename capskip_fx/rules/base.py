@@ -209,11 +209,12 @@ def prefix_block(c: int, e: int, n: int = 0) -> int:
 def prefix_route(n: int, c: int, e: int) -> tuple[str, int]:
     """``(route, block)`` of least cost for N rank-one rows ``d_i (x) x_i`` (C by e), in multiply-adds: the
     Gram ``N^2 (C + e)`` while N is small against ``C e / (C + e)``, else running sums
-    ``N (2 C e + B (C + e)) + (N / B) C e``, each at RUNNING_MAC_COST, plus their fixed cost
-    (RUNNING_FIXED_COST)."""
+    ``N (2 C e + B (C + e)) + (N / B)^2 C e`` (the last: the exclusive prefix over the blocks, a matmul),
+    each at RUNNING_MAC_COST, plus their fixed cost (RUNNING_FIXED_COST)."""
     b = prefix_block(c, e, n)
+    nb = -(-n // b)
     gram = n * n * (c + e)
-    running = RUNNING_MAC_COST * (n * (2 * c * e + b * (c + e)) + -(-n // b) * c * e) + RUNNING_FIXED_COST
+    running = RUNNING_MAC_COST * (n * (2 * c * e + b * (c + e)) + nb * nb * c * e) + RUNNING_FIXED_COST
     return ("gram", n) if gram <= running else ("running", b)
 
 
