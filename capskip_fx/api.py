@@ -81,6 +81,9 @@ class CapskipModule(nn.Module):
     def backend(self) -> CapskipBackend:
         return self._backend
 
+    # an outer torch.compile (a trainer compiling the model it is given) steps around this frame: the graph
+    # it would trace is this module's own compiled one, which the frame calls
+    @torch._dynamo.disable
     def forward(self, *args, capskip_targets: Optional[Tensor] = None, capskip_index: Optional[Tensor] = None,
                 **kwargs):
         _check_targets(capskip_targets)

@@ -274,6 +274,14 @@ def _owning_module(params: list) -> tuple[Optional[torch.nn.Module], Optional[to
         if frame is None and getattr(traced, "_compiled_call_impl", None) is not None:
             frame = traced
     owner = _bound_root(params if params else (list(traced.parameters()) if traced is not None else []))
+    if isinstance(owner, OptimizedModule):
+        # another torch.compile wrapper of the same module (an evaluation wrapper, a re-wrap with other
+        # options) is its own model: its own binding, batch marking and stats, not the first one bound's
+        called = _calling_wrapper(owner._orig_mod)
+        if called is not None and called is not owner:
+            counters()["wrapper from the call stack"] += 1
+            bind(called)
+            return called, called
     if owner is not None:
         if frame is None and isinstance(owner, OptimizedModule):
             frame = owner  # a frame resumed inside it after a graph break: its compiled call marks the batch
@@ -283,6 +291,20 @@ def _owning_module(params: list) -> tuple[Optional[torch.nn.Module], Optional[to
     if owner is not None:
         bind(owner)  # its later graphs find it without the call stack
     return owner, stack_frame if stack_frame is not None else frame
+
+
+def _calling_wrapper(inner: torch.nn.Module) -> Optional[torch.nn.Module]:
+    """The innermost torch.compile'd module (OptimizedModule) around ``inner`` being called on the Python
+    stack, if any: the wrapper whose call Dynamo is compiling (one walk per graph compiled)."""
+    from torch._dynamo.eval_frame import OptimizedModule
+
+    frame = sys._getframe(2)
+    while frame is not None:
+        mod = frame.f_locals.get("self")
+        if isinstance(mod, OptimizedModule) and mod._orig_mod is inner:
+            return mod
+        frame = frame.f_back
+    return None
 
 
 def _bound_root(params: list) -> Optional[torch.nn.Module]:

@@ -616,3 +616,33 @@ def test_published_gradients_do_not_outlive_their_backward():
         assert len(published) == 0, f"{len(published)} published gradients outlived their backward"
     rep = capskip_fx.report(model)
     assert rep[0]["rows_reused"] == 3, f"blocks[0] should take blocks[1]'s rows each step: {rep[0]}"
+
+
+@pytest.mark.parametrize("outer", ["module", "train_step"])
+def test_a_capskip_module_inside_another_torch_compile_still_selects(outer):
+    """A trainer that compiles the model it is given (``torch.compile(cm)``), or a compiled training step
+    calling it: the outer compile steps around the module's frame (its own compiled graph runs as is), the
+    head selects, and every gradient is the rule-weighted float64 reference's.  Before, Dynamo traced into
+    the module and failed on its batch marking (``maybe_mark_dynamic``: a forbidden callable)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 16), nn.GELU(), nn.Linear(16, 3)).double()
+    ref = copy.deepcopy(model)
+    cm = capskip_fx.compile(model, rule="forced", keep=lambda n: torch.tensor([1, 4, 6]), backend="aot_eager")
+    wrapped = torch.compile(cm, backend="aot_eager")
+
+    @torch.compile(backend="aot_eager")
+    def train_step(x, y):
+        return F.cross_entropy(cm(x), y)
+
+    for step in range(2):
+        x, y = torch.randn(8, 6, dtype=torch.float64), torch.randint(0, 3, (8,))
+        model.zero_grad()
+        (F.cross_entropy(wrapped(x), y) if outer == "module" else train_step(x, y)).backward()
+        st = capskip_fx.stats(cm)
+        assert st.mode == "selected" and st.kept == 3 and st.fallback is None, f"step {step}: {st}"
+        ref.load_state_dict(model.state_dict())
+        ref.zero_grad()
+        (F.cross_entropy(ref(x), y, reduction="none") * st.weight.double()).sum().div(8).backward()
+        for (name, a), b in zip(ref.named_parameters(), model.parameters()):
+            err = float((a.grad - b.grad).norm() / a.grad.norm())
+            assert err < 1e-10, f"step {step}, {name}: off by {err:.3g} from the rule-weighted reference"

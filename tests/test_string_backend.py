@@ -9,6 +9,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import warnings
 
 import pytest
 import torch
@@ -280,3 +281,62 @@ def test_two_backwards_through_the_static_first_step(entry):
     got = {k: p.grad for k, p in model.named_parameters()}
     want = {k: p.grad for k, p in ref.named_parameters()}
     assert max_rel_err(got, want) < 1e-12, "the first step's two backwards should give eager's gradients"
+
+
+def _odd(n):
+    return torch.arange(n) % 2 == 1
+
+
+def _even(n):
+    return torch.arange(n) % 2 == 0
+
+
+@needs_batch_marking
+@pytest.mark.parametrize("case", ["eval_wrapper_first", "rewrapped_with_other_options", "two_marked_alternating"])
+def test_a_second_wrapper_of_one_module_is_a_model_of_its_own(case):
+    """Two ``torch.compile(model, backend="capskip")`` wrappers of one module: the one being called owns its
+    graphs (its binding, batch marking and stats), not the first one bound.  Before, the second's steps ran
+    the first's static-batch graph eagerly forever (dense, no warning, stats frozen), or stats read the
+    other wrapper's record.  Gradients are each wrapper's rule-weighted float64 reference's."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.GELU(), torch.nn.Linear(16, 3)).double()
+    ref = copy.deepcopy(model)
+
+    def wrap(keep):
+        cm = torch.compile(model, backend="capskip", options={"rule": "forced", "keep": keep,
+                                                              "backend": "aot_eager", "verify": False})
+        if case == "two_marked_alternating":
+            capskip_fx.mark_compiled_batches(cm)
+        return cm
+
+    a = wrap(_odd)
+    if case == "eval_wrapper_first":
+        ev = wrap(_odd)
+        with torch.no_grad():
+            ev(torch.randn(8, 6, dtype=torch.float64))
+    b = wrap(_even if case != "eval_wrapper_first" else _odd)
+    plan = {"eval_wrapper_first": [(b, _odd)] * 4,
+            "rewrapped_with_other_options": [(a, _odd)] * 2 + [(b, _even)] * 4,
+            "two_marked_alternating": [(a, _odd), (b, _even)] * 2}[case]
+    seen = {}
+    for step, (cm, keep) in enumerate(plan):
+        x, y = torch.randn(8, 6, dtype=torch.float64), torch.randint(0, 3, (8,))
+        model.zero_grad()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            F.cross_entropy(cm(x), y).backward()
+        st = capskip_fx.stats(cm)
+        first = id(cm) not in seen and case != "two_marked_alternating"  # an unmarked wrapper's static first batch
+        seen[id(cm)] = True
+        if first:
+            assert st.mode == "dense" and st.fallback is None, f"step {step}: {st}"
+            w = torch.ones(8, dtype=torch.float64)
+        else:
+            assert st.mode == "selected" and torch.equal(st.weight != 0, keep(8)), f"step {step}: {st}"
+            w = st.weight.double()
+        ref.load_state_dict(model.state_dict())
+        ref.zero_grad()
+        (F.cross_entropy(ref(x), y, reduction="none") * w).sum().div(8).backward()
+        got = {k: p.grad for k, p in model.named_parameters()}
+        want = {k: p.grad for k, p in ref.named_parameters()}
+        assert max_rel_err(got, want) < 1e-10, f"step {step}: gradients off the wrapper's own reference ({st})"
