@@ -155,6 +155,10 @@ class _BindLogits:
         state = backend.state
         if not isinstance(logits, torch.Tensor) or not logits.requires_grad or logits.dim() != 2:
             return  # nothing to bind (token-shaped outputs): each graph records its own reason
+        last = backend.hooked_logits
+        if last is not None and last() is logits:
+            return  # this forward's other binding hook took it (an eager step would be counted twice)
+        backend.hooked_logits = weakref.ref(logits)
         if not state.end_forward(ForwardContext(), logits, by_hook=True, out=out):
             state.warn_once(UNBOUND_REASON)
             state.record_dense_step(int(logits.shape[0]), UNBOUND_REASON, at_forward=True)

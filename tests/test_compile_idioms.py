@@ -646,3 +646,29 @@ def test_a_capskip_module_inside_another_torch_compile_still_selects(outer):
         for (name, a), b in zip(ref.named_parameters(), model.parameters()):
             err = float((a.grad - b.grad).norm() / a.grad.norm())
             assert err < 1e-10, f"step {step}, {name}: off by {err:.3g} from the rule-weighted reference"
+
+
+@needs_batch_marking
+def test_eager_steps_of_a_model_compiled_in_place_are_counted_once():
+    """Under ``torch.compiler.set_stance("force_eager")`` a model compiled in place (and bound by
+    mark_compiled_batches) runs eagerly: each such step is one dense step with the reason, not two (both of
+    its binding hooks saw the eager logits)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 16), nn.GELU(), nn.Linear(16, 3)).double()
+    model.compile(backend="capskip", options={"rule": "forced", "keep": 0.5, "backend": "aot_eager", "verify": False})
+    capskip_fx.mark_compiled_batches(model)
+    for step in range(4):
+        x, y = torch.randn(8, 6, dtype=torch.float64), torch.randint(0, 3, (8,))
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            if step >= 2:
+                with torch.compiler.set_stance("force_eager"):
+                    F.cross_entropy(model(x), y).backward()
+            else:
+                F.cross_entropy(model(x), y).backward()
+        st = capskip_fx.stats(model)
+        assert st.step == step, f"loop step {step}: stats count step {st.step}"
+        if step >= 2:
+            assert st.mode == "dense" and st.fallback.kind.value == "eager logits", f"step {step}: {st}"
+    run = capskip_fx.summary(model)
+    assert run.steps == 4 and run.modes == {"selected": 2, "dense": 2}, run
