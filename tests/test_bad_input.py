@@ -274,6 +274,28 @@ def test_batch_of_one_under_the_string_backend_is_dense_by_design_without_a_warn
     assert run.steps == len(sizes) and not run.fallbacks and sum(run.dense_by_design.values()) == 1, run
 
 
+class _AuxOfOneFirst(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.head = nn.Linear(6, 16), nn.Linear(16, 3)
+
+    def forward(self, x):
+        z = self.head(F.gelu(self.a(x)))
+        return z.pow(2).mean().reshape(1), z  # an auxiliary loss of shape (1,) before the logits
+
+
+def test_an_output_of_one_row_before_the_logits_is_not_a_batch_of_one():
+    """A head graph whose first output has dim 0 of 1 (an auxiliary loss of shape (1,)) over a batch of 8:
+    the batch is the logits' (logits_index=1), so the head selects; not refused as a batch of size 1."""
+    torch.manual_seed(0)
+    cm = capskip_fx.compile(_AuxOfOneFirst(), rule="forced", keep=0.5, backend="aot_eager", logits_index=1)
+    for step in range(2):
+        aux, z = cm(torch.randn(8, 6))
+        (F.cross_entropy(z, torch.randint(0, 3, (8,))) + 0.01 * aux.sum()).backward()
+        st = capskip_fx.stats(cm)
+        assert st.mode == "selected" and st.kept == 4 and st.note is None, f"step {step}: {st}"
+
+
 def test_batch_of_one_is_dense_with_reason_and_no_recompile():
     model, cm = _net(rule="capskip", budget=1.0)
     x8 = _x()

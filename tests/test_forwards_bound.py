@@ -970,3 +970,26 @@ def test_two_forwards_one_scaled_after_the_head_are_two_forwards_of_the_step(ent
         sum((F.cross_entropy(ref(x, s), y, reduction="none") * (1.0 if s else w)).sum() / N
             for x, s in zip(xs, order)).backward()
         _assert_reference_grads(ref, model, f"step {step}", st)
+
+
+@needs_batch_marking
+@pytest.mark.parametrize("entry", ["capskip_compile", "string"])
+def test_each_backward_through_a_scaled_forward_is_a_dense_step(entry):
+    """Two backwards through one forward whose logits pass a learnable scale past a break
+    (retain_graph=True): each is a step of its own, dense with the reason (the second was not recorded)."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = _ScaledAfterHead("break", True).double()
+    cm = _forced_rows(model, entry)
+    steps = []
+    for _ in range(2):
+        x, y = torch.randn(N, 6, dtype=torch.float64), torch.randint(0, 3, (N,))
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            loss = F.cross_entropy(cm(x), y)
+            for retain in (True, False):
+                loss.backward(retain_graph=retain)
+                st = capskip_fx.stats(cm)
+                assert st.mode == "dense" and st.fallback.kind.value == "after the head", st
+                steps.append(st.step)
+    assert steps == sorted(set(steps)) and len(steps) == 4, f"each backward should be a step of its own: {steps}"

@@ -123,7 +123,7 @@ def joint(graph: fx.Graph, ctx: JointContext) -> Optional[JointResult]:
             head = find_head(graph, ctx.logits_index)
         except Refused as no_head:
             return _body(graph, ctx, no_head.refusal)
-        if _one_row(graph):  # a head specialised to a batch of 1 (marks or not): dense by design, not refused
+        if _one_row_value(head.z.meta.get("val")):  # logits specialised to a batch of 1: dense by design
             return _refused(Refusal(RefusalKind.STATIC_BATCH, ONE_ROW_NOTE), ctx)
         sym = batch_symbol_of(head.z.meta["val"], ctx.marked_batch)
         loss = find_in_graph_loss(graph, head, backward_nodes(graph))
@@ -163,12 +163,15 @@ def _body(graph: fx.Graph, ctx: JointContext, no_head: Refusal) -> JointResult:
 
 
 def _one_row(graph: fx.Graph) -> bool:
-    """The first output's tangent (the logits') has a static dim 0 of 1: a graph specialised to one row."""
-    for n in insert_select.tangents(graph):
-        v = n.meta.get("val")
-        if isinstance(v, torch.Tensor) and v.dim() >= 1:
-            return isinstance(v.shape[0], int) and v.shape[0] == 1
-    return False
+    """A graph without a head whose first batch-shaped output (its first tangent of one dim or more) has a
+    static dim 0 of 1: a graph specialised to one row."""
+    return _one_row_value(next((n.meta.get("val") for n in insert_select.tangents(graph)
+                                if isinstance(n.meta.get("val"), torch.Tensor) and n.meta["val"].dim() >= 1), None))
+
+
+def _one_row_value(v) -> bool:
+    """A tensor value whose dim 0 is the static size 1."""
+    return isinstance(v, torch.Tensor) and v.dim() >= 1 and isinstance(v.shape[0], int) and v.shape[0] == 1
 
 
 def _refused(refusal: Refusal, ctx: JointContext) -> JointResult:

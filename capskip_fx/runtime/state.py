@@ -250,8 +250,8 @@ class RuntimeState:
         if fwd is None or not forwards.bypasses_upstream_graph(node):
             return False
         self._heads().append(node)
-        if fwd.dense_reason is None and fwd.stats is None:
-            self._dense_in_backward([fwd], AFTER_HEAD_REASON, n)
+        if fwd.stats is None:  # dense in every backward through it (retain_graph: each one a step)
+            self._dense_in_backward([fwd], fwd.dense_reason or AFTER_HEAD_REASON, n)
         return True
 
     def _upstream_of_heads(self, node) -> bool:
