@@ -25,7 +25,7 @@ from .runtime.state import UNBOUND_REASON, ForwardContext, RunSummary, RuntimeSt
 
 _RULE_STATE_KEY = "_capskip"
 #: the original module -> the CapskipModule capskip_fx.compile last made of it (stats(original) finds it)
-_WRAPPER_OF: "weakref.WeakKeyDictionary[nn.Module, weakref.ref]" = weakref.WeakKeyDictionary()
+_COMPILED_FROM: "weakref.WeakKeyDictionary[nn.Module, weakref.ref]" = weakref.WeakKeyDictionary()
 
 
 class CapskipModule(nn.Module):
@@ -43,7 +43,7 @@ class CapskipModule(nn.Module):
         self._state = state
         state.published.owner = weakref.ref(model)  # its module backward hooks gate the reuse of rows
         state.published.wrapper = weakref.ref(self)  # a backward hook on it acts on the logits' gradient too
-        _WRAPPER_OF[model] = weakref.ref(self)
+        _COMPILED_FROM[model] = weakref.ref(self)
         key = ops.register(state)
         self._backend = CapskipBackend(config, state, key, logits_index)
         head: Optional[nn.Linear] = None
@@ -81,11 +81,15 @@ class CapskipModule(nn.Module):
     def backend(self) -> CapskipBackend:
         return self._backend
 
-    # an outer torch.compile (a trainer compiling the model it is given) steps around this frame: the graph
-    # it would trace is this module's own compiled one, which the frame calls
-    @torch._dynamo.disable
     def forward(self, *args, capskip_targets: Optional[Tensor] = None, capskip_index: Optional[Tensor] = None,
                 **kwargs):
+        return self._step(args, kwargs, capskip_targets, capskip_index)
+
+    # an outer torch.compile (a trainer compiling the model it is given) steps around this call: what it
+    # would trace is this module's own compiled graph, which the call runs.  On a helper, not on forward: a
+    # wrapper that rebinds forward (accelerate's unwrap_model) keeps it
+    @torch._dynamo.disable
+    def _step(self, args: tuple, kwargs: dict, capskip_targets: Optional[Tensor], capskip_index: Optional[Tensor]):
         _check_targets(capskip_targets)
         fwd = ForwardContext(capskip_targets, capskip_index)
         if self.config.backend == "eager":
@@ -291,19 +295,17 @@ def _backend_of(model) -> CapskipBackend:
 
 
 def _wrapped_backend(model: nn.Module) -> Optional[CapskipBackend]:
-    """The backend of the one CapskipModule ``model`` is, holds (``DDP(cm)``, a container) or was compiled
-    from (the original module, or one holding it); None if none.  Several: an error naming the fix."""
-    found: dict = {}
-    for m in model.modules():
-        ref = _WRAPPER_OF.get(m)
-        for w in (m, ref() if ref is not None else None):
-            if isinstance(w, CapskipModule):
-                found[id(w.backend)] = w.backend
-    if len(found) > 1:
-        raise TypeError(f"capskip_fx.stats/report: this module holds {len(found)} modules compiled by "
-                        "capskip_fx.compile (or was compiled more than once): pass the one returned by "
-                        "capskip_fx.compile")
-    return next(iter(found.values()), None)
+    """The backend of the one CapskipModule ``model`` is or holds (``DDP(cm)``, a container), else of the one
+    capskip_fx.compile last made of a module it is or holds (the original model); None if none.  Several
+    held: an error naming the fix."""
+    held = {id(m.backend): m.backend for m in model.modules() if isinstance(m, CapskipModule)}
+    if not held:
+        made = (_COMPILED_FROM.get(m) for m in model.modules())
+        held = {id(w.backend): w.backend for w in (r() for r in made if r is not None) if w is not None}
+    if len(held) > 1:
+        raise TypeError(f"capskip_fx.stats/report: this module holds {len(held)} modules compiled by "
+                        "capskip_fx.compile (a deep copy of one included): pass the one you mean")
+    return next(iter(held.values()), None)
 
 
 def stats(model) -> StepStats:

@@ -202,9 +202,6 @@ class CapskipBackend:
         self.logits_index = logits_index
         self.records: list[GraphRecord] = []
         self.options_key: Optional[str] = None  # string backend: the settings it was made for
-        # string backend: the logits its binding took last (a weakref): a forward whose two binding hooks
-        # both run (bind()'s forward hook and an in-place compile's wrapped call) is bound or recorded once
-        self.hooked_logits: Optional[Any] = None
 
     @property
     def any_head(self) -> bool:

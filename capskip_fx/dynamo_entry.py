@@ -139,6 +139,11 @@ def _claim(clock, grad) -> None:
     clock.claim()
 
 
+#: per backend, the logits its binding took last: a forward whose two binding hooks both run (bind()'s
+#: forward hook and an in-place compile's wrapped call) is bound, or recorded dense, once
+_HOOKED: "weakref.WeakKeyDictionary[CapskipBackend, weakref.ref]" = weakref.WeakKeyDictionary()
+
+
 class _BindLogits:
     """Forward hook on the model that owns a string backend's graphs: binds each training forward to the
     autograd node of the logits it returns (RuntimeState.end_forward), so only that graph runs the rule.
@@ -155,10 +160,10 @@ class _BindLogits:
         state = backend.state
         if not isinstance(logits, torch.Tensor) or not logits.requires_grad or logits.dim() != 2:
             return  # nothing to bind (token-shaped outputs): each graph records its own reason
-        last = backend.hooked_logits
+        last = _HOOKED.get(backend)
         if last is not None and last() is logits:
             return  # this forward's other binding hook took it (an eager step would be counted twice)
-        backend.hooked_logits = weakref.ref(logits)
+        _HOOKED[backend] = weakref.ref(logits)
         if not state.end_forward(ForwardContext(), logits, by_hook=True, out=out):
             state.warn_once(UNBOUND_REASON)
             state.record_dense_step(int(logits.shape[0]), UNBOUND_REASON, at_forward=True)
@@ -302,7 +307,7 @@ def _calling_wrapper(inner: torch.nn.Module) -> Optional[torch.nn.Module]:
     stack, if any: the wrapper whose call Dynamo is compiling (one walk per graph compiled)."""
     from torch._dynamo.eval_frame import OptimizedModule
 
-    frame = sys._getframe(2)
+    frame = sys._getframe(1)
     while frame is not None:
         mod = frame.f_locals.get("self")
         if isinstance(mod, OptimizedModule) and mod._orig_mod is inner:
@@ -416,6 +421,7 @@ class _MarkedCall:
         return self.call(*args, **kwargs)
 
 
+@torch._dynamo.disable  # under an outer torch.compile of the wrapper (its own frame compiles, marked)
 def _mark_pre_hook(module, args, kwargs):
     mark_batch_dynamic((args, kwargs))
     _MARKS_RAN[module] = True

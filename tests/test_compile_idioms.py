@@ -621,7 +621,7 @@ def test_published_gradients_do_not_outlive_their_backward():
 @pytest.mark.parametrize("outer", ["module", "train_step"])
 def test_a_capskip_module_inside_another_torch_compile_still_selects(outer):
     """A trainer that compiles the model it is given (``torch.compile(cm)``), or a compiled training step
-    calling it: the outer compile steps around the module's frame (its own compiled graph runs as is), the
+    calling it: the outer compile steps around the module's call (its own compiled graph runs as is), the
     head selects, and every gradient is the rule-weighted float64 reference's.  Before, Dynamo traced into
     the module and failed on its batch marking (``maybe_mark_dynamic``: a forbidden callable)."""
     torch.manual_seed(0)
@@ -637,7 +637,7 @@ def test_a_capskip_module_inside_another_torch_compile_still_selects(outer):
     for step in range(2):
         x, y = torch.randn(8, 6, dtype=torch.float64), torch.randint(0, 3, (8,))
         model.zero_grad()
-        (F.cross_entropy(wrapped(x), y) if outer == "module" else train_step(x, y)).backward()
+        (train_step(x, y) if outer == "train_step" else F.cross_entropy(wrapped(x), y)).backward()
         st = capskip_fx.stats(cm)
         assert st.mode == "selected" and st.kept == 3 and st.fallback is None, f"step {step}: {st}"
         ref.load_state_dict(model.state_dict())

@@ -145,3 +145,32 @@ def test_fsdp2_is_refused_clearly(tmp_path):
         "a model sharded after compile() must say its step ran dense because no graph was captured;"
         f" fallback {out['fallback']!r}")
     assert out["kept"] == W * N, f"the dense FSDP2 step must keep every row; stats say kept {out['kept']} of {W * N}"
+
+
+def _nested_worker(rank, port, path):
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
+    dist.init_process_group("gloo", rank=0, world_size=1, timeout=PG_TIMEOUT)
+    inner = torch.compile(make_model(), backend="capskip",
+                          options={"rule": "forced", "keep": 0.5, "backend": "aot_eager", "verify": False})
+    capskip_fx.mark_compiled_batches(inner)
+    outer = torch.compile(DDP(inner), backend="aot_eager")
+    x, y = make_data()
+    kept = []
+    for _ in range(2):
+        F.cross_entropy(outer(x), y).backward()
+        kept.append(capskip_fx.stats(inner).kept)
+    torch.save({"kept": kept}, path)
+    finish(path, rank)
+
+
+@pytest.mark.skipif(not dist.is_available(), reason="torch.distributed not available")
+def test_a_compiled_ddp_of_a_string_backend_module_selects(tmp_path):
+    """``torch.compile(DDP(torch.compile(m, backend="capskip")))``: the outer compile steps around the inner
+    wrapper's batch marking (it traced it and failed: ``maybe_mark_dynamic`` is a forbidden callable), and the
+    inner graphs select."""
+    path = str(tmp_path / "nested.pt")
+    spawn(_nested_worker, (free_port(), path), 1, path)
+    out = torch.load(path, weights_only=False)
+    assert out["kept"] == [W * N // 2] * 2, f"every step should keep half the rows: {out['kept']}"

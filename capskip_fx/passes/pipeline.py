@@ -153,7 +153,7 @@ def _body(graph: fx.Graph, ctx: JointContext, no_head: Refusal) -> JointResult:
     sym = insert_select.body_symbol(graph)
     if sym is None:
         # a ragged last batch of 1 (the head matcher sees its specialised graph): say so, not "no head"
-        return _refused(Refusal(RefusalKind.STATIC_BATCH, ONE_ROW_NOTE) if _one_row(graph) else no_head, ctx)
+        return _refused(Refusal(RefusalKind.STATIC_BATCH, ONE_ROW_NOTE) if _headless_one_row(graph) else no_head, ctx)
     try:
         layouts = insert_select.prove_layout(graph, sym)
         masked = insert_select.select_body(graph, sym, ctx.key)
@@ -162,7 +162,7 @@ def _body(graph: fx.Graph, ctx: JointContext, no_head: Refusal) -> JointResult:
     return JointResult(body=True, no_head=no_head.detail, masked_tangents=masked, layouts=MappingProxyType(layouts))
 
 
-def _one_row(graph: fx.Graph) -> bool:
+def _headless_one_row(graph: fx.Graph) -> bool:
     """A graph without a head whose first batch-shaped output (its first tangent of one dim or more) has a
     static dim 0 of 1: a graph specialised to one row."""
     return _one_row_value(next((n.meta.get("val") for n in insert_select.tangents(graph)

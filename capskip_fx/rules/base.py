@@ -199,9 +199,10 @@ RUNNING_MAC_COST = 1.5
 
 def prefix_block(c: int, e: int, n: int = 0) -> int:
     """Rows per block of the running-sum route for N = ``n`` rows (a power of two): per row it costs ``2 C e``
-    (the block sums, the products with the running sum) plus ``B (C + e)`` (its block's Gram), and ``C e / B``
-    for the running sums themselves (their memory), which B near ``C e / (C + e)`` balances; at least
-    MIN_PREFIX_BLOCK rows, twice that from LARGE_BATCH_ROWS rows."""
+    (the block sums, the products with the running sum) plus ``B (C + e)`` (its block's Gram), and the
+    running sums themselves ``(N / B)^2 C e`` in all.  B near ``C e / (C + e)``, at least MIN_PREFIX_BLOCK
+    rows, twice that from LARGE_BATCH_ROWS rows: a measured floor (the small batched matmuls run below the
+    machine's rate, which counting multiply-adds misses), not the cost model's minimum."""
     floor = MIN_PREFIX_BLOCK * (2 if n >= LARGE_BATCH_ROWS else 1)
     return max(floor, 1 << max(0, round(math.log2(max(1.0, c * e / (c + e))))))
 
@@ -268,7 +269,8 @@ def prefix_sq_norms(d: Tensor, x: Tensor, route: Optional[str] = None, block: Op
       * ``"running"``: blocks of B rows; before block b the running sum ``S_b`` (C x e) of the earlier blocks,
         and for row j of the block ``||S_b + P_j||^2 = ||S_b||^2 + 2 <S_b, P_j> + ||P_j||^2`` with ``P_j`` the
         block's own prefix: ``<S_b, g_i> = d_i^T S_b x_i`` and the block's B x B Gram.  All blocks at once
-        (batched matmuls, no Python loop); O(N C e + N B (C + e)) multiply-adds, O(N (C + e)) memory.
+        (batched matmuls, no Python loop); O(N C e + N B (C + e) + (N / B)^2 C e) multiply-adds (the last:
+        the running sums before each block, a strictly lower-triangular matmul), O(N (C + e)) memory.
     ``route`` None: prefix_route's choice; ``block`` None: prefix_block's."""
     n, c = d.shape
     e = x.shape[1]

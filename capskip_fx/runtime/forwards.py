@@ -114,6 +114,7 @@ def _nodes_from(stack: list, descend=lambda f: True, limit: Optional[int] = None
 
 
 def _below(node: Any) -> list:
+    """The autograd nodes ``node``'s backward passes gradient to (None where an input needs none)."""
     return [f for f, _ in getattr(node, "next_functions", ())]
 
 
@@ -174,15 +175,16 @@ def outputs_after_head(out: Any, logits: Tensor) -> bool:
     return False
 
 
+def _bound_forward(f: Any) -> Optional[ForwardContext]:
+    """The forward bound to autograd node ``f`` if it is a compiled function's, else None."""
+    return getattr(f, _ATTR, None) if _compiled(f) else None
+
+
 def heads_upstream(node: Any) -> list:
     """The forwards bound to compiled functions upstream of ``node``: walks the running backward's autograd
     graph from ``node`` down, not past a bound one (what lies beyond is its body), nor past _WALK_LIMIT nodes."""
-    nodes = _nodes_from(_below(node), descend=lambda f: _bound(f) is None, limit=_WALK_LIMIT)
-    return [fwd for fwd in map(_bound, nodes) if fwd is not None]
-
-
-def _bound(f: Any) -> Optional[ForwardContext]:
-    return getattr(f, _ATTR, None) if _compiled(f) else None
+    nodes = _nodes_from(_below(node), descend=lambda f: _bound_forward(f) is None, limit=_WALK_LIMIT)
+    return [fwd for fwd in map(_bound_forward, nodes) if fwd is not None]
 
 
 def outputs_before_head(out: Any, logits: Tensor) -> bool:
