@@ -107,6 +107,50 @@ def test_resume_needs_something_left_to_train(tmp_path):
         f"summary.csv must continue with epoch 2 after epoch 1; got epochs {[r['epoch'] for r in _summary(out)]!r}")
 
 
+def test_a_run_folder_holds_one_run(tmp_path, monkeypatch):
+    """A fresh run into a folder that holds another run (other options) is refused, naming --out and
+    --resume, and leaves that run's files alone; the same run started again from scratch clears the old
+    results first (a crash would otherwise leave them for compare)."""
+    out = tmp_path / "r"
+    argv = [*TINY, "--backend", "eager", "--epochs", "1", "--check-every", "0", "--out", str(out)]
+    train.run([*argv, "--rule", "capskip", "--budget", "0.1"])
+    before = (out / "result.json").read_text()
+    with pytest.raises(SystemExit, match=r"holds another run \(capskip b=0.1; budget 0.1 -> 0.5\).*--resume"):
+        train.run([*argv, "--rule", "capskip", "--budget", "0.5"])
+    assert (out / "result.json").read_text() == before, "a refused run must leave the other run's result alone"
+    (out / "stale.txt").write_text("not a run file")
+    # the same run again (threads are not what a run computes), killed at its first evaluation
+    run_killed_at_evaluation(monkeypatch, loop, 1,
+                             lambda: train.run([*argv, "--rule", "capskip", "--budget", "0.1", "--threads", "1"]))
+    assert not (out / "result.json").exists() and not (out / "summary.csv").exists(), (
+        "the same run started again must clear the earlier run's results before it trains")
+    assert (out / "stale.txt").exists(), "only the files a run writes are cleared"
+
+
+def test_resume_keeps_its_rule_and_relabels_changed_options(tmp_path):
+    """--resume with another --rule is refused (the rule state would load into another rule); an option
+    changed on resume (--max-steps) runs, and a label the options made is made again from them."""
+    out = tmp_path / "r"
+    train.run([*TINY, "--backend", "eager", "--epochs", "1", "--check-every", "0", "--rule", "sb", "--keep", "0.5",
+               "--max-steps", "2", "--out", str(out)])
+    with pytest.raises(SystemExit, match="continues a sb run: --rule capskip"):
+        train.run(["--resume", str(out / "checkpoint.pt"), "--rule", "capskip"])
+    res = train.run(["--resume", str(out / "checkpoint.pt"), "--max-steps", "5", "--epochs", "2"])
+    assert res["steps"] == 5 and "5 steps" in res["label"] and "2 steps" not in res["label"], res["label"]
+
+
+def test_resume_from_a_copied_checkpoint_keeps_the_step_log(tmp_path):
+    """A checkpoint copied out of its run folder resumes into the run's folder (its config's out) and keeps
+    the steps logged before it (they were read from the copy's folder, which has none)."""
+    out, saved = tmp_path / "r", tmp_path / "saved"
+    train.run([*TINY, "--backend", "eager", "--epochs", "1", "--check-every", "0", "--out", str(out)])
+    saved.mkdir()
+    (saved / "ep1.pt").write_bytes((out / "checkpoint.pt").read_bytes())
+    train.run(["--resume", str(saved / "ep1.pt"), "--epochs", "2"])
+    steps = [s["step"] for s in _jsonl(out / "steps.jsonl")]
+    assert steps == list(range(6)), f"the log should hold both epochs' steps 0-5: {steps}"
+
+
 def test_atomic_save_never_leaves_a_truncated_file(tmp_path):
     path = tmp_path / "checkpoint.pt"
     checkpoint.save({"epoch": 1, "w": torch.arange(1000)}, path)

@@ -228,8 +228,11 @@ def test_compile_clock_excludes_warmup():
         f"got {c.wall_s}")
 
 
-def _fake_run(d: Path, rule: str, seed: int, top1: list[float], wall: list[float], kept: float, **cfg):
+def _fake_run(d: Path, rule: str, seed: int, top1: list[float], wall: list[float], kept: float,
+              finished: bool = True, **cfg):
     d.mkdir(parents=True)
+    if finished:  # a finished run's result.json (compare marks a run without one as unfinished)
+        (d / "result.json").write_text(json.dumps({"final_top1": top1[-1], "steps": 20}))
     (d / "config.yaml").write_text(yaml.safe_dump({"rule": rule, "budget": 0.1, "seed": seed, **cfg}))
     with open(d / "summary.csv", "w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=["epoch", "eval_top1", "wall_clock_s", "backward_rows", "rows",
@@ -270,6 +273,19 @@ def test_compare_renders_table_and_plots(tmp_path):
     # a parent folder is searched for run directories
     assert train.run(["compare", str(runs), "--out", str(tmp_path / "cmp2"), "--wide"]) == table, (
         "compare on the parent folder must find the same runs, and render the same table, as naming each run")
+
+
+def test_compare_marks_an_unfinished_run(tmp_path):
+    """A run with no result.json (killed after its first epoch) is marked § with its epochs done, in the table
+    and on stderr, not shown as a finished run."""
+    runs = tmp_path / "runs"
+    _fake_run(runs / "dense-s0", "dense", 0, [80, 85], [10, 20], 1.0, epochs=2)
+    _fake_run(runs / "cap-s0", "capskip", 0, [81], [5], 0.4, finished=False, epochs=2)
+    table = train.run(["compare", str(runs), "--out", str(tmp_path / "cmp")])
+    cap = next(l for l in table.splitlines() if l.startswith("| capskip"))
+    assert "§" in cap, f"the unfinished run's row should be marked: {cap!r}"
+    assert "§ capskip b=0.1: unfinished, no result.json (seed 0: 1 of 2 epochs)" in table, table
+    assert "§" not in next(l for l in table.splitlines() if l.startswith("| dense")), table
 
 
 def test_compare_pairs_step_matched_dense_by_seed(tmp_path):
@@ -317,7 +333,13 @@ def test_cli_errors_come_before_any_work(tmp_path, capsys):
 
     for argv, msg in ((["--budget", "2.0"], "budget must be a number in [0, 1]"),
                       (["--data-dir", str(tmp_path / "nope")], "is not a folder"),
-                      (["--rule", "forced", "--keep", "3"], "keep fraction must be in (0, 1]")):
+                      (["--rule", "forced", "--keep", "3"], "keep fraction must be in (0, 1]"),
+                      (["--rule", "capskip", "--keep", "0.5"], "keep (a fixed kept fraction) is an option of rules"),
+                      (["--lr", "0"], "lr must be > 0 and min_lr in [0, lr]"),
+                      (["--min-lr", "1"], "lr must be > 0 and min_lr in [0, lr]"),
+                      (["--weight-decay", "-5"], "weight_decay and check_tol must be >= 0"),
+                      (["--threads", "0"], "threads >= 1"),
+                      (["--img-size", "0"], "img_size must be >= 1")):
         with pytest.raises(SystemExit, match=re.escape(msg)):
             cli.run([*argv, "--out", str(tmp_path / "run")])
         assert not (tmp_path / "run").exists(), f"a bad option ({argv}) must fail before the output folder is created"

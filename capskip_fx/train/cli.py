@@ -158,7 +158,16 @@ def config_from_args(ns: argparse.Namespace) -> TrainConfig:
     """Defaults <- the checkpoint's config (``--resume``) <- YAML file <- flags given on the command line."""
     values: dict[str, Any] = {}
     if getattr(ns, "resume", None):
-        values.update(_resume_base(ns.resume))
+        base = _resume_base(ns.resume)
+        if getattr(ns, "rule", None) is not None and ns.rule != base.get("rule"):
+            raise SystemExit(f"--resume continues a {base.get('rule')} run: --rule {ns.rule} would load its rule "
+                             f"state into another rule; start a new run (--initial-checkpoint {ns.resume} takes "
+                             f"its weights)")
+        from .report import run_label
+
+        if base.get("label") == run_label({**base, "label": None}):
+            base["label"] = None  # the label the run's options made: made again from the options now given
+        values.update(base)
     cfg_file = getattr(ns, "config_file", None)
     if cfg_file:
         values.update(read_yaml(cfg_file))
@@ -222,7 +231,7 @@ def compare(paths: Sequence[str | Path], out_dir: str | Path, drift: Optional[fl
     rows = json.loads(Path(speed).read_text())["rows"] if speed else ()
     table = report.compare_table(runs, report.LOAD_DRIFT if drift is None else drift, rows, wide=wide)
     for line in table.splitlines():
-        if line.startswith((report.MISSED, report.LOADED)):
+        if line.startswith((report.MISSED, report.LOADED, report.UNFINISHED)):
             print(f"warning: {line}", file=sys.stderr)
     (out_dir / "compare.md").write_text(report.compare_page(runs, table, plots.PLOTS))
     return table

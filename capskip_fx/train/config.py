@@ -22,6 +22,7 @@ RULE_NAMES = ["capskip", "dense", "forced", "kabena", "random", "sb", "stale_sb"
 # the harness's data-side rules: InfoBatch prunes at the sampler, the model runs the named rule
 DATA_RULES = {"infobatch": "dense", "capskip+infobatch": "capskip"}
 RULE_NAMES += list(DATA_RULES)
+KEEP_RULES = ("forced", "random", "sb")  # the rules that take a fixed kept fraction (--keep)
 
 AMP = ("none", "bf16")
 # the learning rate after the warm-up: cosine to min_lr over the run's steps; the same cosine over the
@@ -147,6 +148,17 @@ class TrainConfig:
                 f"drops and its schedule follows the data, not a step count; step-match a dense run instead")
         if self.check_every < 0 or self.warmup_epochs < 0:
             bad("check_every and warmup_epochs must be >= 0")
+        if not self.lr > 0 or not 0 <= self.min_lr <= self.lr:
+            bad(f"lr must be > 0 and min_lr in [0, lr] (the cosine's floor), got lr={self.lr}, min_lr={self.min_lr}")
+        if not self.weight_decay >= 0 or not self.check_tol >= 0:
+            bad(f"weight_decay and check_tol must be >= 0, got {self.weight_decay}, {self.check_tol}")
+        if self.log_every < 0 or (self.threads is not None and self.threads < 1):
+            bad(f"log_every must be >= 0 (0: about ten lines an epoch) and threads >= 1 (or unset), got "
+                f"{self.log_every}, {self.threads}")
+        for name in ("train_subset", "eval_subset", "img_size", "patch_size", "in_chans"):
+            v = getattr(self, name, None)
+            if v is not None and v < 1:
+                bad(f"{name} must be >= 1 (or unset: the dataset's default), got {v}")
         if not isinstance(self.model_kwargs, dict) or not isinstance(self.rule_options, dict):
             bad("model_kwargs and rule_options must be mappings")
         if self.data_dir is not None and not Path(self.data_dir).is_dir():
@@ -158,6 +170,9 @@ class TrainConfig:
         # the rule is built here too, so a bad budget or option fails before any data is loaded
         from capskip_fx.rules import build_rule
 
+        if self.keep is not None and model_rule(self) not in KEEP_RULES:
+            bad(f"keep (a fixed kept fraction) is an option of rules {KEEP_RULES}; rule {self.rule!r} chooses its "
+                f"own count (capskip: --budget)")
         try:
             if self.rule != "vcas":
                 build_rule(model_rule(self), self.budget, rule_options(self))

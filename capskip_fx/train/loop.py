@@ -19,6 +19,7 @@ from typing import Any, Optional
 
 import torch
 import torch.nn.functional as F
+import yaml
 from torch import nn
 
 import capskip_fx
@@ -137,6 +138,30 @@ def _carry_lines(src: Path, dst: Path, before_step: int) -> None:
     dst.write_text("".join(kept))
 
 
+#: config keys that do not change what a run computes: a run started again with other values is the same run
+_SAME_RUN_KEYS = {"out", "resume", "threads", "workers", "device", "data_dir", "log_every", "label"}
+#: what a run writes: cleared when the same run starts again from scratch (a crash would leave the old ones)
+_RUN_FILES = ("result.json", "summary.csv", "steps.jsonl", "checks.jsonl", "checkpoint.pt")
+
+
+def _claim_run_dir(cfg: TrainConfig, out: Path) -> None:
+    """A fresh run's folder: refused if it holds another run (its config differs in what the run computes:
+    two runs' files would mix, and compare would read one under the other's label); the same run started
+    again from scratch starts from an empty folder's worth of results."""
+    old_file = out / "config.yaml"
+    if not old_file.is_file():
+        return
+    old = yaml.safe_load(old_file.read_text()) or {}
+    new = yaml.safe_load(yaml.safe_dump(dataclasses.asdict(cfg), sort_keys=False))
+    differ = [k for k in new if k not in _SAME_RUN_KEYS and old.get(k) != new[k]]
+    if differ:
+        shown = ", ".join(f"{k} {old.get(k)!r} -> {new[k]!r}" for k in differ[:4]) + (" ..." if len(differ) > 4 else "")
+        raise SystemExit(f"--out {out} holds another run ({old.get('label')}; {shown}): pass another --out, or "
+                         f"--resume {out / 'checkpoint.pt'} to continue that run, or remove the folder")
+    for name in _RUN_FILES:
+        (out / name).unlink(missing_ok=True)
+
+
 def _preflight(cfg: TrainConfig) -> tuple[Optional[dict], Optional[dict], bool]:
     """(checkpoint to resume, initial weights, fetch pretrained?): everything that can fail on a path or
     the network does so before the data is loaded."""
@@ -201,6 +226,8 @@ class RunState:
                                   out=cfg.out or f"runs/{cfg.dataset}-{cfg.rule}-s{cfg.seed}")
         self.cfg, self.data, self.model = cfg, data, model
         out = self.out = Path(cfg.out)
+        if cfg.resume is None:
+            _claim_run_dir(cfg, out)
         out.mkdir(parents=True, exist_ok=True)
         write_yaml(cfg, out / "config.yaml")
         self.n_params = sum(p.numel() for p in model.parameters())
@@ -253,6 +280,8 @@ class RunState:
         self.summary = list(ck["summary"])
         self.epochs_done = ck["epoch"]
         src = Path(cfg.resume).parent
+        if not (src / "steps.jsonl").is_file():  # a checkpoint copied out of its run: the log is the run's
+            src = self.out
         for name in ("steps.jsonl", "checks.jsonl"):
             _carry_lines(src / name, self.out / name, self.counters.step)
         self.log_mode = "a"

@@ -92,6 +92,7 @@ def _num(v: str) -> Any:
 LOAD_DRIFT = 0.2
 MISSED = "†"  # time budget not reached
 LOADED = "‡"  # machine load changed between the runs
+UNFINISHED = "§"  # a run with no result.json: stopped (killed, crashed) before its end
 
 
 @dataclass
@@ -305,7 +306,7 @@ def _median(xs: Sequence[float]) -> float:
 
 def table_warnings(runs: Sequence[Run], drift: float = LOAD_DRIFT) -> list[str]:
     """What the table marks, one sentence each: time budgets not reached (†), wall-clock ratios measured
-    under another machine load (‡)."""
+    under another machine load (‡), runs that did not finish (§)."""
     groups = group_runs(runs)
     dense = next((g for g in groups.values() if all(r.is_dense_reference for r in g)), None)
     out = []
@@ -319,6 +320,11 @@ def table_warnings(runs: Sequence[Run], drift: float = LOAD_DRIFT) -> list[str]:
             out.append(f"{MISSED} {label}: seed(s) {', '.join(str(r.seed) for r in missed)} finished all epochs "
                        f"before the time budget ({walls} s < {budget:.{digits}f} s): not "
                        f"time-matched, so a Δ against it compares with a longer run than the rule's")
+        stopped = [r for r in members if not r.result]
+        if stopped:
+            done = ", ".join(f"seed {r.seed}: {len(r.summary)} of {r.config.get('epochs')} epochs" for r in stopped)
+            out.append(f"{UNFINISHED} {label}: unfinished, no result.json ({done}): its numbers are its last "
+                       f"epoch's; resume it (--resume <run>/checkpoint.pt) or leave it out")
         if dense is None or members is dense:
             continue
         loaded = [(r, load_drift(r, dense)) for r in members]
@@ -391,6 +397,7 @@ def _table(runs: Sequence[Run], drift: float = LOAD_DRIFT, speed: Sequence[dict]
         if any(not math.isnan(d) and abs(d) > drift for d in drifts):
             ratio += f" {LOADED}"
         missed = any(r.budget_missed for r in members)
+        unfinished = any(not r.result for r in members)
         rows = _mean([rows_run(r) for r in members])
         viol = sum(int(r.final.get("violations") or 0) for r in members)
         diff = "n/a"
@@ -403,7 +410,7 @@ def _table(runs: Sequence[Run], drift: float = LOAD_DRIFT, speed: Sequence[dict]
         reach = (_ratio_to(members, dense, target), _ratio_to(members, dense, 0.99 * target)) \
             if dense and not math.isnan(target) else ("n/a", "n/a")
         table.append([
-            f"{label}{f' {MISSED}' if missed else ''}", str(len(members)),
+            f"{label}{f' {MISSED}' if missed else ''}{f' {UNFINISHED}' if unfinished else ''}", str(len(members)),
             fmt_interval([r.final.get("eval_top1") for r in members]), _step_matched_diff(members, runs),
             _step_ratio(members, runs, speed), diff, _mean_std([r.final.get("wall_clock_s") for r in members], ".1f"),
             ratio, reach[0], reach[1], _mean_std([r.kept_frac for r in members], ".3f"),
