@@ -335,8 +335,8 @@ def test_cli_errors_come_before_any_work(tmp_path, capsys):
                       (["--data-dir", str(tmp_path / "nope")], "is not a folder"),
                       (["--rule", "forced", "--keep", "3"], "keep fraction must be in (0, 1]"),
                       (["--rule", "capskip", "--keep", "0.5"], "keep (a fixed kept fraction) is an option of rules"),
-                      (["--lr", "0"], "lr must be > 0 and min_lr in [0, lr]"),
-                      (["--min-lr", "1"], "lr must be > 0 and min_lr in [0, lr]"),
+                      (["--lr", "-1"], "lr must be >= 0 and min_lr in [0, lr]"),
+                      (["--min-lr", "1"], "lr must be >= 0 and min_lr in [0, lr]"),
                       (["--weight-decay", "-5"], "weight_decay and check_tol must be >= 0"),
                       (["--threads", "0"], "threads >= 1"),
                       (["--img-size", "0"], "img_size must be >= 1")):

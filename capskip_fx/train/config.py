@@ -148,8 +148,8 @@ class TrainConfig:
                 f"drops and its schedule follows the data, not a step count; step-match a dense run instead")
         if self.check_every < 0 or self.warmup_epochs < 0:
             bad("check_every and warmup_epochs must be >= 0")
-        if not self.lr > 0 or not 0 <= self.min_lr <= self.lr:
-            bad(f"lr must be > 0 and min_lr in [0, lr] (the cosine's floor), got lr={self.lr}, min_lr={self.min_lr}")
+        if not self.lr >= 0 or not 0 <= self.min_lr <= self.lr:  # lr 0 with min_lr 0: weights stay (evaluation)
+            bad(f"lr must be >= 0 and min_lr in [0, lr] (the cosine's floor), got lr={self.lr}, min_lr={self.min_lr}")
         if not self.weight_decay >= 0 or not self.check_tol >= 0:
             bad(f"weight_decay and check_tol must be >= 0, got {self.weight_decay}, {self.check_tol}")
         if self.log_every < 0 or (self.threads is not None and self.threads < 1):
