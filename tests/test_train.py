@@ -184,6 +184,8 @@ def test_time_budget_stops_early(tmp_path):
         "the run must be evaluated where the time budget stops it, so the last summary row needs a top-1")
     assert res["wall_clock_s"] >= 0.02, (
         f"a run stopped by a 0.02 s time budget must have run at least 0.02 s, got {res['wall_clock_s']}")
+    with pytest.raises(SystemExit, match="already spent its time budget of 0.02 s"):  # not trained on
+        train.run(["--resume", str(out / "checkpoint.pt")])
 
 
 def test_rule_options_reach_the_rule():

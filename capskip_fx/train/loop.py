@@ -168,6 +168,11 @@ def _preflight(cfg: TrainConfig) -> tuple[Optional[dict], Optional[dict], bool]:
     ck = checkpoint.load_for_resume(cfg.resume) if cfg.resume else None
     if ck is not None and cfg.max_steps and ck["counters"]["step"] >= cfg.max_steps:
         raise SystemExit(f"--resume {cfg.resume}: the run already made its {cfg.max_steps} steps (--max-steps)")
+    spent = ck["config"].get("time_budget") if ck is not None else None
+    if ck is not None and cfg.time_budget and spent and cfg.time_budget <= spent and ck["summary"] \
+            and int(ck["summary"][-1].get("time_budget_hit") or 0):
+        raise SystemExit(f"--resume {cfg.resume}: the run already spent its time budget of {spent:g} s "
+                         f"(--time-budget); pass --time-budget S > {spent:g} to train on")
     if ck is not None and not cfg.max_steps and ck["epoch"] >= cfg.epochs:
         raise SystemExit(f"--resume {cfg.resume}: the run already finished epoch {ck['epoch']} of {cfg.epochs}; "
                          f"pass --epochs N > {ck['epoch']} to train on")
@@ -470,7 +475,7 @@ class RunState:
               f"wall {clock.wall_s:.1f}s compile {clock.compile_s:.1f}s kept {self.summary[-1]['mean_kept_frac']:.3f}"
               + (f" violations {c.violations}" if c.violations else ""), flush=True)
         if self.hit_budget:
-            print(f"[run] time budget {cfg.time_budget:.1f}s reached after {c.step} steps (epoch {epoch})")
+            print(f"[run] time budget {cfg.time_budget:g} s reached after {c.step} steps (epoch {epoch})")
             return False
         if self.hit_steps:
             print(f"[run] {cfg.max_steps} steps made (--max-steps), epoch {epoch}")
