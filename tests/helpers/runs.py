@@ -2,16 +2,19 @@
 from __future__ import annotations
 
 import csv
+import json
 
 import pytest
 import yaml
 
 
-def write_run(root, name, seed, curve, backward_rows=10, **cfg):
+def write_run(root, name, seed, curve, backward_rows=10, finished=True, **cfg):
     """A run directory as ``capskip-train`` leaves it: config.yaml and summary.csv with one row per
-    (wall-clock s, eval top-1) of ``curve``."""
+    (wall-clock s, eval top-1) of ``curve``; a finished run's result.json unless ``finished`` is False."""
     d = root / name
     d.mkdir(parents=True)
+    if finished:
+        (d / "result.json").write_text(json.dumps({"final_top1": curve[-1][1] if curve else None}))
     (d / "config.yaml").write_text(yaml.safe_dump({"dataset": "mnist", "seed": seed, **cfg}))
     with open(d / "summary.csv", "w", newline="") as f:
         w = csv.DictWriter(f, ["epoch", "eval_top1", "wall_clock_s", "backward_rows", "rows"])
