@@ -16,6 +16,7 @@ import torch.nn.functional as F
 import capskip_fx
 from capskip_fx.rules import CAPSkip
 from helpers.distributed import PG_TIMEOUT, finish, free_port, spawn
+from helpers.torch_features import needs_batch_marking
 
 pytestmark = pytest.mark.subprocess  # starts Python processes
 
@@ -165,6 +166,7 @@ def _nested_worker(rank, port, path):
     finish(path, rank)
 
 
+@needs_batch_marking  # mark_compiled_batches marks nothing on 2.11: its static batch runs dense
 @pytest.mark.skipif(not dist.is_available(), reason="torch.distributed not available")
 def test_a_compiled_ddp_of_a_string_backend_module_selects(tmp_path):
     """``torch.compile(DDP(torch.compile(m, backend="capskip")))``: the outer compile steps around the inner
