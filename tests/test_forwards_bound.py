@@ -903,16 +903,25 @@ def test_two_forwards_one_moved_after_the_head_are_two_forwards_of_the_step(entr
     scale = torch.arange(1.0, N + 1, dtype=torch.float64)
     flips = (True, False) if flipped_first else (False, True)
 
-    def rows(out, y, flip):
+    def rows(m, x, y, flip):
+        out = m(x)
         return F.cross_entropy(out[0], y, reduction="none") + (out[1].pow(2).sum(1) * scale if flip else 0.0)
 
+    _two_forwards_one_after_the_head(model, cm, ref, rows, flips)
+
+
+def _two_forwards_one_after_the_head(model, cm, ref, rows, dense_first) -> None:
+    """Two steps of two forwards in one backward, ``rows(m, x, y, dense)`` each forward's per-row losses
+    through module ``m``, ``dense`` True for the one that runs dense (`after the head`): the step lists both
+    forwards (n = 2N, kept N + 3: the forced rows of the other) and every gradient is the float64 reference's
+    with each forward's weights."""
     for step in range(2):
-        xs = [torch.randn(N, 6, dtype=torch.float64) for _ in flips]
+        xs = [torch.randn(N, 6, dtype=torch.float64) for _ in dense_first]
         y = torch.randint(0, 3, (N,))
         model.zero_grad()
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            sum(rows(cm(x), y, f).sum() for x, f in zip(xs, flips)).div(N).backward()
+            sum(rows(cm, x, y, d).sum() for x, d in zip(xs, dense_first)).div(N).backward()
         st = capskip_fx.stats(cm)
         assert st.n == 2 * N and len(st.forwards) == 2 and st.kept == N + 3, f"step {step}: {st}"
         dense = [f for f in st.forwards if f.mode == "dense"]
@@ -920,7 +929,7 @@ def test_two_forwards_one_moved_after_the_head_are_two_forwards_of_the_step(entr
         w = next(f for f in st.forwards if f.mode == "selected").weight.double()
         ref.load_state_dict(model.state_dict())
         ref.zero_grad()
-        sum((rows(ref(x), y, f) * (1.0 if f else w)).sum() for x, f in zip(xs, flips)).div(N).backward()
+        sum((rows(ref, x, y, d) * (1.0 if d else w)).sum() for x, d in zip(xs, dense_first)).div(N).backward()
         _assert_reference_grads(ref, model, f"step {step}", st)
 
 
@@ -953,23 +962,8 @@ def test_two_forwards_one_scaled_after_the_head_are_two_forwards_of_the_step(ent
     ref = copy.deepcopy(model)
     cm = _forced_rows(model, entry)
     order = (True, False) if scaled_first else (False, True)
-    for step in range(2):
-        xs = [torch.randn(N, 6, dtype=torch.float64) for _ in order]
-        y = torch.randint(0, 3, (N,))
-        model.zero_grad()
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            sum(F.cross_entropy(cm(x, s), y) for x, s in zip(xs, order)).backward()
-        st = capskip_fx.stats(cm)
-        assert st.n == 2 * N and len(st.forwards) == 2 and st.kept == N + 3, f"step {step}: {st}"
-        dense = [f for f in st.forwards if f.mode == "dense"]
-        assert len(dense) == 1 and dense[0].fallback.kind.value == "after the head", f"step {step}: {st.forwards}"
-        w = next(f for f in st.forwards if f.mode == "selected").weight.double()
-        ref.load_state_dict(model.state_dict())
-        ref.zero_grad()
-        sum((F.cross_entropy(ref(x, s), y, reduction="none") * (1.0 if s else w)).sum() / N
-            for x, s in zip(xs, order)).backward()
-        _assert_reference_grads(ref, model, f"step {step}", st)
+    _two_forwards_one_after_the_head(model, cm, ref, lambda m, x, y, s: F.cross_entropy(m(x, s), y, reduction="none"),
+                                     order)
 
 
 @needs_batch_marking
