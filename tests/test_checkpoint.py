@@ -127,7 +127,27 @@ def test_a_run_folder_holds_one_run(tmp_path, monkeypatch):
     assert (out / "stale.txt").exists(), "only the files a run writes are cleared"
 
 
-def test_resume_keeps_its_rule_and_relabels_changed_options(tmp_path):
+def test_a_run_that_never_stepped_leaves_its_folder_free(tmp_path, monkeypatch):
+    """A run that stopped after writing its config but before any step (here: the loaders fail) holds no
+    results: another run may take its folder."""
+    from helpers.runs import Crash
+
+    out = tmp_path / "r"
+    argv = [*TINY, "--backend", "eager", "--epochs", "1", "--check-every", "0", "--max-steps", "1", "--out", str(out)]
+
+    def no_loaders(*a, **k):
+        raise Crash
+
+    monkeypatch.setattr(loop, "make_loaders", no_loaders)
+    with pytest.raises(Crash):
+        train.run([*argv, "--budget", "0.5"])
+    assert (out / "config.yaml").is_file() and not (out / "steps.jsonl").exists()
+    monkeypatch.undo()
+    res = train.run([*argv, "--budget", "0.1"])
+    assert res["steps"] == 1 and "b=0.1" in res["label"], res
+
+
+def test_resume_keeps_its_rule_and_relabels_changed_options(tmp_path, capsys):
     """--resume with another --rule is refused (the rule state would load into another rule); an option
     changed on resume (--max-steps) runs, and a label the options made is made again from them."""
     out = tmp_path / "r"
@@ -135,8 +155,11 @@ def test_resume_keeps_its_rule_and_relabels_changed_options(tmp_path):
                "--max-steps", "2", "--out", str(out)])
     with pytest.raises(SystemExit, match="continues a sb run: --rule capskip"):
         train.run(["--resume", str(out / "checkpoint.pt"), "--rule", "capskip"])
+    capsys.readouterr()
     res = train.run(["--resume", str(out / "checkpoint.pt"), "--max-steps", "5", "--epochs", "2"])
     assert res["steps"] == 5 and "5 steps" in res["label"] and "2 steps" not in res["label"], res["label"]
+    # the 2-step run stopped inside its 3-step epoch: the resume says what it leaves out
+    assert "epoch 1 stopped after 2 of its 3 steps; the run goes on with epoch 2" in capsys.readouterr().err
 
 
 def test_resume_from_a_copied_checkpoint_keeps_the_step_log(tmp_path):

@@ -341,7 +341,12 @@ def test_cli_errors_come_before_any_work(tmp_path, capsys):
                       (["--min-lr", "1"], "lr must be >= 0 and min_lr in [0, lr]"),
                       (["--weight-decay", "-5"], "weight_decay and check_tol must be >= 0"),
                       (["--threads", "0"], "threads >= 1"),
-                      (["--img-size", "0"], "img_size must be >= 1")):
+                      (["--img-size", "0"], "img_size must be >= 1"),
+                      (["--device", "banana"], "device 'banana' is not a device"),
+                      (["--vcas-opt", "bogus=1"], "vcas options (--vcas-opt): VCAS.__init__() got an unexpected"),
+                      (["--vcas-opt", "freq=-3"], "VCAS freq must be a positive int"),
+                      (["--rule", "capskip", "--infobatch-ratio", "0.3"], "--infobatch-ratio set InfoBatch's pruning"),
+                      (["--config", str(tmp_path / "nope.yaml")], "nope.yaml: no such file")):
         with pytest.raises(SystemExit, match=re.escape(msg)):
             cli.run([*argv, "--out", str(tmp_path / "run")])
         assert not (tmp_path / "run").exists(), f"a bad option ({argv}) must fail before the output folder is created"

@@ -13,7 +13,7 @@ from typing import Any, Optional, Sequence
 
 import yaml
 
-from .config import AMP, BACKENDS, DATASETS, TASKS, FIELDS, RULE_NAMES, SCHEDULES, TrainConfig, default, normalise_keys, read_yaml
+from .config import AMP, BACKENDS, DATA_RULES, DATASETS, TASKS, FIELDS, RULE_NAMES, SCHEDULES, TrainConfig, default, normalise_keys, read_yaml
 
 DESCRIPTION = "Training harness: fine-tune a timm model with a selective-backprop rule, log everything."
 
@@ -169,13 +169,19 @@ def config_from_args(ns: argparse.Namespace) -> TrainConfig:
             base["label"] = None  # the label the run's options made: made again from the options now given
         values.update(base)
     cfg_file = getattr(ns, "config_file", None)
-    if cfg_file:
-        values.update(read_yaml(cfg_file))
+    from_file = read_yaml(cfg_file) if cfg_file else {}
+    values.update(from_file)
     flags = {k: v for k, v in vars(ns).items() if k in FIELDS}
     values.update(flags)
     for flag, key in (("model_kw", "model_kwargs"), ("rule_opt", "rule_options"), ("vcas_opt", "vcas_options")):
         if getattr(ns, flag, None):
             values[key] = {**(values.get(key) or {}), **dict(getattr(ns, flag))}
+    # a value other than the default (a resolved config.yaml names every key) for a rule that would not read it
+    given = {**from_file, **flags}
+    ib = sorted(k for k in ("infobatch_ratio", "infobatch_delta") if k in given and given[k] != default(k))
+    if ib and values.get("rule", default("rule")) not in DATA_RULES:
+        raise SystemExit(f"{', '.join('--' + k.replace('_', '-') for k in ib)} set InfoBatch's pruning, which runs "
+                         f"with --rule {' or '.join(DATA_RULES)} only (rule {values.get('rule', default('rule'))!r})")
     if values.get("rule") == "vcas" and values.get("vcas_options") is None:
         values["vcas_options"] = {}
     try:

@@ -178,6 +178,22 @@ class TrainConfig:
                 build_rule(model_rule(self), self.budget, rule_options(self))
         except (TypeError, ValueError) as e:
             bad(f"rule {self.rule!r}: {e}")
+        if self.vcas_options is not None:  # VCAS's own checks, as the rule's, before any data is loaded
+            import capskip_fx
+
+            if not isinstance(self.vcas_options, dict):
+                bad("vcas_options must be a mapping")
+            try:
+                capskip_fx.VCAS(**self.vcas_options)
+            except (TypeError, ValueError) as e:
+                bad(f"vcas options (--vcas-opt): {e}")
+        import torch
+
+        try:  # the spelling only: whether this machine has the device is the run's to say (data.resolve_device)
+            if self.device != "auto":
+                torch.device(self.device)
+        except (RuntimeError, ValueError):
+            bad(f"device {self.device!r} is not a device: auto, cpu, cuda, cuda:1, mps, ...")
 
 
     def _resolve_steps_of(self, bad) -> None:
@@ -267,7 +283,12 @@ def normalise_keys(d: dict, source: str) -> dict:
 
 def read_yaml(path: str | Path) -> dict:
     """The config keys of a YAML file (``--config``)."""
-    loaded = yaml.safe_load(Path(path).read_text()) or {}
+    if not Path(path).is_file():
+        raise SystemExit(f"--config {path}: no such file")
+    try:
+        loaded = yaml.safe_load(Path(path).read_text()) or {}
+    except yaml.YAMLError as e:
+        raise SystemExit(f"--config {path}: not YAML ({e})") from None
     if not isinstance(loaded, dict):
         raise SystemExit(f"{path}: expected a mapping of config keys")
     return normalise_keys(loaded, str(path))

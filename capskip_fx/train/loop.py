@@ -149,8 +149,8 @@ def _claim_run_dir(cfg: TrainConfig, out: Path) -> None:
     two runs' files would mix, and compare would read one under the other's label); the same run started
     again from scratch starts from an empty folder's worth of results."""
     old_file = out / "config.yaml"
-    if not old_file.is_file():
-        return
+    if not old_file.is_file() or not any((out / name).exists() for name in _RUN_FILES):
+        return  # no run there, or one that stopped before its first step: nothing of it to mix with
     old = yaml.safe_load(old_file.read_text()) or {}
     new = yaml.safe_load(yaml.safe_dump(dataclasses.asdict(cfg), sort_keys=False))
     differ = [k for k in new if k not in _SAME_RUN_KEYS and old.get(k) != new[k]]
@@ -295,6 +295,11 @@ class RunState:
                   "close to, not bit-exact with, an uninterrupted run", file=sys.stderr)
         checkpoint.set_rng_state(ck["rng"], self.gen)  # last: nothing above may draw from them
         print(f"[resume] {cfg.resume}: epoch {self.epochs_done}, step {self.counters.step}, wall {self.clock.wall_s:.1f}s")
+        cut = ck.get("epoch_cut")
+        if cut:
+            print(f"[resume] epoch {self.epochs_done} stopped after {cut['steps']} of its {cut['of']} steps; the run goes "
+                  f"on with epoch {self.epochs_done + 1}: the rest of epoch {self.epochs_done}'s batches are not "
+                  f"trained on", file=sys.stderr)
 
     def __enter__(self) -> "RunState":
         self.steps_f = open(self.out / "steps.jsonl", self.log_mode)
@@ -494,6 +499,9 @@ class RunState:
             "clock": self.clock.state_dict(), "summary": self.summary, "rng": checkpoint.rng_state(self.gen),
             "stale_filter": self.stale_filter.state_dict() if self.stale_filter is not None else None,
             "infobatch": self.infobatch.state_dict() if self.infobatch is not None else None,
+            # an epoch that --max-steps / --time-budget stopped early: a resume starts the next one
+            "epoch_cut": ({"steps": self.ep.steps, "of": self.steps_per_epoch}
+                          if (self.hit_steps or self.hit_budget) and self.ep.steps < self.steps_per_epoch else None),
             "config": dataclasses.asdict(self.cfg)}
 
     def finish(self) -> dict[str, Any]:
