@@ -17,6 +17,7 @@ import time
 from pathlib import Path
 from typing import Any, Optional
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 import yaml
@@ -194,6 +195,7 @@ class RunState:
         if cfg.threads:
             torch.set_num_threads(cfg.threads)
         random.seed(cfg.seed)
+        np.random.seed(cfg.seed)  # the harness draws none; a timm or user transform may (checkpointed as well)
         torch.manual_seed(cfg.seed)
         self.device = resolve_device(cfg.device)
         if self.device.type == "cpu":
