@@ -129,14 +129,17 @@ class _StaticFirst:
                 backend.state.record_dense_step(int(rows[0].shape[0]), None, at_forward=True)
                 backend.state.clock.last.note = STATIC_FIRST
                 if grads:
-                    grads[0].register_hook(functools.partial(_claim, backend.state.clock))
+                    grads[0].register_hook(functools.partial(_claim, backend.state, int(rows[0].shape[0])))
         return out
 
 
-def _claim(clock, grad) -> None:
-    """A tensor hook that claims the step for the running backward; returns None (the gradient unchanged)
-    whatever claim() says (a second backward through the same output finds it claimed)."""
-    clock.claim()
+def _claim(state, n: int, grad) -> None:
+    """A tensor hook that claims the step for the running backward; returns None (the gradient unchanged).
+    A later backward through the same output (retain_graph) is a step of its own, as through a compiled graph."""
+    if not state.clock.claim():
+        state.record_dense_step(n, None, at_forward=True)
+        state.clock.last.note = STATIC_FIRST
+        state.clock.claim()
 
 
 #: per backend, the logits its binding took last: a forward whose two binding hooks both run (bind()'s

@@ -260,8 +260,8 @@ def test_dynamic_batch_option_refused_naming_the_variable():
 def test_two_backwards_through_the_static_first_step(entry):
     """The unmarked first batch runs eagerly (dense by design) and a hook on its output claims the step: a
     second backward through the same output (retain_graph=True) passes its gradient unchanged (the hook
-    returned False once, which autograd took for a replacement gradient), and both steps give eager's
-    gradients."""
+    returned False once, which autograd took for a replacement gradient), both steps give eager's
+    gradients, and each backward is a step of its own (as through a compiled graph)."""
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.GELU(), torch.nn.Linear(16, 3)).double()
     ref = copy.deepcopy(model)
@@ -274,9 +274,11 @@ def test_two_backwards_through_the_static_first_step(entry):
     x, y = torch.randn(8, 6, dtype=torch.float64), torch.randint(0, 3, (8,))
     z = cm(x)
     F.cross_entropy(z, y).backward(retain_graph=True)
+    assert capskip_fx.stats(cm).step == 0
     z.pow(2).mean().backward()
     st = capskip_fx.stats(cm)
-    assert st.mode == "dense" and st.fallback is None, st
+    assert st.mode == "dense" and st.fallback is None and st.step == 1, st
+    assert capskip_fx.summary(cm).steps == 2, capskip_fx.summary(cm)
     zr = ref(x)
     (F.cross_entropy(zr, y) + zr.pow(2).mean()).backward()
     got = {k: p.grad for k, p in model.named_parameters()}
