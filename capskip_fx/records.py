@@ -360,6 +360,7 @@ del _name
 STEP_MODES = ("selected", "dense-masked", "dense")
 ALL_ROWS_NOTE = ("kept share above gather_below={gather_below}: all rows ran, skipped rows weighted 0 (by design: "
                  "gathering would cost more than it saves)")
+EVERY_ROW_KEPT = "every row kept: all rows ran (nothing to skip)"
 
 
 def _count(refusal: Refusal) -> None:

@@ -15,6 +15,7 @@ import torch.nn.functional as F
 
 import capskip_fx
 from capskip_fx.dynamo_entry import STATIC_FIRST
+from capskip_fx.records import EVERY_ROW_KEPT
 from capskip_fx.runtime import stats as stats_mod
 from helpers.torch_features import needs_batch_marking
 
@@ -208,6 +209,24 @@ def test_kept_share_above_gather_below_is_a_mode_not_a_fallback():
     assert rep[0]["steps"] == {"dense-masked": 3} and rep[0]["last"] == "dense-masked", rep.rows
     line = str(rep).splitlines()[1]
     assert "dense-masked 3" in line and "gather_below" in line, line
+
+
+def test_a_step_that_keeps_every_row_says_so():
+    """A rule that keeps every row runs all rows (dense-masked, weight 1 everywhere): no fallback, a note that
+    says why, and its own summary line, so the summary's lines account for every dense-masked step."""
+    cm = capskip_fx.compile(_model(), rule="forced", keep=0.95, backend="aot_eager")
+    _step(cm, n=20, seed=0)  # 19 of 20 kept: above gather_below
+    cm.rule = capskip_fx.make_rule("forced", keep=1.0)
+    for s in range(2):
+        _step(cm, n=20, seed=1 + s)
+    st = capskip_fx.stats(cm)
+    assert (st.mode, st.kept, st.rows, st.fallback) == ("dense-masked", 20, 20, None), st
+    assert st.note == EVERY_ROW_KEPT, st.note
+    run = capskip_fx.summary(cm)
+    assert dict(run.modes) == {"dense-masked": 3} and (run.every_row_kept, run.all_rows_by_design) == (2, 1), run
+    lines = str(run).splitlines()
+    assert lines[1] == "  2 steps kept every row: all rows ran, nothing to skip (no fallback)", lines
+    assert lines[2].startswith("  1 step kept more than gather_below"), lines
 
 
 def test_report_counts_each_mode_a_graph_ran_in():

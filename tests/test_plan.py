@@ -9,8 +9,8 @@ import torch
 
 from capskip_fx.config import CapskipConfig
 from capskip_fx.passes.selected_rows import BackwardPlan, Prefix
-from capskip_fx.records import ALL_ROWS_NOTE, BackwardMode, CompileRecord, GraphRecord, Refusal, RefusalKind
-from capskip_fx.runtime.plan import (ALL, DENSE, DENSE_MASKED, EAGER, EVERY_ROW_KEPT, FUSED, KEPT, SELECTED, Rows,
+from capskip_fx.records import ALL_ROWS_NOTE, EVERY_ROW_KEPT, BackwardMode, CompileRecord, GraphRecord, Refusal, RefusalKind
+from capskip_fx.runtime.plan import (ALL, DENSE, DENSE_MASKED, EAGER, FUSED, KEPT, SELECTED, Rows,
                                      StepPlan, plan_step, rows_before_loss)
 
 WHY = "a saved value the layout proof does not cover"
@@ -59,7 +59,8 @@ def test_a_kept_share_above_gather_below_runs_all_rows_by_design():
 
 def test_every_row_kept_runs_dense_masked():
     step = _plan(_record(), Rows(n=8, kept=8))
-    assert step == StepPlan(DENSE_MASKED, 8, reason=EVERY_ROW_KEPT), step
+    assert step == StepPlan(DENSE_MASKED, 8, reason=EVERY_ROW_KEPT, note=EVERY_ROW_KEPT), step
+    assert step.fallback is None, "keeping every row is a note, not a fallback"
 
 
 def test_no_row_kept_runs_min_rows_zero_weight_rows_unverified():

@@ -17,10 +17,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Optional
 
-from ..records import ALL_ROWS_NOTE, BackwardMode
+from ..records import ALL_ROWS_NOTE, EVERY_ROW_KEPT, BackwardMode
 
 SELECTED, DENSE_MASKED, DENSE = "selected", "dense-masked", "dense"  # records.STEP_MODES
-EVERY_ROW_KEPT = "every row kept"
 ALL, KEPT = "all", "kept"  # where an in-graph loss's backward runs
 FUSED, EAGER = "fused", "eager"  # how its kept rows are gathered
 
@@ -44,7 +43,7 @@ class StepPlan:
     mode: str  # SELECTED: ``rows`` gathered rows; DENSE_MASKED or DENSE: all n rows with the step's weights
     rows: int  # rows the compiled backward runs on (kept rows padded to the bucket, or n)
     reason: Optional[str] = None  # why all rows ran (the record's step reason); None when selected
-    note: Optional[str] = None  # a kept share above gather_below: stats().note, by design (no fallback)
+    note: Optional[str] = None  # a kept share above gather_below, or every row kept: stats().note (no fallback)
     fallback: Optional[str] = None  # a graph that runs dense-masked: its reason, the step's fallback
     reuse: bool = False  # run on the published kept-row index as it is (no sort, no read)
     loss: Optional[str] = None  # an in-graph loss's backward still to run: on ALL rows or the KEPT rows
@@ -77,8 +76,9 @@ def plan_step(record: Any, rows: Rows, config: Any, informative_steps: int = 0, 
             mode, reason = DENSE, rows.reason
         elif masked:
             mode, reason = DENSE_MASKED, record.reason
-        elif k >= n:
+        elif k >= n:  # a note, no fallback: the rule's gradient is the dense one
             mode, reason = DENSE_MASKED, EVERY_ROW_KEPT
+            note = reason
         else:  # a mode label, no fallback: gathering would cost more than it saves
             mode, reason = DENSE_MASKED, ALL_ROWS_NOTE.format(gather_below=config.gather_below)
             note = reason

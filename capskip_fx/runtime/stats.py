@@ -15,7 +15,7 @@ from typing import Callable, Optional
 
 from torch import Tensor
 
-from ..records import STEP_MODES, Fallback, fallback_kind
+from ..records import EVERY_ROW_KEPT, STEP_MODES, Fallback, fallback_kind
 
 log = logging.getLogger("capskip_fx")
 LOG_EVERY_S = 60.0  # the INFO line for scripts that never call stats(): at most once a minute
@@ -139,6 +139,7 @@ class RunSummary:
     all_rows_by_design: int = 0  # dense-masked steps whose kept share was above gather_below (no fallback)
     # dense steps with a note, no fallback, by note (the string backend's static first batch, a batch of 1)
     dense_by_design: Counter = field(default_factory=Counter)
+    every_row_kept: int = 0  # dense-masked steps whose rule kept every row (no fallback)
 
     def add(self, st: "StepStats") -> None:
         if not st.n:
@@ -151,6 +152,8 @@ class RunSummary:
             kind = fallback_kind(reason).value
             self.fallbacks[kind] += 1
             self.details.setdefault(kind, _plain(reason))
+        elif st.mode == "dense-masked" and st.note == EVERY_ROW_KEPT:
+            self.every_row_kept += 1
         elif st.mode == "dense-masked" and st.note:
             self.all_rows_by_design += 1
         elif st.mode == "dense" and st.note:
@@ -160,7 +163,7 @@ class RunSummary:
         return RunSummary(self.steps + other.steps, self.n + other.n, self.kept + other.kept, self.rows + other.rows,
                           self.modes + other.modes, self.fallbacks + other.fallbacks,
                           {**other.details, **self.details}, self.all_rows_by_design + other.all_rows_by_design,
-                          self.dense_by_design + other.dense_by_design)
+                          self.dense_by_design + other.dense_by_design, self.every_row_kept + other.every_row_kept)
 
     @property
     def kept_pct(self) -> float:
@@ -186,6 +189,8 @@ class RunSummary:
         modes = ", ".join(f"{m} {self.modes[m]}" for m in STEP_MODES if self.modes[m])
         out = (f"capskip_fx: {_steps(self.steps)}, kept {self.kept_pct:.1f}% of {self.n} rows, backward ran on "
                f"{self.rows_pct:.1f}% ({modes or 'no steps'})")
+        if self.every_row_kept:
+            out += f"\n  {_steps(self.every_row_kept)} kept every row: all rows ran, nothing to skip (no fallback)"
         if self.all_rows_by_design:
             out += (f"\n  {_steps(self.all_rows_by_design)} kept more than gather_below of the rows: all rows ran, "
                     f"by design (no fallback)")
