@@ -92,6 +92,8 @@ def test_table_marks_missed_budgets_and_loaded_machines(tmp_path, capsys):
         _logged(tmp_path / f"capskip-s{s}", 18.3 if s == 1 else 27.5)  # seed 1 on a quieter machine
         _run(tmp_path, f"sb-s{s}", s, [(8, 81.0), (15, 90.5)], rule="sb", keep=0.5)
         _logged(tmp_path / f"sb-s{s}", 27.3 * (1 + 0.19))  # drifted, but within the threshold
+        _run(tmp_path, f"stale-s{s}", s, [(8, 81.0), (15, 90.5)], rule="stale_sb", budget=0.3)
+        _logged(tmp_path / f"stale-s{s}", 27.3 * 2)  # its batch filter runs in the loader: its own data time
     runs = report.find_runs([tmp_path])
     assert [r.budget_missed for r in runs if r.config.get("time_budget")] == [True, False], (
         "seed 0's time-matched run finished its epochs before its budget (missed), seed 1's hit it; got "
@@ -117,6 +119,10 @@ def test_table_marks_missed_budgets_and_loaded_machines(tmp_path, capsys):
     assert rows["dense"][13] == "27.6 ± 0.0", (
         "dense's data ms/step is its steady steps' median (27.3 x 1.01), the compile step's 5 s left out; "
         f"the cell reads {rows['dense'][13]!r}")
+    stale = next(k for k in rows if k.startswith("stale_sb"))
+    assert not rows[stale][6].endswith("‡"), (
+        "Stale-SB selects in the data loader, so its data time is no load probe: no ‡ on its × dense; "
+        f"it reads {rows[stale][6]!r}")
     missed, = [l for l in table.splitlines() if l.startswith("†")]
     loaded, = [l for l in table.splitlines() if l.startswith("‡")]
     assert "seed(s) 0 finished all epochs before the time budget (20 s < 27 s)" in missed, (
