@@ -452,7 +452,9 @@ class RunState:
         ips = ep.rows / ep_wall if ep_wall > 0 else float("nan")
         if bar.disable:
             if ep.steps % self.log_every == 0 or ep.steps == self.steps_per_epoch:
-                print(f"epoch {self.epoch} step {ep.steps}/{self.steps_per_epoch} loss {ep.loss / ep.steps:.4f} "
+                of = ("<=" if self.stale_filter is not None or self.infobatch is not None else "") \
+                    + str(self.steps_per_epoch)  # data-side selection shortens epochs: an upper bound
+                print(f"epoch {self.epoch} step {ep.steps}/{of} loss {ep.loss / ep.steps:.4f} "
                       f"kept {ep.kept_frac / ep.steps:.3f} img/s {ips:.0f} lr {self.lr:.2e}", flush=True)
         else:
             bar.set_postfix(loss=f"{ep.loss / ep.steps:.4f}", kept=f"{ep.kept_frac / ep.steps:.3f}",
