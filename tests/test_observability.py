@@ -110,15 +110,17 @@ class _CentredMLP(nn.Module):
         return self.head(h)
 
 
-def _refused_steps(cm, sizes):
-    """Train steps at the given batch sizes; the capskip_fx warnings they raised."""
+def _refused_steps(cm, sizes, where=False):
+    """Train steps at the given batch sizes; the capskip_fx warnings they raised (``where``: with the file
+    each points at)."""
     import warnings
 
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         for s, n in enumerate(sizes):
             _step(cm, n=n, seed=s)
-    return [str(w.message) for w in caught if str(w.message).startswith("capskip_fx:")]
+    ours = [w for w in caught if str(w.message).startswith("capskip_fx:")]
+    return [(str(w.message), w.filename) for w in ours] if where else [str(w.message) for w in ours]
 
 
 def test_refusal_names_the_op_and_the_users_source_line():
@@ -157,6 +159,16 @@ def test_refusal_inside_batchnorm_names_the_module_path():
     assert "functional.py" not in refusal.source_line, refusal.source_line
     assert len(warned) == 1, warned
     assert "in bn (BatchNorm1d)" in warned[0], warned
+
+
+def test_a_warning_without_a_graph_location_points_at_the_users_code():
+    """A warning that has no user line of its own (here: the string backend's refusal, settled where Dynamo
+    compiles) points at the innermost frame outside capskip_fx, torch and the standard library: this file."""
+    torch.manual_seed(0)
+    cm = torch.compile(_CentredMLP(bn=True), backend="capskip", options={"rule": "random", "keep": 0.5,
+                                                                          "backend": "aot_eager"})
+    warned = _refused_steps(cm, [8, 8], where=True)
+    assert warned and all(f == __file__ for _, f in warned), warned
 
 
 def test_refusal_warns_once_per_graph():

@@ -18,6 +18,7 @@ gradient is the one a gathered backward returned (runtime/published.py, runtime/
 from __future__ import annotations
 
 import atexit
+import os
 import sys
 import time
 import warnings
@@ -91,6 +92,23 @@ _BACKWARD: list = [(None, [], set(), 0)]
 
 def _end_of_backward() -> None:
     _BACKWARD[0] = (None, [], set(), 0)
+
+
+
+#: the folders whose frames a warning skips: this package, torch (Dynamo, autograd), the standard library's
+_LIBRARY_DIRS = tuple(os.path.dirname(f) + os.sep for f in (os.path.dirname(__file__), torch.__file__, os.__file__))
+
+
+def _caller_outside() -> Optional[tuple]:
+    """(file, line) of the innermost frame outside capskip_fx, torch and the standard library: the user's code
+    that ran the step, where a warning without a graph location should point; None when there is none."""
+    frame = sys._getframe(2)
+    while frame is not None:
+        name = frame.f_code.co_filename
+        if not name.startswith(_LIBRARY_DIRS) and not name.startswith("<"):
+            return name, frame.f_lineno
+        frame = frame.f_back
+    return None
 
 
 class RuntimeState:
@@ -282,6 +300,7 @@ class RuntimeState:
             reason = loss_lookup_warning(owner) or (UNBOUND_REASON if _head_outside_compiled(owner) else reason)
         if reason not in self._warned:
             self._warned.add(reason)
+            at = at or _caller_outside()
             if at is not None:
                 warnings.warn_explicit(f"capskip_fx: {reason}", UserWarning, at[0], at[1], module="capskip_fx")
             else:
