@@ -248,10 +248,14 @@ def bind(model: torch.nn.Module) -> None:
     inner = model._orig_mod if isinstance(model, OptimizedModule) else model
     if inner is not model:
         _WRAPPER_OF[inner] = weakref.ref(model)
+    for m in inner.modules():  # torch.compile modules assigned as its submodules: their graphs' frames
+        if isinstance(m, OptimizedModule) and m._orig_mod not in _WRAPPER_OF:
+            _WRAPPER_OF[m._orig_mod] = weakref.ref(m)
     # the forward binding, from the first step on; not on a plain module none of whose parts is compiled yet:
     # one compiled in place later would trace the hook (the first compile installs it then, as without bind)
     compiled = inner is not model or getattr(model, "_compiled_call_impl", None) is not None or \
-        any(getattr(m, "_compiled_call_impl", None) is not None for m in model.modules())
+        any(getattr(m, "_compiled_call_impl", None) is not None or isinstance(m, OptimizedModule)
+            for m in model.modules())
     if compiled and model not in _OWNER_BOUND and model not in _BY_OWNER:
         _OWNER_BOUND.add(model)
         _install_binding(model, _BindOwner(model))
@@ -340,7 +344,7 @@ def _stack_owner(params: list) -> tuple[Optional[torch.nn.Module], Optional[torc
     while frame is not None:
         mod = frame.f_locals.get("self")
         if isinstance(mod, OptimizedModule):
-            return mod, mod
+            return _model_holding(mod, frame.f_back) or mod, mod
         if isinstance(mod, torch.nn.Module) and all(mod is not c for c in called):
             called.append(mod)
         frame = frame.f_back
@@ -350,6 +354,54 @@ def _stack_owner(params: list) -> tuple[Optional[torch.nn.Module], Optional[torc
     ids = {id(p) for p in params}
     return next((m for m in reversed(called) if ids <= {id(p) for p in m.parameters()}),
                 called[0] if called else None), in_place
+
+
+def _model_holding(wrapper: torch.nn.Module, frame) -> Optional[torch.nn.Module]:
+    """The outermost model whose ``forward`` is running on the stack from ``frame`` outwards, holds ``wrapper`` (a
+    ``torch.compile`` module assigned as a submodule: ``model.block = torch.compile(...)``) and trains parameters
+    of its own outside every such wrapper (layers of its own, eager); None if there is none.  Such a model owns
+    the wrapper's graphs, as it does a submodule compiled in place: its forward's returned logits decide the step
+    (eager layers after the wrapper make it dense, with the reason), where the wrapper's own output would leave
+    them the unweighted gradient.  A holder without trainable parameters of its own (a container that computes
+    the loss, timm's task) leaves the wrapper its own model, as do DDP, FSDP and DataParallel."""
+    from torch._dynamo.eval_frame import OptimizedModule
+
+    found = None
+    while frame is not None:
+        mod = frame.f_locals.get("self")
+        if frame.f_code.co_name == "forward" and isinstance(mod, torch.nn.Module) and \
+                not isinstance(mod, (OptimizedModule,) + _PASS_THROUGH) and mod is not wrapper and \
+                _holds(mod, wrapper) and _trains_own_parameters(mod):
+            found = mod
+        frame = frame.f_back
+    if found is not None:
+        counters()["model holding the wrapper"] += 1
+    return found
+
+
+def _trains_own_parameters(model: torch.nn.Module) -> bool:
+    """Whether ``model`` has a parameter that requires grad outside every torch.compile module it holds."""
+    from torch._dynamo.eval_frame import OptimizedModule
+
+    wrapped = {id(p) for m in model.modules() if isinstance(m, OptimizedModule) for p in m.parameters()}
+    return any(p.requires_grad and id(p) not in wrapped for p in model.parameters())
+
+
+def _pass_through() -> tuple:
+    from torch.nn import DataParallel
+    from torch.nn.parallel import DistributedDataParallel
+
+    kinds = [DataParallel, DistributedDataParallel]
+    try:
+        from torch.distributed.fsdp import FullyShardedDataParallel
+
+        kinds.append(FullyShardedDataParallel)
+    except ImportError:  # a torch built without distributed
+        pass
+    return tuple(kinds)
+
+
+_PASS_THROUGH = _pass_through()
 
 
 def _string_backend(opts: dict, from_env: bool) -> CapskipBackend:

@@ -11,6 +11,7 @@ from torch import nn
 
 import capskip_fx
 from capskip_fx.dynamo_entry import STATIC_FIRST, install_batch_marking
+from capskip_fx.records import counters
 from helpers.models import Tokens
 from helpers.torch_features import needs_batch_marking
 
@@ -206,6 +207,30 @@ def test_regional_compile_with_the_head_left_eager_is_dense_with_a_reason():
         assert err < 1e-12, f"gradient error {err:.3g}"
     assert "not the output of a compiled graph" in results[-1][5], (
         f"with the head eager, a dense step must say its logits are no compiled graph's output; {results[-1][5]!r}")
+
+
+@needs_batch_marking
+@pytest.mark.parametrize("compiled", [(0, 2), (2, 4)], ids=["head_eager", "first_layer_eager"])
+def test_layers_assigned_as_torch_compile_modules_belong_to_the_model(compiled):
+    """``model[i] = torch.compile(model[i], backend="capskip")``, the model training parameters of its own
+    outside them: the model owns the wrappers' graphs, as it owns layers compiled in place.  Regression: with
+    the head left eager, the last wrapper selected rows of its own output (it took it for the logits) while the
+    eager head got the unweighted gradient (rel. error 0.1-0.3, stats "selected", no warning); now that step is
+    dense with the reason.  With the head compiled and an eager first layer, the rows are selected and exact."""
+    torch.manual_seed(0)
+    before = counters()["model holding the wrapper"]
+    model = _mlp().double()
+    for i in compiled:
+        model[i] = torch.compile(model[i], backend="capskip", options=OPTS)
+    results = _steps(model, lambda: torch.randn(N, 6, dtype=torch.float64), static_first=True)
+    for err, mode, n, kept, rows, fallback, _ in results:
+        assert err < 1e-12, f"gradient differs from the step's dense reference by {err:.3g}"
+        if compiled == (0, 2):
+            assert (mode, n, kept, rows) == ("dense", N, N, N), (mode, n, kept, rows, fallback)
+            assert "not the output of a compiled graph" in fallback, fallback
+        else:
+            assert (mode, n, kept, rows, fallback) == ("selected", N, N // 2, N // 2, None), (mode, kept, fallback)
+    assert counters()["model holding the wrapper"] > before, "the model was found holding the wrappers"
 
 
 @needs_batch_marking
