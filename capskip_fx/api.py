@@ -1,9 +1,9 @@
 """The one entry point: ``capskip_fx.compile(model, *, rule="capskip", budget=0.1, **options)``."""
 from __future__ import annotations
 
-import weakref
-
+import copy
 import inspect
+import weakref
 from typing import Any, Optional, Union
 
 import torch
@@ -60,6 +60,17 @@ class CapskipModule(nn.Module):
         # checkpoints carry the original model's keys plus the rule's state, also when nested (DDP(...))
         self.register_state_dict_post_hook(_state_dict_hook)
         self.register_load_state_dict_pre_hook(_load_state_dict_pre_hook)
+
+    def __deepcopy__(self, memo: dict) -> "CapskipModule":
+        """A copy (an EMA, a best-model snapshot): the model deep-copied and compiled afresh with the same
+        settings, the rule and its state copied (its selections go on as the original's would); none of the
+        original's compiled graphs, nor of its step in progress (autograd cannot deep-copy those)."""
+        state = RuntimeState(copy.deepcopy(self._state.rule, memo), seed=self._state.seed, scope=self._state.scope)
+        state.load_state_dict(copy.deepcopy(self._state.state_dict(), memo))
+        new = type(self)(copy.deepcopy(self.model, memo), state, self.config, self._backend.logits_index)
+        new.train(self.training)
+        memo[id(self)] = new
+        return new
 
     @property
     def rule(self) -> Rule:
@@ -233,6 +244,10 @@ def compile(model: nn.Module, *, rule: Union[str, Rule] = "capskip", budget: Opt
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"capskip_fx.compile expects an nn.Module, got {type(model).__name__}")
+    if any(isinstance(m, CapskipModule) for m in model.modules()):
+        raise ValueError("capskip_fx.compile: this model is or holds a capskip_fx.compile module already, whose own "
+                         "rule would run its graphs while this one's reported them dense; compile the original "
+                         "model once (a CapskipModule's .model), with the options wanted")
     config, rule, rule_opts = split_options(rule, options)
     rule_obj = build_rule(rule, budget, rule_opts)
     _check_device(model)
@@ -288,10 +303,28 @@ def _backend_of(model) -> CapskipBackend:
     if backend is None:
         raise TypeError("capskip_fx.stats/report expect the module returned by capskip_fx.compile, or one "
                         "compiled by torch.compile(backend='capskip') after its first step. If this one has run "
-                        "a step, Dynamo handed capskip no graph of it: it ran eagerly (dense), e.g. because "
-                        "torch._dynamo.config.recompile_limit instances of its class were compiled before it "
-                        "(see Dynamo's warning; torch.compile(..., isolate_recompiles=True) avoids that)")
+                        "a step, Dynamo handed capskip no graph of it: it ran eagerly (dense), "
+                        + _no_graph_cause(model))
     return backend
+
+
+def _no_graph_cause(model) -> str:
+    """Why Dynamo may have handed capskip no graph of ``model``, most specific first."""
+    from torch._dynamo.eval_frame import OptimizedModule
+
+    inner = getattr(model, "_orig_mod", model) if isinstance(model, nn.Module) else None
+    layers = inner is not None and any(
+        m is not inner and (getattr(m, "_compiled_call_impl", None) is not None or isinstance(m, OptimizedModule))
+        for m in inner.modules())
+    if isinstance(model, OptimizedModule) and layers:
+        return ("because its layers were compiled (in place, compile_regions, or as torch.compile modules) and the "
+                "whole model again by this torch.compile: Dynamo inlines the inner compiles and only the outer "
+                "backend runs, densely. Compile the layers or the whole model with backend='capskip', not both")
+    nested = ("or because a model holding it was compiled again by torch.compile, which inlines the inner compiles "
+              "(only the outer backend runs, densely: compile the layers or the whole model, not both), " if layers
+              or (inner is not None and getattr(inner, "_compiled_call_impl", None) is not None) else "")
+    return (f"{nested}e.g. because torch._dynamo.config.recompile_limit instances of its class were compiled "
+            "before it (see Dynamo's warning; torch.compile(..., isolate_recompiles=True) avoids that)")
 
 
 def _wrapped_backend(model: nn.Module) -> Optional[CapskipBackend]:

@@ -550,6 +550,56 @@ def test_verify_runs_again_when_the_first_checked_step_kept_a_prefix():
     assert head.verified_unordered, (head.checks, head.verified_unordered)
 
 
+def test_a_capskip_module_deep_copied_after_a_step_trains_on_its_own():
+    """Regression: ``copy.deepcopy`` of a capskip_fx.compile module after a training step (an EMA, a best-model
+    snapshot) raised autograd's "Only Tensors created explicitly by the user support the deepcopy protocol":
+    the runtime held the last step's outputs.  The copy now holds none of that step, and it and the original
+    each select their own rows, exactly."""
+    torch.manual_seed(13)
+    cm = capskip_fx.compile(_mlp().double(), rule="forced", keep=0.5, backend="aot_eager")
+    for _ in range(2):
+        F.cross_entropy(cm(torch.randn(N, 6, dtype=torch.float64)), torch.randint(0, 3, (N,))).backward()
+    twin = copy.deepcopy(cm)
+    assert twin.model is not cm.model
+    for run in (twin, cm, twin):
+        run.zero_grad()
+        x, y = torch.randn(N, 6, dtype=torch.float64), torch.randint(0, 3, (N,))
+        F.cross_entropy(run(x), y).backward()
+        st = capskip_fx.stats(run)
+        assert (st.mode, st.kept, st.rows) == ("selected", N // 2, N // 2), st
+        ref = copy.deepcopy(run.model)
+        ref.zero_grad()
+        (F.cross_entropy(ref(x), y, reduction="none")[: N // 2].sum() / N).backward()
+        for a, b in zip(ref.parameters(), run.model.parameters()):
+            assert torch.allclose(a.grad, b.grad, rtol=1e-12, atol=1e-14), (a.grad - b.grad).abs().max()
+
+
+def test_capskip_compile_of_a_capskip_module_names_the_fix():
+    """Regression: capskip_fx.compile over a capskip_fx.compile module ran the inner one's rule while the outer
+    one reported every step dense (with a recompile-limit hint) and its own options went unused."""
+    cm = capskip_fx.compile(_mlp(), rule="forced", keep=0.5, backend="aot_eager")
+    for outer in (cm, nn.Sequential(cm)):
+        with pytest.raises(ValueError, match=r"holds a capskip_fx.compile module already.*CapskipModule's .model"):
+            capskip_fx.compile(outer, rule="forced", keep=0.25)
+
+
+@needs_batch_marking
+def test_layers_compiled_then_the_model_again_say_why_no_graph_reached_capskip():
+    """Layers compiled in place, then the model holding them by another torch.compile: Dynamo inlines the
+    inner compiles and only the outer backend runs (dense, exact).  stats() says that, not only the
+    recompile limit."""
+    torch.manual_seed(14)
+    model = _mlp().double()
+    for i in (2, 4):
+        model[i].compile(backend="capskip", options=OPTS)
+    outer = torch.compile(model, backend="aot_eager")
+    F.cross_entropy(outer(torch.randn(N, 6, dtype=torch.float64)), torch.randint(0, 3, (N,))).backward()
+    with pytest.raises(TypeError, match="compiled .* and the whole model again by this torch.compile"):
+        capskip_fx.stats(outer)
+    with pytest.raises(TypeError, match="a model holding it was compiled again by torch.compile"):
+        capskip_fx.stats(model)
+
+
 @needs_batch_marking
 def test_a_deep_copy_of_an_in_place_compiled_model_leaves_its_stats_alone():
     """Regression: the logits hook travels with ``copy.deepcopy`` (an EMA, a reference model); the copy's

@@ -317,6 +317,25 @@ def test_summary_prints_once_at_exit(tmp_path):
 test_summary_prints_once_at_exit = pytest.mark.subprocess(test_summary_prints_once_at_exit)
 
 
+@pytest.mark.subprocess
+def test_summaries_at_exit_name_their_model_when_there_are_several():
+    code = textwrap.dedent("""
+        import torch, torch.nn as nn, torch.nn.functional as F, capskip_fx
+        class Tiny(nn.Sequential):
+            pass
+        opts = {"rule": "forced", "keep": 0.5, "backend": "aot_eager"}
+        a = torch.compile(nn.Sequential(nn.Linear(6, 8), nn.GELU(), nn.Linear(8, 3)), backend="capskip", options=opts)
+        b = torch.compile(Tiny(nn.Linear(6, 3)), backend="capskip", options=opts)
+        for m, steps in ((a, 2), (b, 3)):
+            for _ in range(steps):
+                F.cross_entropy(m(torch.randn(8, 6)), torch.randint(0, 3, (8,))).backward()
+    """)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stderr.count("capskip_fx (Sequential): 2 steps") == 1, out.stderr[-2000:]
+    assert out.stderr.count("capskip_fx (Tiny): 3 steps") == 1, out.stderr[-2000:]
+
+
 class _Checkpointed(nn.Module):
     def __init__(self):
         super().__init__()

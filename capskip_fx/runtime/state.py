@@ -75,10 +75,13 @@ _LIVE: "weakref.WeakSet[RuntimeState]" = weakref.WeakSet()  # states that print 
 @atexit.register
 def _print_summaries() -> None:
     """Unmodified scripts (timm's train.py with backend="capskip") see the run's kept and run fractions."""
-    for state in list(_LIVE):
-        run = state.summary()
-        if run.steps and state.print_at_exit:
-            print(str(run), file=sys.stderr)
+    shown = [(state, run) for state in list(_LIVE) for run in (state.summary(),) if run.steps and state.print_at_exit]
+    for state, run in shown:
+        text = str(run)
+        owner = state.published.owner() if len(shown) > 1 and state.published.owner is not None else None
+        if owner is not None:  # several models in one process: which one each line is
+            text = text.replace("capskip_fx:", f"capskip_fx ({type(getattr(owner, '_orig_mod', owner)).__name__}):", 1)
+        print(text, file=sys.stderr)
 
 
 # steps recorded dense at their forward: no graph selects
