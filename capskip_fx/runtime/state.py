@@ -97,8 +97,7 @@ def _end_of_backward() -> None:
     _BACKWARD[0] = (None, [], set(), 0)
 
 
-
-#: the folders whose frames a warning skips: this package, torch (Dynamo, autograd), the standard library's
+#: the folders whose frames a warning skips: this package, torch (Dynamo, autograd) and the standard library
 _LIBRARY_DIRS = tuple(os.path.dirname(f) + os.sep for f in (os.path.dirname(__file__), torch.__file__, os.__file__))
 
 
@@ -108,7 +107,7 @@ def _caller_outside() -> Optional[tuple]:
     frame = sys._getframe(2)
     while frame is not None:
         name = frame.f_code.co_filename
-        if not name.startswith(_LIBRARY_DIRS) and not name.startswith("<"):
+        if not name.startswith(_LIBRARY_DIRS + ("<frozen", "<eval_with_key")):  # FX's generated code too
             return name, frame.f_lineno
         frame = frame.f_back
     return None
