@@ -64,7 +64,17 @@ class CapskipModule(nn.Module):
     def __deepcopy__(self, memo: dict) -> "CapskipModule":
         """A copy (an EMA, a best-model snapshot): the model deep-copied and compiled afresh with the same
         settings, the rule and its state copied (its selections go on as the original's would); none of the
-        original's compiled graphs, nor of its step in progress (autograd cannot deep-copy those)."""
+        original's compiled graphs, nor of its step in progress (autograd cannot deep-copy those).  Reached from a
+        deep copy of its own model (through the eager backend's hook on the head), it is copied member by
+        member, as the copy of that hook's owner."""
+        if id(self.model) in memo:  # the model is half-built in memo: nothing to compile yet
+            new = object.__new__(type(self))
+            memo[id(self)] = new
+            members = dict(self.__dict__)
+            if "_eager_h" in members:  # the last step's head input: the original's autograd graph
+                members["_eager_h"] = None
+            new.__setstate__(copy.deepcopy(members, memo))
+            return new
         state = RuntimeState(copy.deepcopy(self._state.rule, memo), seed=self._state.seed, scope=self._state.scope)
         state.load_state_dict(copy.deepcopy(self._state.state_dict(), memo))
         new = type(self)(copy.deepcopy(self.model, memo), state, self.config, self._backend.logits_index)

@@ -574,6 +574,19 @@ def test_a_capskip_module_deep_copied_after_a_step_trains_on_its_own():
             assert torch.allclose(a.grad, b.grad, rtol=1e-12, atol=1e-14), (a.grad - b.grad).abs().max()
 
 
+def test_a_deep_copy_of_the_model_under_the_eager_backend_copies_its_head_hook():
+    """The eager backend hooks the model's head with a method of the CapskipModule: a deep copy of the model (a
+    float64 reference) reaches the module through that hook while the model is half-built; it is copied member by
+    member then (compiling afresh needs the finished model)."""
+    torch.manual_seed(15)
+    model = _mlp()
+    cm = capskip_fx.compile(model, rule="forced", keep=0.5, backend="eager")
+    F.cross_entropy(cm(torch.randn(N, 6)), torch.randint(0, 3, (N,))).backward()
+    ref = copy.deepcopy(model).double()
+    x = torch.randn(N, 6, dtype=torch.float64)
+    assert torch.allclose(ref(x), model.double()(x))
+
+
 def test_capskip_compile_of_a_capskip_module_names_the_fix():
     """Regression: capskip_fx.compile over a capskip_fx.compile module ran the inner one's rule while the outer
     one reported every step dense (with a recompile-limit hint) and its own options went unused."""
