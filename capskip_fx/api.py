@@ -15,7 +15,7 @@ compat.check()  # a moved torch internal fails here, loudly, never as a silently
 
 from . import ops
 from .backend import CapskipBackend
-from .dynamo_entry import (backend_of, bind, capskip_backend, install_batch_marking, load_pending_state,
+from .dynamo_entry import (backend_of, bind, capskip_backend, compiled_part, install_batch_marking, load_pending_state,
                            mark_batch_dynamic, process_wide_batch_dynamic)
 from .config import CapskipConfig, split_options
 from .hf_loss import set_loss_type
@@ -320,19 +320,15 @@ def _backend_of(model) -> CapskipBackend:
 
 def _no_graph_cause(model) -> str:
     """Why Dynamo may have handed capskip no graph of ``model``, most specific first."""
-    from torch._dynamo.eval_frame import OptimizedModule
-
     inner = getattr(model, "_orig_mod", model) if isinstance(model, nn.Module) else None
-    layers = inner is not None and any(
-        m is not inner and (getattr(m, "_compiled_call_impl", None) is not None or isinstance(m, OptimizedModule))
-        for m in inner.modules())
-    if isinstance(model, OptimizedModule) and layers:
+    layers = inner is not None and any(m is not inner and compiled_part(m) for m in inner.modules())
+    if inner is not model and layers:  # ``model`` is the torch.compile module around them
         return ("because its layers were compiled (in place, compile_regions, or as torch.compile modules) and the "
                 "whole model again by this torch.compile: Dynamo inlines the inner compiles and only the outer "
                 "backend runs, densely. Compile the layers or the whole model with backend='capskip', not both")
     nested = ("or because a model holding it was compiled again by torch.compile, which inlines the inner compiles "
               "(only the outer backend runs, densely: compile the layers or the whole model, not both), " if layers
-              or (inner is not None and getattr(inner, "_compiled_call_impl", None) is not None) else "")
+              or (inner is not None and compiled_part(inner)) else "")
     return (f"{nested}e.g. because torch._dynamo.config.recompile_limit instances of its class were compiled "
             "before it (see Dynamo's warning; torch.compile(..., isolate_recompiles=True) avoids that)")
 

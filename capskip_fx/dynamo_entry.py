@@ -253,9 +253,7 @@ def bind(model: torch.nn.Module) -> None:
             _WRAPPER_OF[m._orig_mod] = weakref.ref(m)
     # the forward binding, from the first step on; not on a plain module none of whose parts is compiled yet:
     # one compiled in place later would trace the hook (the first compile installs it then, as without bind)
-    compiled = inner is not model or getattr(model, "_compiled_call_impl", None) is not None or \
-        any(getattr(m, "_compiled_call_impl", None) is not None or isinstance(m, OptimizedModule)
-            for m in model.modules())
+    compiled = any(map(compiled_part, model.modules()))
     if compiled and model not in _OWNER_BOUND and model not in _BY_OWNER:
         _OWNER_BOUND.add(model)
         _install_binding(model, _BindOwner(model))
@@ -267,6 +265,13 @@ def bind(model: torch.nn.Module) -> None:
             held[id(old)] = _holds(model, old)
         if old is None or (old is not model and held[id(old)]):
             _ROOT_OF[p] = ref
+
+
+def compiled_part(module: torch.nn.Module) -> bool:
+    """``module`` is compiled: in place (``m.compile()``) or the module ``torch.compile`` returned."""
+    from torch._dynamo.eval_frame import OptimizedModule
+
+    return getattr(module, "_compiled_call_impl", None) is not None or isinstance(module, OptimizedModule)
 
 
 def _holds(outer: torch.nn.Module, inner: torch.nn.Module) -> bool:

@@ -179,9 +179,10 @@ def config_from_args(ns: argparse.Namespace) -> TrainConfig:
     # a value other than the default (a resolved config.yaml names every key) for a rule that would not read it
     given = {**from_file, **flags}
     ib = sorted(k for k in ("infobatch_ratio", "infobatch_delta") if k in given and given[k] != default(k))
-    if ib and values.get("rule", default("rule")) not in DATA_RULES:
+    rule = values.get("rule", default("rule"))
+    if ib and rule not in DATA_RULES:
         raise SystemExit(f"{', '.join('--' + k.replace('_', '-') for k in ib)} set InfoBatch's pruning, which runs "
-                         f"with --rule {' or '.join(DATA_RULES)} only (rule {values.get('rule', default('rule'))!r})")
+                         f"with --rule {' or '.join(DATA_RULES)} only (rule {rule!r})")
     if values.get("rule") == "vcas" and values.get("vcas_options") is None:
         values["vcas_options"] = {}
     try:
